@@ -1,0 +1,34 @@
+"""kvcompile: 8-bit KV caches that attention reads directly, inside torch.compile.
+
+    cache = kvcompile.QuantizedCache(model.config, max_batch_size=B, max_cache_len=L,
+                                     kv_dtype="fp8_e4m3", device="cuda")
+    model.forward = torch.compile(model.forward, backend=kvcompile.backend(kv_dtype="fp8_e4m3"))
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=64)
+
+Importing kvcompile registers the ``torch.ops.kvcompile.*`` ops; Triton is imported only when
+a kernel runs, so the package imports on machines without a GPU.
+"""
+
+from . import ops  # noqa: F401  (registers torch.ops.kvcompile.*)
+from .cache import QuantizedCache, QuantizedLayer
+from .calibration import load_calibration, save_calibration
+from .formats import KV_DTYPES, KVFormat, get_format
+
+__all__ = [
+    "KV_DTYPES",
+    "KVFormat",
+    "QuantizedCache",
+    "QuantizedLayer",
+    "get_format",
+    "load_calibration",
+    "save_calibration",
+    "backend",
+]
+__version__ = "0.1.0"
+
+
+def backend(kv_dtype: str = "fp8_e4m3", **options):
+    """A torch.compile backend that rewrites attention over a kvcompile cache (see kvcompile.passes)."""
+    from .backend import KVCompileBackend
+
+    return KVCompileBackend(kv_dtype=kv_dtype, **options)

@@ -1,0 +1,348 @@
+"""``kvcompile.QuantizedCache``: an 8-bit KV cache that is a transformers ``Cache``.
+
+Modelled on transformers' ``StaticCache``/``StaticLayer`` (5.x): fixed ``[B, Hkv, L, D]``
+storage, a ``cumulative_length`` device tensor, every buffer ``mark_static_address``-ed so
+CUDA graphs can replay it, and an ``update()`` that writes in place. The difference: the
+storage is 8-bit codes plus scales, written by ``kvcompile::store_kv``, and ``update()``
+returns ``kvcompile::dequantize(...)`` so that eager attention of any implementation is
+correct. Under ``torch.compile(backend=kvcompile.backend(...))`` the pass replaces attention
+over that dequantized K/V by ``kvcompile::attention``, which reads the codes directly.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from . import formats, ops
+
+__all__ = ["QuantizedCache", "QuantizedLayer"]
+
+_KV_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _is_compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+class QuantizedLayer(CacheLayerMixin):
+    """One attention layer's 8-bit K/V: codes ``[B, Hkv, L, D]`` + scales, and its length.
+
+    Attributes read by the compiler pass: ``k_codes``, ``k_scales``, ``v_codes``, ``v_scales``,
+    ``k_offset`` (or None), ``cumulative_length``, ``fmt``.
+    """
+
+    is_compileable = True
+    is_croppable = True
+    is_sliding = False
+    supports_early_init = True
+
+    def __init__(
+        self,
+        fmt: formats.KVFormat,
+        max_batch_size: int,
+        max_cache_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        layer_idx: int,
+        k_static_scale: torch.Tensor | None = None,
+        v_static_scale: torch.Tensor | None = None,
+        k_offset: torch.Tensor | None = None,
+    ):
+        super().__init__()
+        fmt.check_head_dim(head_dim)
+        self.fmt = fmt
+        self.max_batch_size = max_batch_size
+        self.max_cache_len = max_cache_len
+        self.num_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.layer_idx = layer_idx
+        self._k_static = k_static_scale
+        self._v_static = v_static_scale
+        self._k_offset = k_offset
+        self.cumulative_length = torch.tensor(0, dtype=torch.long)
+        self.k_codes = self.v_codes = self.k_scales = self.v_scales = None
+        self.k_offset = None
+        self.device = None
+
+    # -- allocation -----------------------------------------------------------------------------
+
+    def allocate(self, device: torch.device) -> None:
+        B, H, L, D = self.max_batch_size, self.num_heads, self.max_cache_len, self.head_dim
+        fmt = self.fmt
+        self.device = torch.device(device)
+        self.k_codes = torch.zeros((B, H, L, D), dtype=fmt.code_dtype, device=device)
+        self.v_codes = torch.zeros((B, H, L, D), dtype=fmt.code_dtype, device=device)
+        if fmt.is_static:
+            self.k_scales = self._k_static.to(device=device, dtype=torch.float32).contiguous()
+            self.v_scales = self._v_static.to(device=device, dtype=torch.float32).contiguous()
+        else:
+            shape = fmt.scale_shape(B, H, L, D)
+            self.k_scales = torch.zeros(shape, dtype=fmt.scale_dtype, device=device)
+            self.v_scales = torch.zeros(shape, dtype=fmt.scale_dtype, device=device)
+        if self._k_offset is not None:
+            self.k_offset = self._k_offset.to(device=device, dtype=torch.float32).contiguous()
+        self.cumulative_length = self.cumulative_length.to(device)
+        # HF's StaticLayer semantics (keys/values are the storage); they are 8-bit codes here.
+        self.keys, self.values = self.k_codes, self.v_codes
+        if not _is_compiling():
+            for t in self.buffers():
+                torch._dynamo.mark_static_address(t)
+        self.is_initialized = True
+
+    def buffers(self) -> list[torch.Tensor]:
+        bufs = [self.k_codes, self.v_codes, self.k_scales, self.v_scales, self.cumulative_length]
+        if self.k_offset is not None:
+            bufs.append(self.k_offset)
+        return bufs
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.allocate(key_states.device)
+
+    # -- the Cache contract ---------------------------------------------------------------------
+
+    def _check_input(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        for name, t in (("key_states", key_states), ("value_states", value_states)):
+            if t.dtype not in _KV_INPUT_DTYPES:
+                raise TypeError(
+                    f"kvcompile.QuantizedCache: {name} has dtype {t.dtype}; the cache quantizes fp16, bf16 or "
+                    "fp32 K/V only. Run the model in one of those dtypes."
+                )
+            if t.device != self.device:
+                raise ValueError(
+                    f"kvcompile.QuantizedCache: {name} is on {t.device} but layer {self.layer_idx} of the cache "
+                    f"lives on {self.device}; build the cache with device={t.device!s} (or move the model)"
+                )
+            if t.dim() != 4:
+                raise ValueError(f"kvcompile.QuantizedCache: {name} must be [B, Hkv, T, D], got {tuple(t.shape)}")
+        B, H, T, D = key_states.shape
+        if value_states.shape != key_states.shape:
+            raise ValueError(
+                f"kvcompile.QuantizedCache: key_states {tuple(key_states.shape)} and value_states "
+                f"{tuple(value_states.shape)} differ; the cache needs K and V of one shape"
+            )
+        if B > self.max_batch_size:
+            raise ValueError(
+                f"kvcompile.QuantizedCache: batch of {B} exceeds max_batch_size={self.max_batch_size}; "
+                f"build the cache with max_batch_size>={B}"
+            )
+        if B != self.max_batch_size:
+            raise ValueError(
+                f"kvcompile.QuantizedCache: batch of {B} but the cache was built for max_batch_size="
+                f"{self.max_batch_size}; pad the batch or build the cache with max_batch_size={B}"
+            )
+        if H != self.num_heads or D != self.head_dim:
+            raise ValueError(
+                f"kvcompile.QuantizedCache: layer {self.layer_idx} got {H} kv heads of dim {D}, the config says "
+                f"{self.num_heads} of dim {self.head_dim}"
+            )
+        if not _is_compiling():
+            # One host read per layer in eager mode; compiled code relies on the op's device assert.
+            end = int(self.cumulative_length) + T
+            if end > self.max_cache_len:
+                raise ValueError(
+                    f"kvcompile.QuantizedCache: writing {T} tokens at position {end - T} would pass "
+                    f"max_cache_len={self.max_cache_len}; build the cache with max_cache_len>={end}"
+                )
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._check_input(key_states, value_states)
+        ops.store_kv(
+            self.k_codes, self.k_scales, self.v_codes, self.v_scales,
+            key_states, value_states, self.cumulative_length, self.k_offset,
+        )
+        self.cumulative_length.add_(key_states.shape[2])
+        dtype = key_states.dtype
+        k = ops.dequantize(self.k_codes, self.k_scales, self.k_offset, self.cumulative_length, dtype)
+        v = ops.dequantize(self.v_codes, self.v_scales, None, self.cumulative_length, dtype)
+        return k, v
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length if self.is_initialized else 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.k_codes.zero_()
+            self.v_codes.zero_()
+            if not self.fmt.is_static:
+                self.k_scales.zero_()
+                self.v_scales.zero_()
+        self.cumulative_length.zero_()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise RuntimeError(
+                "kvcompile.QuantizedCache layers can only be cropped by a negative count (tokens to drop from "
+                "the end), like transformers' StaticLayer"
+            )
+        self.cumulative_length.sub_(abs(tokens_to_remove))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if not self.is_initialized:
+            return
+        idx = beam_idx.to(self.device)
+        per_batch = [self.k_codes, self.v_codes] + ([] if self.fmt.is_static else [self.k_scales, self.v_scales])
+        for t in per_batch:  # in place: the buffers keep their static addresses
+            src = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+            src.copy_(src.index_select(0, idx))
+
+    def offload(self):
+        raise NotImplementedError("kvcompile.QuantizedCache does not offload layers; keep offloading=False")
+
+    def prefetch(self):
+        raise NotImplementedError("kvcompile.QuantizedCache does not offload layers; keep offloading=False")
+
+    @property
+    def nbytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self.buffers())
+
+    def __repr__(self):
+        return f"QuantizedLayer({self.fmt.name}, B={self.max_batch_size}, Hkv={self.num_heads}, L={self.max_cache_len}, D={self.head_dim})"
+
+
+def _layer_shapes(config) -> tuple[int, int, int]:
+    num_layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return num_layers, kv_heads, head_dim
+
+
+def _check_layer_types(config, max_cache_len: int) -> None:
+    """Refuse layers this cache cannot serve exactly (it stores every position: full attention only)."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            "kvcompile.QuantizedCache serves decoder-only self-attention; encoder-decoder models "
+            "(cross-attention) are not supported"
+        )
+    num_layers = config.num_hidden_layers
+    layer_types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:
+        window = None  # Qwen2-style configs carry a window they do not use
+    if layer_types is None:
+        layer_types = ["sliding_attention" if window is not None else "full_attention"] * num_layers
+        if getattr(config, "attention_chunk_size", None) is not None:
+            layer_types = ["chunked_attention"] * num_layers
+    for i, lt in enumerate(layer_types):
+        if lt == "full_attention":
+            continue
+        if lt == "sliding_attention" and window is not None and window >= max_cache_len:
+            continue  # the window never bites inside this cache: exactly full attention
+        if lt == "sliding_attention":
+            raise ValueError(
+                f"kvcompile.QuantizedCache: layer {i} uses sliding-window attention (window={window}) shorter "
+                f"than max_cache_len={max_cache_len}; the cache does not implement a rolling window. Use "
+                f"max_cache_len<={window}, or a full-attention model"
+            )
+        raise ValueError(
+            f"kvcompile.QuantizedCache: layer {i} has type {lt!r}; only full-attention layers are supported"
+        )
+
+
+class QuantizedCache(Cache):
+    """An 8-bit KV cache for Hugging Face causal LMs.
+
+    Args:
+        config: the model config (``model.config``).
+        max_batch_size: batch size the cache is built for.
+        max_cache_len: positions per sequence (prompt + generated tokens).
+        kv_dtype: one of :data:`kvcompile.KV_DTYPES` (``"fp8_e4m3"``, ``"q8_0"``).
+        device: where to allocate now; ``None`` allocates lazily on the first update's device.
+        granularity: fp8 scale granularity: ``"token"`` (default; one fp32 scale per token and
+            kv head), ``"block32"`` (one per 32 values) or ``"static"`` (calibrated, per layer and
+            kv head; needs ``calibration``). q8_0 is always block32.
+        calibration: output of :func:`kvcompile.calibrate` or a safetensors path holding it:
+            ``k_scale``/``v_scale`` ``[layers, Hkv]`` (static scales) and/or ``k_offset``
+            ``[layers, Hkv, D]`` (K centering, usable with every format).
+    """
+
+    def __init__(
+        self,
+        config,
+        max_batch_size: int = 1,
+        max_cache_len: int | None = None,
+        kv_dtype: str = "fp8_e4m3",
+        device: torch.device | str | None = None,
+        *,
+        granularity: str | None = None,
+        calibration: Mapping[str, torch.Tensor] | str | os.PathLike | None = None,
+        **kwargs: Any,
+    ):
+        fmt = formats.get_format(kv_dtype, granularity)
+        text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        if max_cache_len is None:
+            max_cache_len = getattr(text_config, "max_position_embeddings", None)
+            if max_cache_len is None:
+                raise ValueError("kvcompile.QuantizedCache: pass max_cache_len (the config has no max_position_embeddings)")
+        if max_batch_size < 1 or max_cache_len < 1:
+            raise ValueError(
+                f"kvcompile.QuantizedCache: max_batch_size ({max_batch_size}) and max_cache_len ({max_cache_len}) "
+                "must be positive"
+            )
+        _check_layer_types(text_config, max_cache_len)
+        num_layers, kv_heads, head_dim = _layer_shapes(text_config)
+        fmt.check_head_dim(head_dim)
+
+        calib = {}
+        if calibration is not None:
+            from .calibration import load_calibration
+
+            calib = load_calibration(calibration, num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim)
+        if fmt.is_static and ("k_scale" not in calib or "v_scale" not in calib):
+            raise ValueError(
+                "kvcompile.QuantizedCache: granularity='static' needs calibrated scales: pass "
+                "calibration=kvcompile.calibrate(model, texts) (or the safetensors file it saved)"
+            )
+        layers = [
+            QuantizedLayer(
+                fmt, max_batch_size, max_cache_len, kv_heads, head_dim, i,
+                k_static_scale=calib["k_scale"][i] if fmt.is_static else None,
+                v_static_scale=calib["v_scale"][i] if fmt.is_static else None,
+                k_offset=calib["k_offset"][i] if "k_offset" in calib else None,
+            )
+            for i in range(num_layers)
+        ]
+        super().__init__(layers=layers)
+        self.fmt = fmt
+        self.kv_dtype = fmt.kv_dtype
+        self.max_batch_size = max_batch_size
+        self.max_cache_len = max_cache_len
+        if device is not None:
+            for layer in self.layers:
+                layer.allocate(torch.device(device))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cache: codes, scales, offsets and lengths of every layer."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    def bf16_nbytes(self) -> int:
+        """Bytes a bf16 cache of the same capacity would hold (for comparisons)."""
+        return sum(2 * 2 * l.max_batch_size * l.num_heads * l.max_cache_len * l.head_dim for l in self.layers)
+
+    def early_initialization(self, batch_size, num_heads, head_dim, dtype, device):
+        for layer in self.layers:
+            if not layer.is_initialized:
+                layer.allocate(torch.device(device))
+
+    def __repr__(self):
+        return (
+            f"kvcompile.QuantizedCache({self.fmt.name}, layers={len(self.layers)}, "
+            f"max_batch_size={self.max_batch_size}, max_cache_len={self.max_cache_len})"
+        )

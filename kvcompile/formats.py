@@ -1,0 +1,212 @@
+"""KV-cache formats: what an 8-bit cache stores, and the pure-torch reference math.
+
+A format is described by three facts, all of which can be read back off the tensors
+it produces (so ops and kernels need no format string):
+
+* the code type of the data tensor: ``torch.float8_e4m3fn`` or ``torch.int8``;
+* the scale granularity, read off the scale tensor's shape:
+    - ``[B, Hkv, L, 1]``        one scale per (token, kv head)            ("token")
+    - ``[B, Hkv, L, D // 32]``  one scale per 32 values along head_dim    ("block32")
+    - ``[Hkv]``                 one static, calibrated scale per kv head  ("static")
+* the scale dtype: float32 for fp8 (an e4m3 code has 3 mantissa bits; the scale must
+  not add error of its own), float16 for q8_0 (GGUF stores ``d`` as fp16).
+
+Rounding (bit-exact between this reference and every kernel):
+
+* ``fp8_e4m3``: ``s = amax / 448``; ``code = e4m3_rne(clamp(x / s, -448, 448))``.
+  An all-zero group stores ``s = 0`` and codes 0, so it dequantizes to exact zeros.
+* ``q8_0``: GGUF's ``quantize_row_q8_0_ref``: ``d = amax / 127`` (fp32),
+  ``id = 1 / d`` (0 when d == 0), ``q = roundf(x * id)`` (half away from zero), and ``d``
+  stored as fp16. Dequantize is ``q * fp16(d)``, exactly what llama.cpp reads back.
+
+Non-finite inputs (a policy, tested): the scale is computed from the finite values of the
+group only. ``±Inf`` saturates to the largest code (±448 for fp8, ±127 for q8_0), i.e. to ± the group's
+largest finite magnitude (0 in a group that is otherwise all zeros).
+``NaN`` is kept: fp8 stores e4m3's NaN code for that element only; int8 has no NaN code,
+so a q8_0 group that holds a NaN gets a NaN scale and dequantizes to NaN as a whole.
+A NaN never disappears silently.
+
+Optional K centering: a per-(kv head, channel) offset ``mu`` of shape ``[Hkv, D]`` is
+subtracted from K before quantizing and added back by ``dequantize``. Attention never
+needs it back: every key of one query shifts its score by the same ``q . mu``, which
+softmax ignores, so the fused kernels read the centered codes as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+__all__ = [
+    "KV_DTYPES",
+    "SCALE_GRANULARITIES",
+    "KVFormat",
+    "get_format",
+    "quantize",
+    "dequantize",
+    "FP8_E4M3_MAX",
+    "Q8_0_MAX",
+    "BLOCK",
+]
+
+KV_DTYPES: tuple[str, ...] = ("fp8_e4m3", "q8_0")
+SCALE_GRANULARITIES: tuple[str, ...] = ("token", "block32", "static")
+
+FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
+Q8_0_MAX = 127.0  # GGUF q8_0: d = amax / 127
+BLOCK = 32  # GGUF / "block32" group size along head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class KVFormat:
+    """One cache format: code type plus scale granularity.
+
+    ``kv_dtype`` is the user-facing name (``"fp8_e4m3"`` or ``"q8_0"``), ``granularity`` one of
+    ``"token"``, ``"block32"``, ``"static"``.
+    """
+
+    kv_dtype: str
+    granularity: str
+
+    def __post_init__(self):
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(
+                f"unknown kv_dtype {self.kv_dtype!r}; kvcompile accepts one of {list(KV_DTYPES)}"
+            )
+        if self.granularity not in SCALE_GRANULARITIES:
+            raise ValueError(
+                f"unknown scale granularity {self.granularity!r}; use one of {list(SCALE_GRANULARITIES)}"
+            )
+        if self.kv_dtype == "q8_0" and self.granularity != "block32":
+            raise ValueError(
+                f"q8_0 is defined with one fp16 scale per 32 values (granularity='block32'), "
+                f"got granularity={self.granularity!r}; use kv_dtype='fp8_e4m3' for other granularities"
+            )
+
+    @property
+    def code_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self.kv_dtype == "fp8_e4m3" else torch.int8
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return torch.float16 if self.kv_dtype == "q8_0" else torch.float32
+
+    @property
+    def qmax(self) -> float:
+        return FP8_E4M3_MAX if self.kv_dtype == "fp8_e4m3" else Q8_0_MAX
+
+    @property
+    def is_static(self) -> bool:
+        return self.granularity == "static"
+
+    @property
+    def name(self) -> str:
+        if self.kv_dtype == "q8_0" or self.granularity == "token":
+            return self.kv_dtype
+        return f"{self.kv_dtype}/{self.granularity}"
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if self.granularity == "block32" and head_dim % BLOCK != 0:
+            raise ValueError(
+                f"{self.name} keeps one scale per {BLOCK} values along head_dim, but head_dim={head_dim} "
+                f"is not a multiple of {BLOCK}; use kv_dtype='fp8_e4m3' with granularity='token'"
+            )
+
+    def groups(self, head_dim: int) -> int:
+        """Scales per (token, kv head): 1 for "token", head_dim/32 for "block32", 0 for "static"."""
+        self.check_head_dim(head_dim)
+        if self.granularity == "token":
+            return 1
+        if self.granularity == "block32":
+            return head_dim // BLOCK
+        return 0
+
+    def scale_shape(self, batch: int, kv_heads: int, max_len: int, head_dim: int) -> tuple[int, ...]:
+        if self.is_static:
+            return (kv_heads,)
+        return (batch, kv_heads, max_len, self.groups(head_dim))
+
+    def bytes_per_element(self, head_dim: int) -> float:
+        """Bytes per cached K or V element, scales included (static scales: amortized to 0)."""
+        g = self.groups(head_dim)
+        scale_bytes = torch.empty((), dtype=self.scale_dtype).element_size()
+        return 1.0 + g * scale_bytes / head_dim
+
+
+def get_format(kv_dtype: str, granularity: str | None = None) -> KVFormat:
+    """The format for a user-facing ``kv_dtype`` (default granularity: token for fp8, block32 for q8_0)."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"unknown kv_dtype {kv_dtype!r}; kvcompile accepts one of {list(KV_DTYPES)}")
+    if granularity is None:
+        granularity = "block32" if kv_dtype == "q8_0" else "token"
+    return KVFormat(kv_dtype, granularity)
+
+
+# --------------------------------------------------------------------------------------------
+# Reference math (pure torch). Kernels must match quantize() bit for bit.
+# --------------------------------------------------------------------------------------------
+
+
+def _group_view(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[..., D] -> [..., G, D/G]."""
+    return x.unflatten(-1, (groups, x.shape[-1] // groups))
+
+
+def _roundf(x: torch.Tensor) -> torch.Tensor:
+    """C's roundf: round half away from zero (torch.round is half to even)."""
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+
+
+def quantize(
+    x: torch.Tensor, code_dtype: torch.dtype, scale: torch.Tensor | None = None, groups: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` [B, H, T, D] -> (codes [B, H, T, D], scales [B, H, T, G]).
+
+    With ``scale`` given ([H], static), ``x / scale`` is rounded and saturated; the returned scale
+    is that same tensor. Otherwise the scale is computed per group of ``D // groups`` values.
+    """
+    xf = x.float()
+    if scale is not None:  # static per-kv-head scale
+        s = scale.float().view(1, -1, 1, 1)
+        with torch.no_grad():
+            y = torch.where(s > 0, xf / s, torch.zeros_like(xf))
+        return _encode(y, code_dtype), scale
+
+    xg = _group_view(xf, groups)  # [B, H, T, G, D/G]
+    finite = torch.isfinite(xg)
+    amax = torch.where(finite, xg.abs(), torch.zeros_like(xg)).amax(dim=-1, keepdim=True)
+    if code_dtype == torch.int8:
+        d = amax / Q8_0_MAX
+        inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+        # x * (1/d), as GGUF computes it (not x / d: the two round differently).
+        y = xg * inv
+        y = torch.where(torch.isinf(xg), torch.sign(xg) * Q8_0_MAX, y)
+        has_nan = torch.isnan(xg).any(dim=-1, keepdim=True)
+        s = torch.where(has_nan, torch.full_like(d, float("nan")), d).to(torch.float16)
+    else:
+        s = amax / FP8_E4M3_MAX
+        y = torch.where(s > 0, xg / s, torch.zeros_like(xg))
+        # 0 * inf is nan: an Inf in an otherwise-zero group must still saturate.
+        y = torch.where(torch.isinf(xg), torch.sign(xg) * FP8_E4M3_MAX, y)
+    codes = _encode(y.flatten(-2), code_dtype)
+    return codes, s.squeeze(-1)
+
+
+def _encode(y: torch.Tensor, code_dtype: torch.dtype) -> torch.Tensor:
+    if code_dtype == torch.int8:
+        y = torch.nan_to_num(_roundf(y.clamp(-Q8_0_MAX, Q8_0_MAX)), nan=0.0)
+        return y.to(torch.int8)
+    # clamp keeps NaN (e4m3fn has a NaN code) and saturates ±Inf; the cast rounds to nearest even.
+    return y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """codes [B, H, L, D] with scales [B, H, L, G] or static [H] -> values [B, H, L, D] in ``dtype``."""
+    c = codes.float()
+    if scale.dim() == 1:
+        out = c * scale.float().view(1, -1, 1, 1)
+    else:
+        groups = scale.shape[-1]
+        out = (_group_view(c, groups) * scale.float().unsqueeze(-1)).flatten(-2)
+    return out.to(dtype)

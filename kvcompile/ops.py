@@ -1,0 +1,200 @@
+"""The ``kvcompile`` torch.library ops: ``store_kv``, ``dequantize``, ``attention``.
+
+Each op is a ``torch.library.custom_op`` with its fake right below it. The real
+implementation goes through one dispatch point, :func:`kernel_backend`, which picks the
+Triton launchers in :mod:`kvcompile.kernels` or the pure-torch reference in
+:mod:`kvcompile.reference` per call:
+
+``KVCOMPILE_KERNELS=auto`` (default)  Triton on CUDA tensors, reference elsewhere;
+``KVCOMPILE_KERNELS=triton``          Triton always (CPU tensors need ``TRITON_INTERPRET=1``);
+``KVCOMPILE_KERNELS=reference``       the reference always.
+
+``custom_op`` (not ``triton_op``) on purpose: Inductor treats the op as opaque, so the same
+compiled graph runs on CPU CI with the reference and on a GPU with Triton.
+
+Shapes (``B`` batch, ``Hq``/``Hkv`` query/kv heads, ``L`` max_cache_len, ``D`` head_dim,
+``G`` scale groups per token):
+
+* codes ``[B, Hkv, L, D]`` float8_e4m3fn or int8;
+* scales ``[B, Hkv, L, G]`` (G = 1 or D/32) written by ``store_kv``, or static ``[Hkv]``;
+* ``k_offset`` ``[Hkv, D]`` float32 (K centering) or None;
+* ``kv_len``: int tensor, ``[]`` or ``[B]``: how many positions of the cache hold data.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import reference
+
+__all__ = ["store_kv", "dequantize", "attention", "kernel_backend"]
+
+_BACKENDS = ("auto", "triton", "reference")
+
+
+def kernel_backend(device: torch.device) -> str:
+    """"triton" or "reference" for tensors on ``device``, from ``KVCOMPILE_KERNELS`` (read per call)."""
+    choice = os.environ.get("KVCOMPILE_KERNELS", "auto").strip().lower() or "auto"
+    if choice not in _BACKENDS:
+        raise ValueError(f"KVCOMPILE_KERNELS={choice!r} is not one of {list(_BACKENDS)}")
+    if choice == "auto":
+        return "triton" if device.type == "cuda" else "reference"
+    if choice == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "KVCOMPILE_KERNELS=triton on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
+            "before importing triton, or use KVCOMPILE_KERNELS=reference"
+        )
+    return choice
+
+
+def _kernels():
+    from . import kernels  # lazy: triton is imported only when a kernel runs
+
+    return kernels
+
+
+# ---------------------------------------------------------------------------------------------
+# input checks shared by the ops (metadata only: no host sync)
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_codes_scale(name: str, codes: Tensor, scale: Tensor) -> None:
+    if codes.dtype not in (torch.float8_e4m3fn, torch.int8):
+        raise TypeError(f"kvcompile: {name} codes must be float8_e4m3fn or int8, got {codes.dtype}")
+    if codes.dim() != 4:
+        raise ValueError(f"kvcompile: {name} codes must be [B, Hkv, L, D], got shape {tuple(codes.shape)}")
+    B, H, L, D = codes.shape
+    if scale.dim() == 1:
+        if scale.shape[0] != H:
+            raise ValueError(f"kvcompile: static {name} scale must be [Hkv={H}], got {tuple(scale.shape)}")
+    elif scale.dim() == 4:
+        if tuple(scale.shape[:3]) != (B, H, L) or D % scale.shape[3] != 0:
+            raise ValueError(
+                f"kvcompile: {name} scale must be [B, Hkv, L, G] with G dividing D={D} for codes "
+                f"{tuple(codes.shape)}, got {tuple(scale.shape)}"
+            )
+    else:
+        raise ValueError(f"kvcompile: {name} scale must be [Hkv] or [B, Hkv, L, G], got {tuple(scale.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# store_kv
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("kvcompile::store_kv", mutates_args=("k_cache", "k_scale", "v_cache", "v_scale"))
+def store_kv(
+    k_cache: Tensor,
+    k_scale: Tensor,
+    v_cache: Tensor,
+    v_scale: Tensor,
+    k: Tensor,
+    v: Tensor,
+    start: Tensor,
+    k_offset: Optional[Tensor],
+) -> None:
+    """Quantize ``k, v`` [B, Hkv, T, D] into the caches at positions ``start + arange(T)``.
+
+    ``start`` is a 0-d int tensor (the cache's current length). Static scales ([Hkv]) are read,
+    not written. ``k_offset`` ([Hkv, D]) is subtracted from K before quantizing.
+    Writing past the end of the cache fails (a device-side assert on CUDA; no host sync).
+    """
+    _check_codes_scale("k", k_cache, k_scale)
+    _check_codes_scale("v", v_cache, v_scale)
+    if k.shape[:2] != k_cache.shape[:2] or k.shape[3] != k_cache.shape[3] or k.shape != v.shape:
+        raise ValueError(
+            f"kvcompile.store_kv: k {tuple(k.shape)} / v {tuple(v.shape)} do not fit caches "
+            f"{tuple(k_cache.shape)} (need [B, Hkv, T, D] with the cache's B, Hkv and D)"
+        )
+    torch._assert_async(
+        start + k.shape[2] <= k_cache.shape[2],
+        "kvcompile.store_kv: writing past max_cache_len; build the cache with a larger max_cache_len",
+    )
+    if kernel_backend(k.device) == "triton":
+        _kernels().store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset)
+    else:
+        reference.store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset)
+
+
+@store_kv.register_fake
+def _(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset) -> None:
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# dequantize
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("kvcompile::dequantize", mutates_args=())
+def dequantize(
+    codes: Tensor, scale: Tensor, offset: Optional[Tensor], kv_len: Tensor, dtype: torch.dtype
+) -> Tensor:
+    """codes [B, Hkv, L, D] -> values [B, Hkv, L, D] in ``dtype``; positions >= kv_len are zeros.
+
+    ``offset`` ([Hkv, D], K centering) is added back, so the result is the value that was stored.
+    This is the eager path of :class:`kvcompile.QuantizedCache`; the compiler pass replaces
+    attention over its result by :func:`attention`, which reads the codes directly.
+    """
+    _check_codes_scale("dequantize", codes, scale)
+    if kernel_backend(codes.device) == "triton":
+        return _kernels().dequantize(codes, scale, offset, kv_len, dtype)
+    return reference.dequantize(codes, scale, offset, kv_len, dtype)
+
+
+@dequantize.register_fake
+def _(codes, scale, offset, kv_len, dtype):
+    return codes.new_empty(codes.shape, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("kvcompile::attention", mutates_args=())
+def attention(
+    q: Tensor,
+    k_q: Tensor,
+    k_scale: Tensor,
+    v_q: Tensor,
+    v_scale: Tensor,
+    kv_len: Tensor,
+    attn_mask: Optional[Tensor],
+    is_causal: bool,
+    scale: Optional[float],
+) -> Tensor:
+    """Attention of ``q`` [B, Hq, Tq, D] over the 8-bit cache, output [B, Hq, Tq, D] in q.dtype.
+
+    * keys at positions >= ``kv_len[b]`` are excluded;
+    * GQA/MQA: query head h reads kv head ``h // (Hq // Hkv)`` (as repeat_kv / enable_gqa);
+    * ``attn_mask``: bool (True = attend) or additive float, broadcastable to [B, Hq, Tq, L];
+    * ``is_causal``: query i sits at absolute position ``kv_len - Tq + i`` (the new tokens are
+      the last Tq of the cache) and sees keys at positions <= its own;
+    * ``scale``: softmax scale, default ``D ** -0.5``;
+    * a query row with no visible key returns zeros;
+    * K centering offsets never enter: softmax is invariant to a per-query constant.
+    """
+    _check_codes_scale("k", k_q, k_scale)
+    _check_codes_scale("v", v_q, v_scale)
+    if q.dim() != 4 or q.shape[0] != k_q.shape[0] or q.shape[3] != k_q.shape[3]:
+        raise ValueError(
+            f"kvcompile.attention: q {tuple(q.shape)} does not fit cache {tuple(k_q.shape)} "
+            "(need q [B, Hq, Tq, D] with the cache's B and D)"
+        )
+    if q.shape[1] % k_q.shape[1] != 0:
+        raise ValueError(
+            f"kvcompile.attention: {q.shape[1]} query heads are not a multiple of {k_q.shape[1]} kv heads"
+        )
+    if kernel_backend(q.device) == "triton":
+        return _kernels().attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale)
+    return reference.attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale)
+
+
+@attention.register_fake
+def _(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale):
+    return torch.empty_like(q)
