@@ -154,8 +154,14 @@ def _group_view(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def _roundf(x: torch.Tensor) -> torch.Tensor:
-    """C's roundf: round half away from zero (torch.round is half to even)."""
-    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+    """C's roundf: round half away from zero (torch.round is half to even).
+
+    Not ``floor(|x| + 0.5)``: that addition rounds in fp32, so 0.49999997 + 0.5 becomes 1.0 and
+    rounds up. ``|x| - floor(|x|)`` is exact, so this matches roundf (and gguf's np_roundf) exactly.
+    """
+    a = x.abs()
+    f = torch.floor(a)
+    return torch.sign(x) * (f + torch.floor(2.0 * (a - f)))
 
 
 def quantize(
