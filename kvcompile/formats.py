@@ -177,6 +177,7 @@ def quantize(
         s = scale.float().view(1, -1, 1, 1)
         with torch.no_grad():
             y = torch.where(s > 0, xf / s, torch.zeros_like(xf))
+            y = torch.where(torch.isnan(xf), xf, y)  # a NaN stays NaN even where s == 0
         return _encode(y, code_dtype), scale
 
     xg = _group_view(xf, groups)  # [B, H, T, G, D/G]
@@ -195,6 +196,8 @@ def quantize(
         y = torch.where(s > 0, xg / s, torch.zeros_like(xg))
         # 0 * inf is nan: an Inf in an otherwise-zero group must still saturate.
         y = torch.where(torch.isinf(xg), torch.sign(xg) * FP8_E4M3_MAX, y)
+        # an all-zero group has s == 0: its NaN must still be stored as NaN (the policy above)
+        y = torch.where(torch.isnan(xg), xg, y)
     codes = _encode(y.flatten(-2), code_dtype)
     return codes, s.squeeze(-1)
 

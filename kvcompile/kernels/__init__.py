@@ -1,19 +1,24 @@
 """Triton kernels behind the kvcompile ops (launchers; the @triton.jit code lives beside them).
 
 Entry points, called by :mod:`kvcompile.ops` with the op's exact arguments:
-``store_kv``, ``dequantize``, ``attention``.
+``store_kv``, ``dequantize``, ``attention``. Tile and arch choices: :mod:`kvcompile.tiles`.
+
+=========================  ======================================  ==========================
+launcher                   kernels                                 file
+=========================  ======================================  ==========================
+``store_kv``               ``_store_kv_kernel`` (K and V at once)   store.py / _store_kernel.py
+``dequantize``             ``_dequantize_kernel``                  store.py / _store_kernel.py
+``attention``              ``_attention_kernel``, ``_merge_kernel``  attention.py / _attention_kernel.py
+=========================  ======================================  ==========================
 """
 
-
-def _missing(name):
-    def fn(*args, **kwargs):
-        raise NotImplementedError(
-            f"kvcompile: the Triton {name} kernel is not built yet; set KVCOMPILE_KERNELS=reference"
-        )
-
-    return fn
+from .attention import attention
+from .store import dequantize as _dequantize
+from .store import store_kv
 
 
-store_kv = _missing("store_kv")
-dequantize = _missing("dequantize")
-attention = _missing("attention")
+def dequantize(codes, scale, offset, kv_len, dtype):
+    return _dequantize(codes, scale, offset, kv_len, dtype)
+
+
+__all__ = ["store_kv", "dequantize", "attention"]

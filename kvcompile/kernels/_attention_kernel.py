@@ -1,0 +1,219 @@
+"""@triton.jit attention over 8-bit K/V codes (launchers in attention.py).
+
+One kernel serves prefill/extend (grid over query blocks, one split) and split-K decode
+(flash-decoding: grid over splits of the cache, partial outputs merged by ``_merge_kernel``).
+
+Rows of a program are (query index, query head) pairs of ONE kv head: row r is query
+``r // GROUP`` of head ``hk * GROUP + r % GROUP``. So all query heads that share a kv head are
+served by one program and each K/V tile is read once for all of them (GQA/MQA).
+
+Scales never enter the 8-bit tiles (per-token formats): the QK^T tile's columns are scaled by
+s_k, P by s_v before the PV dot, and the running denominator sums the unscaled p. The 8-bit
+tile is widened to 16 bits (exact for e4m3 and int8) into ``tl.dot``; accumulation is fp32.
+block32 formats dequantize the tile (codes * scale of each 32-wide slice) before the dot.
+Static scales: K scale folded into the softmax scale, V scale applied once at the end.
+"""
+
+import triton
+import triton.language as tl
+
+from ._codes import codes_to_float
+
+LOG2E: tl.constexpr = 1.4426950408889634  # 1 / ln(2): exp(x) = exp2(x * LOG2E)
+
+SCALE_TOKEN: tl.constexpr = 0
+SCALE_BLOCK: tl.constexpr = 1
+SCALE_STATIC: tl.constexpr = 2
+
+MASK_NONE: tl.constexpr = 0
+MASK_BOOL: tl.constexpr = 1
+MASK_ADD: tl.constexpr = 2
+
+
+@triton.jit
+def _attention_kernel(
+    Q, stride_qb, stride_qh, stride_qm, stride_qd,
+    K, stride_kb, stride_kh, stride_kn, stride_kd,
+    V, stride_vb, stride_vh, stride_vn, stride_vd,
+    KS, stride_ksb, stride_ksh, stride_ksn, stride_ksg,
+    VS, stride_vsb, stride_vsh, stride_vsn, stride_vsg,
+    KVLEN, stride_kvl,
+    MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+    O, stride_ob, stride_oh, stride_om, stride_od,
+    OP, stride_opb, stride_oph, stride_opm, stride_ops,  # partial outputs [B, Hq, Tq, S, D] fp32
+    LSE, stride_lb, stride_lh, stride_lm, stride_ls,     # their log2-sum-exp [B, Hq, Tq, S]
+    Hkv, Tq, D, sm_scale, split_len,
+    GROUP: tl.constexpr,         # query heads per kv head
+    GROUP_SIZE: tl.constexpr,    # values per scale group (block32: 32)
+    SCALE_KIND: tl.constexpr,    # SCALE_TOKEN / SCALE_BLOCK / SCALE_STATIC
+    MASK_KIND: tl.constexpr,     # MASK_NONE / MASK_BOOL / MASK_ADD
+    IS_CAUSAL: tl.constexpr,
+    SPLIT_OUTPUT: tl.constexpr,  # write partial outputs + LSE for _merge_kernel
+    FP8_BITS: tl.constexpr,      # e4m3 codes arrive as uint8 bits (no fp8 type on this arch)
+    DOT_DTYPE: tl.constexpr,     # operand type of the QK^T dot (q's 16-bit type, or fp32)
+    PV_DTYPE: tl.constexpr,      # operand type of the PV dot (bf16: P * s_v keeps its range)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    split = tl.program_id(2)
+    b = pid_bh // Hkv
+    hk = pid_bh % Hkv
+    kv_len = tl.load(KVLEN + b * stride_kvl).to(tl.int32)
+
+    n_lo = split * split_len
+    if SPLIT_OUTPUT:
+        if n_lo >= kv_len:  # a split past the current length: nothing to do, the merge skips it
+            return
+
+    # ---- rows of this program: (query index, query head) pairs of kv head hk ----
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    qi = rows // GROUP
+    h = hk * GROUP + rows % GROUP
+    row_ok = qi < Tq
+    q_pos = kv_len - Tq + qi  # absolute position of each query (causal is bottom-right aligned)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+
+    q = tl.load(
+        Q + b * stride_qb + h[:, None] * stride_qh + qi[:, None] * stride_qm + d[None, :] * stride_qd,
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    ).to(DOT_DTYPE)
+
+    # ---- keys this program reads: its split, cut at kv_len and (causal) at its last query ----
+    n_hi = tl.minimum(kv_len, n_lo + split_len)
+    if IS_CAUSAL:
+        last_q = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, Tq * GROUP - 1) // GROUP
+        n_hi = tl.minimum(n_hi, kv_len - Tq + last_q + 1)
+
+    qk_scale = sm_scale
+    if SCALE_KIND == SCALE_STATIC:
+        qk_scale = sm_scale * tl.load(KS + hk * stride_ksh).to(tl.float32)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    ks_base = KS + b * stride_ksb + hk * stride_ksh
+    vs_base = VS + b * stride_vsb + hk * stride_vsh
+    m_base = MASK + b * stride_mb + h[:, None] * stride_mh + qi[:, None] * stride_mm
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    for start_n in range(n_lo, n_hi, BLOCK_N):
+        n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = n < n_hi
+        kv_ok = n_ok[:, None] & d_ok[None, :]
+        # ---- S = Q K^T, the scale kept out of the K tile (token) or folded in (static) ----
+        kc = tl.load(k_base + n[:, None] * stride_kn + d[None, :] * stride_kd, mask=kv_ok, other=0.0)
+        if SCALE_KIND == SCALE_BLOCK:
+            ksb = tl.load(ks_base + n[:, None] * stride_ksn + (d // GROUP_SIZE)[None, :] * stride_ksg,
+                          mask=kv_ok, other=0.0)
+            k = (codes_to_float(kc, FP8_BITS) * ksb.to(tl.float32)).to(DOT_DTYPE)
+        elif FP8_BITS:
+            k = codes_to_float(kc, FP8_BITS).to(DOT_DTYPE)
+        else:
+            k = kc.to(DOT_DTYPE)  # e4m3 / int8 -> 16 bits is exact
+        if DOT_DTYPE == tl.float32:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if SCALE_KIND == SCALE_TOKEN:
+            ks = tl.load(ks_base + n * stride_ksn, mask=n_ok, other=0.0).to(tl.float32)
+            s = s * (ks * qk_scale)[None, :]
+        else:
+            s = s * qk_scale
+
+        # ---- visibility: length, causal, mask ----
+        valid = row_ok[:, None] & n_ok[None, :]
+        if IS_CAUSAL:
+            valid = valid & (n[None, :] <= q_pos[:, None])
+        if MASK_KIND == MASK_BOOL:
+            mv = tl.load(m_base + n[None, :] * stride_mn, mask=valid, other=0)
+            valid = valid & (mv != 0)
+        if MASK_KIND == MASK_ADD:
+            s = s + tl.load(m_base + n[None, :] * stride_mn, mask=valid, other=0.0).to(tl.float32)
+        s = tl.where(valid, s, float("-inf"))
+
+        # ---- online softmax (natural-log units; exp via exp2) ----
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # an all-masked row so far
+        alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
+        p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)
+        l_i = l_i * alpha + tl.sum(p, axis=1)  # the denominator sums the unscaled p
+        acc = acc * alpha[:, None]
+
+        # ---- O += P V, s_v applied to P (token) or to the tile (block32) ----
+        vc = tl.load(v_base + n[:, None] * stride_vn + d[None, :] * stride_vd, mask=kv_ok, other=0.0)
+        if SCALE_KIND == SCALE_BLOCK:
+            vsb = tl.load(vs_base + n[:, None] * stride_vsn + (d // GROUP_SIZE)[None, :] * stride_vsg,
+                          mask=kv_ok, other=0.0)
+            v = (codes_to_float(vc, FP8_BITS) * vsb.to(tl.float32)).to(PV_DTYPE)
+            pv = p.to(PV_DTYPE)
+        else:
+            if FP8_BITS:
+                v = codes_to_float(vc, FP8_BITS).to(PV_DTYPE)
+            else:
+                v = vc.to(PV_DTYPE)
+            if SCALE_KIND == SCALE_TOKEN:
+                vs = tl.load(vs_base + n * stride_vsn, mask=n_ok, other=0.0).to(tl.float32)
+                pv = (p * vs[None, :]).to(PV_DTYPE)
+            else:
+                pv = p.to(PV_DTYPE)
+        if PV_DTYPE == tl.float32:
+            acc += tl.dot(pv, v, input_precision="ieee")
+        else:
+            acc += tl.dot(pv, v)
+        m_i = m_new
+
+    # ---- epilogue: rows with no visible key give zeros ----
+    has_key = l_i > 0
+    out = acc / tl.where(has_key, l_i, 1.0)[:, None]
+    out_ok = row_ok[:, None] & d_ok[None, :]
+    if SPLIT_OUTPUT:
+        lse = tl.where(has_key, m_i * LOG2E + tl.math.log2(tl.where(has_key, l_i, 1.0)), float("-inf"))
+        tl.store(OP + b * stride_opb + h[:, None] * stride_oph + qi[:, None] * stride_opm + split * stride_ops
+                 + d[None, :], out, mask=out_ok)
+        tl.store(LSE + b * stride_lb + h * stride_lh + qi * stride_lm + split * stride_ls, lse, mask=row_ok)
+    else:
+        if SCALE_KIND == SCALE_STATIC:
+            out = out * tl.load(VS + hk * stride_vsh).to(tl.float32)
+        tl.store(O + b * stride_ob + h[:, None] * stride_oh + qi[:, None] * stride_om + d[None, :] * stride_od,
+                 out.to(O.dtype.element_ty), mask=out_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    OP, stride_opb, stride_oph, stride_opm, stride_ops,
+    LSE, stride_lb, stride_lh, stride_lm, stride_ls,
+    O, stride_ob, stride_oh, stride_om, stride_od,
+    KVLEN, stride_kvl,
+    VS, stride_vsh,
+    Hq, Tq, D, split_len, num_splits,
+    GROUP: tl.constexpr,
+    STATIC_SCALE: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """grid (B * Hq * Tq,): combine the splits of one query row by their log-sum-exp."""
+    pid = tl.program_id(0)
+    qi = pid % Tq
+    h = (pid // Tq) % Hq
+    b = pid // (Tq * Hq)
+    kv_len = tl.load(KVLEN + b * stride_kvl).to(tl.int32)
+    sp = tl.arange(0, SPLITS_P2)
+    live = (sp < num_splits) & (sp * split_len < kv_len)  # splits past kv_len wrote nothing
+    lse = tl.load(LSE + b * stride_lb + h * stride_lh + qi * stride_lm + sp * stride_ls, mask=live,
+                  other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse - m_safe)  # log2 units; 0 for empty splits
+    d = tl.arange(0, BLOCK_D)
+    o = tl.load(OP + b * stride_opb + h * stride_oph + qi * stride_opm + sp[:, None] * stride_ops + d[None, :],
+                mask=live[:, None] & (d[None, :] < D), other=0.0)
+    den = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.where(den > 0, den, 1.0)
+    if STATIC_SCALE:
+        out = out * tl.load(VS + (h // GROUP) * stride_vsh).to(tl.float32)  # static V scale, once
+    tl.store(O + b * stride_ob + h * stride_oh + qi * stride_om + d * stride_od, out.to(O.dtype.element_ty), mask=d < D)

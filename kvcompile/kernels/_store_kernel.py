@@ -1,0 +1,150 @@
+"""@triton.jit quantize-on-store and dequantize kernels (launchers in store.py)."""
+
+import triton
+import triton.language as tl
+
+from ._codes import FP8_MAX, Q8_MAX, codes_to_float, e4m3_encode
+
+
+@triton.jit
+def _quantize_rows(
+    X, stride_xb, stride_xh, stride_xt, stride_xd,
+    C, stride_cb, stride_ch, stride_ct, stride_cd,
+    S, stride_sb, stride_sh, stride_st, stride_sg,
+    OFF, stride_oh, stride_od,
+    b, h, t0, start, T, D,
+    HAS_OFFSET: tl.constexpr,
+    INT8: tl.constexpr,
+    STATIC_SCALE: tl.constexpr,
+    GROUPS_P2: tl.constexpr,   # scale groups per token, padded to a power of two (1 for token/static)
+    GROUP_SIZE: tl.constexpr,  # values per scale group (32 for block32; padded head_dim otherwise)
+    BLOCK_T: tl.constexpr,
+):
+    # A [BLOCK_T * GROUPS_P2, GROUP_SIZE] tile: row r is token t0 + r // GROUPS_P2, group r % GROUPS_P2.
+    rows = tl.arange(0, BLOCK_T * GROUPS_P2)
+    t = t0 + rows // GROUPS_P2
+    g = rows % GROUPS_P2
+    cols = tl.arange(0, GROUP_SIZE)
+    d = g[:, None] * GROUP_SIZE + cols[None, :]
+    row_ok = t < T
+    ok = row_ok[:, None] & (d < D)
+
+    x = tl.load(X + b * stride_xb + h * stride_xh + t[:, None] * stride_xt + d * stride_xd, mask=ok, other=0.0)
+    x = x.to(tl.float32)
+    if HAS_OFFSET:
+        x = x - tl.load(OFF + h * stride_oh + d * stride_od, mask=ok, other=0.0).to(tl.float32)
+
+    is_inf = tl.abs(x) == float("inf")
+    is_nan = x != x
+    if STATIC_SCALE:
+        s = tl.load(S + h * stride_sh).to(tl.float32)
+        y = tl.where(s > 0, tl.math.div_rn(x, tl.where(s > 0, s, 1.0)), 0.0)
+    else:
+        # scale from the finite values of each group only (formats.py's NaN/Inf policy)
+        amax = tl.max(tl.where(is_inf | is_nan, 0.0, tl.abs(x)), axis=1)
+        if INT8:
+            dd = tl.math.div_rn(amax, Q8_MAX)  # d = amax / 127 (fp32, round to nearest)
+            inv = tl.where(dd > 0, tl.math.div_rn(1.0, tl.where(dd > 0, dd, 1.0)), 0.0)
+            y = x * inv[:, None]  # x * (1/d), as GGUF does
+            y = tl.where(is_inf, tl.where(x > 0, Q8_MAX, -Q8_MAX), y)
+            has_nan = tl.max(is_nan.to(tl.int32), axis=1) > 0
+            s = tl.where(has_nan, float("nan"), dd)
+        else:
+            s = tl.math.div_rn(amax, FP8_MAX)  # s = amax / 448
+            y = tl.where(s[:, None] > 0, tl.math.div_rn(x, tl.where(s > 0, s, 1.0)[:, None]), 0.0)
+            y = tl.where(is_inf, tl.where(x > 0, FP8_MAX, -FP8_MAX), y)
+        tl.store(
+            S + b * stride_sb + h * stride_sh + (start + t) * stride_st + g * stride_sg,
+            s.to(S.dtype.element_ty),
+            mask=row_ok & (g * GROUP_SIZE < D),
+        )
+    if INT8:
+        y = tl.minimum(tl.maximum(y, -Q8_MAX), Q8_MAX)  # tl.maximum may drop a NaN: use is_nan below
+        r = tl.floor(tl.abs(y) + 0.5)  # C roundf: half away from zero
+        r = tl.where(y < 0, -r, r)
+        code = tl.where(is_nan, 0.0, r).to(tl.int8)  # int8 has no NaN code (the scale carries it)
+    else:
+        y = tl.where(is_nan, x, y)  # a NaN input stays NaN (also in an otherwise all-zero group)
+        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
+        code = e4m3_encode(y)  # uint8; C is the cache viewed as uint8
+    tl.store(C + b * stride_cb + h * stride_ch + (start + t[:, None]) * stride_ct + d * stride_cd, code, mask=ok)
+
+
+@triton.jit
+def _store_kv_kernel(
+    K, stride_kb, stride_kh, stride_kt, stride_kd,
+    V, stride_vb, stride_vh, stride_vt, stride_vd,
+    KC, stride_kcb, stride_kch, stride_kct, stride_kcd,
+    VC, stride_vcb, stride_vch, stride_vct, stride_vcd,
+    KS, stride_ksb, stride_ksh, stride_kst, stride_ksg,
+    VS, stride_vsb, stride_vsh, stride_vst, stride_vsg,
+    OFF, stride_oh, stride_od,
+    START, H, T, D,
+    HAS_OFFSET: tl.constexpr,
+    INT8: tl.constexpr,
+    STATIC_SCALE: tl.constexpr,
+    GROUPS_P2: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """grid (cdiv(T, BLOCK_T), B * H, 2): axis 2 picks K (0) or V (1): both in one launch."""
+    t0 = tl.program_id(0) * BLOCK_T
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    start = tl.load(START).to(tl.int32)  # cache length before this write, a device scalar
+    if tl.program_id(2) == 0:
+        _quantize_rows(
+            K, stride_kb, stride_kh, stride_kt, stride_kd,
+            KC, stride_kcb, stride_kch, stride_kct, stride_kcd,
+            KS, stride_ksb, stride_ksh, stride_kst, stride_ksg,
+            OFF, stride_oh, stride_od,
+            b, h, t0, start, T, D,
+            HAS_OFFSET, INT8, STATIC_SCALE, GROUPS_P2, GROUP_SIZE, BLOCK_T,
+        )
+    else:
+        _quantize_rows(
+            V, stride_vb, stride_vh, stride_vt, stride_vd,
+            VC, stride_vcb, stride_vch, stride_vct, stride_vcd,
+            VS, stride_vsb, stride_vsh, stride_vst, stride_vsg,
+            OFF, stride_oh, stride_od,
+            b, h, t0, start, T, D,
+            False, INT8, STATIC_SCALE, GROUPS_P2, GROUP_SIZE, BLOCK_T,
+        )
+
+
+@triton.jit
+def _dequantize_kernel(
+    C, stride_cb, stride_ch, stride_cl, stride_cd,
+    S, stride_sb, stride_sh, stride_sl, stride_sg,
+    OFF, stride_oh, stride_od,
+    KVLEN, stride_kvl,
+    OUT, stride_ob, stride_oh2, stride_ol, stride_od2,
+    H, L, D, G,
+    HAS_OFFSET: tl.constexpr,
+    STATIC_SCALE: tl.constexpr,
+    FP8_BITS: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """grid (cdiv(L, BLOCK_L), B * H): codes * scale (+ offset); zeros at positions >= kv_len[b]."""
+    l = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    d = tl.arange(0, BLOCK_D)
+    kv_len = tl.load(KVLEN + b * stride_kvl)
+    in_range = (l[:, None] < L) & (d[None, :] < D)
+    live = l < kv_len
+    c = tl.load(C + b * stride_cb + h * stride_ch + l[:, None] * stride_cl + d[None, :] * stride_cd, mask=in_range, other=0.0)
+    x = codes_to_float(c, FP8_BITS)
+    if STATIC_SCALE:
+        x = x * tl.load(S + h * stride_sh).to(tl.float32)
+    else:
+        g = d // (D // G)  # the scale group of each column
+        s = tl.load(S + b * stride_sb + h * stride_sh + l[:, None] * stride_sl + g[None, :] * stride_sg, mask=in_range, other=0.0)
+        x = x * s.to(tl.float32)
+    if HAS_OFFSET:
+        x = x + tl.load(OFF + h * stride_oh + d * stride_od, mask=d < D, other=0.0).to(tl.float32)[None, :]
+    x = tl.where(live[:, None], x, 0.0)
+    tl.store(OUT + b * stride_ob + h * stride_oh2 + l[:, None] * stride_ol + d[None, :] * stride_od2, x.to(OUT.dtype.element_ty), mask=in_range)

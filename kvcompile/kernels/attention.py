@@ -1,0 +1,242 @@
+"""Launcher of ``kvcompile::attention``: picks split-K decode, fused prefill or dense-dequant prefill.
+
+Paths (``KVCOMPILE_PREFILL=auto|fused|dense`` forces the prefill path; read per call):
+
+* ``decode``: q_len <= 16 (decode, speculative verification). Split-K over the cache with a
+  number of splits fixed by ``max_cache_len`` and the batch shape (never by the current length:
+  graph safe, no host sync); splits past ``kv_len`` exit at once; an LSE merge kernel combines.
+* ``fused``: one pass of the fused kernel over the codes, one program per query block.
+* ``dense``: dequantize the live prefix once into a 16-bit workspace, then the best SDPA
+  (cuDNN / FlashAttention). Needs one host sync (the prefix length), so never used while a CUDA
+  graph is being captured. The workspace is dropped even when a later step raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import tiles
+from ._attention_kernel import (
+    MASK_ADD, MASK_BOOL, MASK_NONE, SCALE_BLOCK, SCALE_STATIC, SCALE_TOKEN,
+    _attention_kernel, _merge_kernel,
+)
+from .common import device_cc, interpreting, kv_len_arg, next_pow2, sm_count
+from .store import dequantize, triton_cdiv
+
+__all__ = ["attention", "decode_splits", "prefill_path", "DECODE_MAX_Q", "DENSE_MIN_Q"]
+
+DECODE_MAX_Q = 16  # query blocks up to this length go to the split-K decode kernel
+DENSE_MIN_Q = 1024  # auto: prefills at least this long use the dense-dequant path (measured: BENCHMARKS.md)
+_PATHS = ("auto", "fused", "dense")
+
+
+def _tl_dtype(dtype: torch.dtype):
+    import triton.language as tl
+
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+
+
+def prefill_path(q: Tensor) -> str:
+    """"decode", "fused" or "dense" for a query of this shape (see the module docstring)."""
+    Tq = q.shape[2]
+    if Tq <= DECODE_MAX_Q:
+        return "decode"
+    choice = os.environ.get("KVCOMPILE_PREFILL", "auto").strip().lower() or "auto"
+    if choice not in _PATHS:
+        raise ValueError(f"KVCOMPILE_PREFILL={choice!r} is not one of {list(_PATHS)}")
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    if choice == "dense":
+        if capturing:
+            raise RuntimeError(
+                "kvcompile: KVCOMPILE_PREFILL=dense needs a host sync and cannot run inside CUDA graph capture; "
+                "use KVCOMPILE_PREFILL=auto or fused"
+            )
+        return "dense"
+    if choice == "fused" or capturing or not q.is_cuda:
+        return "fused"
+    return "dense" if Tq >= DENSE_MIN_Q else "fused"
+
+
+def decode_splits(programs: int, max_len: int, block_n: int, sms: int) -> tuple[int, int]:
+    """(number of splits, keys per split) from static shapes only.
+
+    Aim at ~4 programs per SM so enough loads are in flight to saturate HBM, with at least
+    one block of keys per split.
+    """
+    want = max(1, triton_cdiv(4 * sms, programs))
+    splits = max(1, min(want, triton_cdiv(max_len, block_n)))
+    split_len = triton_cdiv(triton_cdiv(max_len, splits), block_n) * block_n
+    return triton_cdiv(max_len, split_len), split_len
+
+
+def _scale_kind(k_scale: Tensor, v_scale: Tensor, head_dim: int) -> tuple[int, int]:
+    def kind(s: Tensor) -> tuple[int, int]:
+        if s.dim() == 1:
+            return SCALE_STATIC, head_dim
+        if s.shape[-1] == 1:
+            return SCALE_TOKEN, head_dim
+        return SCALE_BLOCK, head_dim // s.shape[-1]
+
+    kk, vk = kind(k_scale), kind(v_scale)
+    if kk != vk:
+        raise ValueError(
+            "kvcompile.attention (triton): K and V scales must have one granularity, got "
+            f"{tuple(k_scale.shape)} and {tuple(v_scale.shape)}"
+        )
+    return kk
+
+
+def _mask_arg(attn_mask: Optional[Tensor], B: int, Hq: int, Tq: int, L: int, like: Tensor):
+    if attn_mask is None:
+        return like, (0, 0, 0, 0), MASK_NONE
+    m = attn_mask
+    if m.dim() > 4:
+        raise ValueError(f"kvcompile.attention: attn_mask must broadcast to [B, Hq, Tq, L], got {tuple(m.shape)}")
+    m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape)).expand(B, Hq, Tq, L)  # stride 0 where broadcast
+    if m.dtype == torch.bool:
+        return m.view(torch.uint8), m.stride(), MASK_BOOL
+    return m, m.stride(), MASK_ADD
+
+
+def _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, decode: bool) -> Tensor:
+    B, Hq, Tq, D = q.shape
+    Hkv, L = k_q.shape[1], k_q.shape[2]
+    group = Hq // Hkv
+    dev = q.device
+    cc = device_cc(dev)
+    fp8_bits = k_q.dtype == torch.float8_e4m3fn and not interpreting() and not tiles.has_native_fp8(cc)
+    kc = k_q.view(torch.uint8) if fp8_bits else k_q
+    vc = v_q.view(torch.uint8) if fp8_bits else v_q
+    scale_kind, group_size = _scale_kind(k_scale, v_scale, D)
+    ks = k_scale.view(1, -1, 1, 1) if k_scale.dim() == 1 else k_scale
+    vs = v_scale.view(1, -1, 1, 1) if v_scale.dim() == 1 else v_scale
+    kvl, kvl_stride = kv_len_arg(kv_len, B, dev)
+    mask, mstride, mask_kind = _mask_arg(attn_mask, B, Hq, Tq, L, q)
+
+    if interpreting():  # numpy underneath: no 16-bit dot; small tiles so tests cross block edges
+        dot_dtype = pv_dtype = torch.float32
+    elif q.dtype == torch.float32:
+        dot_dtype = pv_dtype = torch.float32
+    else:
+        dot_dtype, pv_dtype = q.dtype, torch.bfloat16  # P * s_v needs bf16's range
+    qb = torch.empty((), dtype=dot_dtype).element_size()
+    rows = Tq * group
+    if decode:
+        tile = tiles.decode_tile(cc, D, qb, kc.element_size(), vc.element_size(), rows)
+    else:
+        tile = tiles.prefill_tile(cc, D, qb, kc.element_size(), vc.element_size())
+    if interpreting():
+        tile = dataclasses.replace(tile, block_m=min(tile.block_m, 32), block_n=16)
+    m_blocks = triton_cdiv(rows, tile.block_m)
+    if decode:
+        splits, split_len = decode_splits(B * Hkv * m_blocks, L, tile.block_n, sm_count(dev))
+    else:
+        splits, split_len = 1, triton_cdiv(L, tile.block_n) * tile.block_n
+
+    out = torch.empty((B, Hq, Tq, D), dtype=q.dtype, device=dev)
+    if splits > 1:
+        op = torch.empty((B, Hq, Tq, splits, D), dtype=torch.float32, device=dev)
+        lse = torch.empty((B, Hq, Tq, splits), dtype=torch.float32, device=dev)
+    else:
+        op, lse = out, out  # unused
+    op_strides = op.stride()[:4] if splits > 1 else (0, 0, 0, 0)
+    lse_strides = lse.stride() if splits > 1 else (0, 0, 0, 0)
+
+    grid = (m_blocks, B * Hkv, splits)
+    _attention_kernel[grid](
+        q, *q.stride(),
+        kc, *kc.stride(), vc, *vc.stride(),
+        ks, *ks.stride(), vs, *vs.stride(),
+        kvl, kvl_stride,
+        mask, *mstride,
+        out, *out.stride(),
+        op, *op_strides,
+        lse, *lse_strides,
+        Hkv, Tq, D, float(sm_scale), split_len,
+        GROUP=group, GROUP_SIZE=group_size, SCALE_KIND=scale_kind, MASK_KIND=mask_kind,
+        IS_CAUSAL=bool(is_causal), SPLIT_OUTPUT=splits > 1, FP8_BITS=fp8_bits,
+        DOT_DTYPE=_tl_dtype(dot_dtype), PV_DTYPE=_tl_dtype(pv_dtype),
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=next_pow2(D),
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    if splits > 1:
+        _merge_kernel[(B * Hq * Tq,)](
+            op, *op.stride()[:4], lse, *lse.stride(), out, *out.stride(), kvl, kvl_stride,
+            vs, vs.stride(1), Hq, Tq, D, split_len, splits,
+            GROUP=group, STATIC_SCALE=scale_kind == SCALE_STATIC, SPLITS_P2=next_pow2(splits),
+            BLOCK_D=next_pow2(D), num_warps=4,
+        )
+    return out
+
+
+def _sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa):
+    """The dense path's attention call (a seam for tests that inject failures)."""
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+    )
+
+
+def _dense(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale) -> Tensor:
+    B, Hq, Tq, D = q.shape
+    Hkv, L = k_q.shape[1], k_q.shape[2]
+    kvl = kv_len.to(q.device).reshape(-1).expand(B)
+    lo, hi = (int(x) for x in torch.stack([kvl.min(), kvl.max()]).tolist())  # the one host sync
+    n = max(hi, 1)
+    ws_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float32
+
+    def prefix(s: Tensor) -> Tensor:
+        return s if s.dim() == 1 else s[:, :, :n]
+
+    k = v = mask = None
+    try:
+        # K centering offsets are left out: softmax does not see them.
+        k = dequantize(k_q[:, :, :n], prefix(k_scale), None, kv_len, ws_dtype)
+        v = dequantize(v_q[:, :, :n], prefix(v_scale), None, kv_len, ws_dtype)
+        qq = q if q.dtype == ws_dtype else q.to(ws_dtype)
+        if attn_mask is None and lo == hi and (not is_causal or Tq == n):
+            # every row sees the same prefix: the fastest SDPA kernels (plain / top-left causal)
+            out = _sdpa(qq, k, v, None, bool(is_causal), sm_scale, Hq != Hkv)
+            return out.to(q.dtype)
+        pos = torch.arange(n, device=q.device)
+        valid = (pos.view(1, 1, 1, n) < kvl.view(B, 1, 1, 1))
+        if is_causal:
+            q_pos = kvl.view(B, 1, 1, 1) - Tq + torch.arange(Tq, device=q.device).view(1, 1, Tq, 1)
+            valid = valid & (pos.view(1, 1, 1, n) <= q_pos)
+        if attn_mask is not None:
+            am = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+            am = am.expand(*am.shape[:3], L)[..., :n]
+            if am.dtype == torch.bool:
+                valid = valid & am
+                mask = valid
+            else:
+                mask = torch.where(valid, am.to(ws_dtype), float("-inf"))
+        else:
+            mask = valid
+        empty = ~valid.any(dim=-1, keepdim=True) if mask.dtype == torch.bool else torch.isneginf(mask).all(-1, keepdim=True)
+        out = _sdpa(qq, k, v, mask, False, sm_scale, Hq != Hkv)
+        return torch.where(empty, torch.zeros((), dtype=out.dtype, device=out.device), out).to(q.dtype)
+    finally:
+        del k, v, mask  # the workspace goes now, also when a step above raised
+
+
+def attention(
+    q: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Tensor, kv_len: Tensor,
+    attn_mask: Optional[Tensor], is_causal: bool, scale: Optional[float],
+) -> Tensor:
+    B, Hq, Tq, D = q.shape
+    tiles.check_head_dim(D)
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"kvcompile.attention (triton): q must be fp16, bf16 or fp32, got {q.dtype}")
+    if Tq == 0 or k_q.shape[2] == 0:
+        return torch.zeros_like(q)
+    sm_scale = D**-0.5 if scale is None else float(scale)
+    path = prefill_path(q)
+    if path == "dense":
+        return _dense(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale)
+    return _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, decode=path == "decode")

@@ -1,0 +1,101 @@
+"""Launchers: ``store_kv`` (quantize-on-store, K and V in one launch) and ``dequantize``."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import tiles
+from ._store_kernel import _dequantize_kernel, _store_kv_kernel
+from .common import device_cc, interpreting, kv_len_arg, next_pow2
+
+# Exact rounding must not be contracted into FMAs (x * s + o must round twice, as torch does).
+_EXACT = {} if interpreting() else {"enable_fp_fusion": False}
+
+
+def _as_bits(codes: Tensor) -> Tensor:
+    return codes.view(torch.uint8) if codes.dtype == torch.float8_e4m3fn else codes
+
+
+def _scale_layout(scale: Tensor, head_dim: int) -> tuple[bool, int, int]:
+    """(static, groups padded to a power of two, values per group) of a scale tensor."""
+    if scale.dim() == 1:
+        return True, 1, next_pow2(head_dim)
+    groups = scale.shape[-1]
+    if groups == 1:
+        return False, 1, next_pow2(head_dim)
+    size = head_dim // groups
+    if size & (size - 1):
+        raise ValueError(
+            f"kvcompile: scale groups of {size} values (head_dim={head_dim}, {groups} groups) are not supported "
+            "by the Triton store kernel; use granularity 'token' or 'block32'"
+        )
+    return False, next_pow2(groups), size
+
+
+def store_kv(
+    k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor,
+    k: Tensor, v: Tensor, start: Tensor, k_offset: Optional[Tensor],
+) -> None:
+    B, H, T, D = k.shape
+    if T == 0:
+        return
+    if k_cache.dtype != v_cache.dtype or k_scale.dim() != v_scale.dim() or (
+        k_scale.dim() == 4 and k_scale.shape[-1] != v_scale.shape[-1]
+    ):
+        raise ValueError("kvcompile.store_kv (triton): K and V caches must share one format")
+    static, groups_p2, group_size = _scale_layout(k_scale, D)
+    int8 = k_cache.dtype == torch.int8
+    kc, vc = _as_bits(k_cache), _as_bits(v_cache)
+    ks = k_scale if k_scale.dim() == 4 else k_scale.view(1, -1, 1, 1)
+    vs = v_scale if v_scale.dim() == 4 else v_scale.view(1, -1, 1, 1)
+    off = k_offset if k_offset is not None else k_scale  # dummy pointer when there is no offset
+    off_strides = (k_offset.stride(0), k_offset.stride(1)) if k_offset is not None else (0, 0)
+    # ~4K values per program: enough bytes in flight, registers stay small
+    block_t = max(1, min(next_pow2(T), 4096 // (groups_p2 * group_size)))
+    grid = (triton_cdiv(T, block_t), B * H, 2)
+    _store_kv_kernel[grid](
+        k, *k.stride(), v, *v.stride(),
+        kc, *kc.stride(), vc, *vc.stride(),
+        ks, *ks.stride(), vs, *vs.stride(),
+        off, *off_strides,
+        start, H, T, D,
+        HAS_OFFSET=k_offset is not None, INT8=int8, STATIC_SCALE=static,
+        GROUPS_P2=groups_p2, GROUP_SIZE=group_size, BLOCK_T=block_t,
+        num_warps=4, **_EXACT,
+    )
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def dequantize(codes: Tensor, scale: Tensor, offset: Optional[Tensor], kv_len: Tensor, dtype: torch.dtype,
+               out: Optional[Tensor] = None, fp8_bits: Optional[bool] = None) -> Tensor:
+    """codes [B, H, L, D] -> values in ``dtype`` (``out`` may be a preallocated workspace)."""
+    B, H, L, D = codes.shape
+    if out is None:
+        out = torch.empty((B, H, L, D), dtype=dtype, device=codes.device)
+    if L == 0:
+        return out
+    if fp8_bits is None:
+        fp8_bits = codes.dtype == torch.float8_e4m3fn and not tiles.has_native_fp8(device_cc(codes.device))
+    c = codes.view(torch.uint8) if fp8_bits else codes
+    static = scale.dim() == 1
+    s = scale.view(1, -1, 1, 1) if static else scale
+    groups = 1 if static else scale.shape[-1]
+    off = offset if offset is not None else scale
+    off_strides = (offset.stride(0), offset.stride(1)) if offset is not None else (0, 0)
+    kvl, kvl_stride = kv_len_arg(kv_len, B, codes.device)
+    block_d = next_pow2(D)
+    block_l = max(1, min(next_pow2(L), 4096 // block_d))
+    grid = (triton_cdiv(L, block_l), B * H)
+    _dequantize_kernel[grid](
+        c, *c.stride(), s, *s.stride(), off, *off_strides, kvl, kvl_stride,
+        out, *out.stride(), H, L, D, groups,
+        HAS_OFFSET=offset is not None, STATIC_SCALE=static, FP8_BITS=fp8_bits,
+        BLOCK_L=block_l, BLOCK_D=block_d, num_warps=4, **_EXACT,
+    )
+    return out

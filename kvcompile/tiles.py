@@ -1,0 +1,156 @@
+"""All arch and tile choices of the kvcompile kernels, in one place.
+
+A tile is picked from a table keyed by (compute capability, head_dim, q dtype, REAL bytes per
+element of K and of V). Shared memory is billed at the bytes each operand really has: a 1-byte
+cache stages 1-byte tiles, so it fits a larger tile where a 16-bit cache cannot. Candidates
+that would not fit the arch's shared memory per block are pruned (Triton tutorial 06 ``keep()``).
+
+Shared-memory model of one program (bytes; an upper bound of what Triton allocates):
+
+* the Q tile, ``BLOCK_M * D * q_bytes`` (kept resident);
+* ``num_stages`` pipelined K and V tiles at their real size, ``BLOCK_N * D * (k_bytes + v_bytes)``;
+* an 8-bit K or V tile is widened to 16 bits before ``tl.dot``; on Hopper the widened
+  operand goes through shared memory: ``BLOCK_N * D * 2`` for each 8-bit operand;
+* the 16-bit P tile, ``BLOCK_M * BLOCK_N * 2``.
+
+Nothing here imports triton or touches a GPU; the launchers call :func:`prefill_tile` /
+:func:`decode_tile` with the device's capability.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+__all__ = [
+    "SMEM_BYTES",
+    "SUPPORTED_HEAD_DIMS",
+    "Tile",
+    "smem_bytes",
+    "prefill_tile",
+    "decode_tile",
+    "has_native_fp8",
+    "check_head_dim",
+]
+
+# Largest dynamic shared memory one block may opt into, per compute capability (CUDA C
+# Programming Guide, "Technical Specifications per Compute Capability").
+SMEM_BYTES: dict[tuple[int, int], int] = {
+    (7, 0): 96 * 1024,
+    (7, 5): 64 * 1024,
+    (8, 0): 163 * 1024,
+    (8, 6): 99 * 1024,
+    (8, 7): 163 * 1024,
+    (8, 9): 99 * 1024,
+    (9, 0): 227 * 1024,
+    (10, 0): 227 * 1024,
+    (12, 0): 99 * 1024,
+}
+
+# head_dim values the fused kernels serve (padded to the next power of two inside the kernel).
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 160, 192, 256)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"kvcompile: the Triton attention kernels support head_dim in {list(SUPPORTED_HEAD_DIMS)}, got "
+            f"{head_dim}; set KVCOMPILE_KERNELS=reference for this model"
+        )
+
+
+def has_native_fp8(cc: tuple[int, int]) -> bool:
+    """Triton has the e4m3 type (``tl.float8e4nv``) from sm_89 on; below that, decode by bits."""
+    return tuple(cc) >= (8, 9)
+
+
+def _smem_limit(cc: tuple[int, int]) -> int:
+    cc = tuple(cc)
+    if cc in SMEM_BYTES:
+        return SMEM_BYTES[cc]
+    # unknown arch: the closest known one at or below it (newer archs never have less)
+    known = [c for c in SMEM_BYTES if c <= cc]
+    return SMEM_BYTES[max(known)] if known else min(SMEM_BYTES.values())
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def smem_bytes(tile: Tile, head_dim: int, q_bytes: int, k_bytes: int, v_bytes: int) -> int:
+    """Upper bound of the shared memory a tile needs (see the module docstring)."""
+    d = _pow2(head_dim)
+    total = tile.block_m * d * q_bytes
+    total += tile.num_stages * tile.block_n * d * (k_bytes + v_bytes)
+    total += tile.block_n * d * 2 * ((k_bytes < 2) + (v_bytes < 2))  # widened 8-bit operands
+    total += tile.block_m * tile.block_n * 2  # P
+    return total
+
+
+# Candidates in order of preference (largest first); the first that fits is taken.
+# Prefill: compute bound, big M and N tiles; more stages when the loads are small.
+_PREFILL_CANDIDATES = (
+    Tile(128, 128, 8, 3),
+    Tile(128, 64, 8, 3),
+    Tile(128, 64, 4, 3),
+    Tile(128, 64, 4, 2),
+    Tile(64, 64, 4, 2),
+    Tile(64, 32, 4, 2),
+    Tile(32, 32, 4, 2),
+    Tile(16, 16, 4, 2),
+)
+# Decode: memory bound; M is the (padded) rows of one kv head's query group, N as large as
+# fits with deep pipelining so many bytes are in flight per SM.
+_DECODE_CANDIDATES = (
+    Tile(16, 128, 4, 4),
+    Tile(16, 128, 4, 3),
+    Tile(16, 64, 4, 4),
+    Tile(16, 64, 4, 3),
+    Tile(16, 64, 4, 2),
+    Tile(16, 32, 4, 2),
+    Tile(16, 16, 4, 2),
+)
+
+
+def _pick(cands, cc, head_dim, q_bytes, k_bytes, v_bytes, block_m=None) -> Tile:
+    limit = _smem_limit(cc)
+    for t in cands:
+        if block_m is not None:
+            t = dataclasses.replace(t, block_m=max(16, min(block_m, 128)))
+        if smem_bytes(t, head_dim, q_bytes, k_bytes, v_bytes) <= limit:
+            return t
+    raise ValueError(
+        f"kvcompile: no attention tile fits sm_{cc[0]}{cc[1]} shared memory ({limit} B) for head_dim={head_dim}"
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def prefill_tile(cc: tuple[int, int], head_dim: int, q_bytes: int, k_bytes: int, v_bytes: int) -> Tile:
+    """Tile of the prefill/extend kernel. ``*_bytes`` are the real bytes per element (1 for 8-bit)."""
+    check_head_dim(head_dim)
+    cands = _PREFILL_CANDIDATES
+    if head_dim > 128:  # register pressure of the fp32 accumulator: keep M at 64 for big heads
+        cands = tuple(t for t in cands if t.block_m <= 64)
+    if tuple(cc) < (8, 0):  # Volta/Turing: no async copies to pipeline; fewer warps per tile
+        cands = tuple(dataclasses.replace(t, num_stages=min(t.num_stages, 2)) for t in cands)
+    return _pick(cands, tuple(cc), head_dim, q_bytes, k_bytes, v_bytes)
+
+
+@functools.lru_cache(maxsize=None)
+def decode_tile(
+    cc: tuple[int, int], head_dim: int, q_bytes: int, k_bytes: int, v_bytes: int, rows: int = 16
+) -> Tile:
+    """Tile of the split-K decode kernel; ``rows`` = query heads per kv head * query length."""
+    check_head_dim(head_dim)
+    cands = _DECODE_CANDIDATES
+    if tuple(cc) < (8, 0):
+        cands = tuple(dataclasses.replace(t, num_stages=min(t.num_stages, 2)) for t in cands)
+    return _pick(cands, tuple(cc), head_dim, q_bytes, k_bytes, v_bytes, block_m=_pow2(max(rows, 16)))
