@@ -1,0 +1,121 @@
+"""``kvcompile.backend(kv_dtype=...)``: a torch.compile backend = the attention pass + Inductor.
+
+    backend = kvcompile.backend(kv_dtype="fp8_e4m3")
+    model.forward = torch.compile(model.forward, backend=backend, fullgraph=True)
+    ...
+    backend.report()  # [{"found": 30, "rewritten": 30, "skipped": [], "kv_dtype": "fp8_e4m3"}, ...]
+
+Per graph Dynamo hands over, the backend runs :class:`kvcompile.passes.KVAttentionPass` on the
+Dynamo (pre-AOT) graph, then calls Inductor's ``compile_fx`` with the config patches torch.compile
+would use for ``mode=``/``options=`` (``"reduce-overhead"`` -> ``triton.cudagraphs=True``). A graph
+without a kvcompile cache goes to ``compile_fx`` untouched: exactly plain Inductor. The pass adds no
+guards, so it causes no recompiles; the FX graph cache keys on the rewritten graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .formats import KV_DTYPES
+from .passes import KVAttentionPass
+
+log = logging.getLogger("kvcompile")
+
+__all__ = ["KVCompileBackend"]
+
+
+class KVCompileBackend:
+    """A callable torch.compile backend; see the module docstring.
+
+    Args:
+        kv_dtype: the cache format the compiled model uses (one of ``kvcompile.KV_DTYPES``); a graph
+            over a cache of another format fails to compile with a clear error.
+        config_patches: Inductor config applied to every graph (merged under ``options=``).
+        dump_graphs: a directory; each graph is written there before and after the pass
+            (also enabled by ``KVCOMPILE_DUMP_GRAPHS=<dir>``).
+        rewrite: ``False`` runs detection and reporting only (used by benchmarks and tests).
+    """
+
+    def __init__(
+        self,
+        kv_dtype: str = "fp8_e4m3",
+        *,
+        config_patches: Optional[dict] = None,
+        dump_graphs: Optional[str] = None,
+        rewrite: bool = True,
+    ):
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"unknown kv_dtype {kv_dtype!r}; kvcompile accepts one of {list(KV_DTYPES)}")
+        self.kv_dtype = kv_dtype
+        self.config_patches = dict(config_patches or {})
+        self.dump_graphs = dump_graphs or os.environ.get("KVCOMPILE_DUMP_GRAPHS") or None
+        self.rewrite = rewrite
+        self.graph_pass = KVAttentionPass(kv_dtype)
+        self._reports: list[dict] = []
+
+    def report(self) -> list[dict]:
+        """One dict per compiled graph: ``{"found", "rewritten", "skipped": [(site, reason)], "kv_dtype"}``."""
+        return [dict(r, skipped=list(r["skipped"])) for r in self._reports]
+
+    def reset_report(self) -> None:
+        self._reports.clear()
+
+    def __call__(
+        self,
+        gm: torch.fx.GraphModule,
+        example_inputs: Sequence[Any],
+        mode: Optional[str] = None,
+        options: Optional[dict] = None,
+    ):
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
+
+        index = len(self._reports)
+        self._dump(gm, index, "before")
+        if self.rewrite:
+            result = self.graph_pass.apply(gm.graph)
+        else:  # detection only: run the pass on a copy
+            result = self.graph_pass.apply(_copy_graph(gm).graph)
+            result.rewritten = 0
+        if result.found and self.rewrite:
+            gm.graph.lint()
+            gm.recompile()
+        self._dump(gm, index, "after")
+        report = result.as_dict()
+        self._reports.append(report)
+        if result.found:
+            log.info(
+                "kvcompile: graph %d: rewrote %d/%d attention sites, %s%s",
+                index, result.rewritten, result.found, self.kv_dtype,
+                f" ({', '.join(f'{k} x{v}' for k, v in result.patterns.items())})" if result.patterns else "",
+            )
+            for site, reason in result.skipped:
+                log.warning("kvcompile: attention over the %s cache left unrewritten at %s: %s", self.kv_dtype, site, reason)
+        else:
+            log.info("kvcompile: graph %d: no kvcompile cache, compiled as plain Inductor", index)
+
+        patches = dict(list_mode_options(mode)) if mode not in (None, "default") else {}
+        patches.update(self.config_patches)
+        patches.update(options or {})
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+    def _dump(self, gm: torch.fx.GraphModule, index: int, stage: str) -> None:
+        if not self.dump_graphs:
+            return
+        os.makedirs(self.dump_graphs, exist_ok=True)
+        with open(os.path.join(self.dump_graphs, f"graph{index:03d}_{stage}.py"), "w") as f:
+            f.write(gm.print_readable(print_output=False))
+
+    def __repr__(self) -> str:
+        return f"kvcompile.backend(kv_dtype={self.kv_dtype!r})"
+
+
+def _copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    output = graph.graph_copy(gm.graph, {})
+    graph.output(output)
+    return torch.fx.GraphModule(gm, graph)
