@@ -122,11 +122,14 @@ _DECODE_CANDIDATES = (
 
 def _pick(cands, cc, head_dim, q_bytes, k_bytes, v_bytes, block_m=None) -> Tile:
     limit = _smem_limit(cc)
-    for t in cands:
-        if block_m is not None:
-            t = dataclasses.replace(t, block_m=max(16, min(block_m, 128)))
-        if smem_bytes(t, head_dim, q_bytes, k_bytes, v_bytes) <= limit:
-            return t
+    # decode: M is the query rows of one kv head; when they do not fit, split them over programs
+    ms = [None] if block_m is None else [m for m in (128, 64, 32, 16) if m <= max(16, min(block_m, 128))]
+    for m in ms:
+        for t in cands:
+            if m is not None:
+                t = dataclasses.replace(t, block_m=m)
+            if smem_bytes(t, head_dim, q_bytes, k_bytes, v_bytes) <= limit:
+                return t
     raise ValueError(
         f"kvcompile: no attention tile fits sm_{cc[0]}{cc[1]} shared memory ({limit} B) for head_dim={head_dim}"
     )

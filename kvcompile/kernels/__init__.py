@@ -8,11 +8,11 @@ launcher                   kernels                                 file
 =========================  ======================================  ==========================
 ``store_kv``               ``_store_kv_kernel`` (K and V at once)   store.py / _store_kernel.py
 ``dequantize``             ``_dequantize_kernel``                  store.py / _store_kernel.py
-``attention``              ``_attention_kernel``, ``_merge_kernel``  attention.py / _attention_kernel.py
+``attention``              ``_attention_kernel``, ``_merge_kernel``  attention_launcher.py / _attention_kernel.py
 =========================  ======================================  ==========================
 """
 
-from .attention import attention
+from .attention_launcher import attention
 from .store import dequantize as _dequantize
 from .store import store_kv
 

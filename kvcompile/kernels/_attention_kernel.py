@@ -1,4 +1,4 @@
-"""@triton.jit attention over 8-bit K/V codes (launchers in attention.py).
+"""@triton.jit attention over 8-bit K/V codes (launchers in attention_launcher.py).
 
 One kernel serves prefill/extend (grid over query blocks, one split) and split-K decode
 (flash-decoding: grid over splits of the cache, partial outputs merged by ``_merge_kernel``).
@@ -17,7 +17,7 @@ Static scales: K scale folded into the softmax scale, V scale applied once at th
 import triton
 import triton.language as tl
 
-from ._codes import codes_to_float
+from ._codes import codes_to_float, to_store_dtype
 
 LOG2E: tl.constexpr = 1.4426950408889634  # 1 / ln(2): exp(x) = exp2(x * LOG2E)
 
@@ -180,7 +180,7 @@ def _attention_kernel(
         if SCALE_KIND == SCALE_STATIC:
             out = out * tl.load(VS + hk * stride_vsh).to(tl.float32)
         tl.store(O + b * stride_ob + h[:, None] * stride_oh + qi[:, None] * stride_om + d[None, :] * stride_od,
-                 out.to(O.dtype.element_ty), mask=out_ok)
+                 to_store_dtype(out, O.dtype.element_ty), mask=out_ok)
 
 
 @triton.jit
@@ -216,4 +216,4 @@ def _merge_kernel(
     out = tl.sum(w[:, None] * o, axis=0) / tl.where(den > 0, den, 1.0)
     if STATIC_SCALE:
         out = out * tl.load(VS + (h // GROUP) * stride_vsh).to(tl.float32)  # static V scale, once
-    tl.store(O + b * stride_ob + h * stride_oh + qi * stride_om + d * stride_od, out.to(O.dtype.element_ty), mask=d < D)
+    tl.store(O + b * stride_ob + h * stride_oh + qi * stride_om + d * stride_od, to_store_dtype(out, O.dtype.element_ty), mask=d < D)

@@ -60,3 +60,14 @@ def codes_to_float(c, FP8_BITS: tl.constexpr):
         return e4m3_decode_bits(c)
     else:
         return c.to(tl.float32)
+
+
+@triton.jit
+def to_store_dtype(x, DTYPE: tl.constexpr):
+    """fp32 -> DTYPE with round-to-nearest-even (the interpreter truncates fp32 -> bf16 casts)."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # RNE at bit 16; Inf/NaN stay Inf/NaN
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DTYPE)

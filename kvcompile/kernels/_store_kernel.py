@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from ._codes import FP8_MAX, Q8_MAX, codes_to_float, e4m3_encode
+from ._codes import FP8_MAX, Q8_MAX, codes_to_float, e4m3_encode, to_store_dtype
 
 
 @triton.jit
@@ -60,7 +60,10 @@ def _quantize_rows(
         )
     if INT8:
         y = tl.minimum(tl.maximum(y, -Q8_MAX), Q8_MAX)  # tl.maximum may drop a NaN: use is_nan below
-        r = tl.floor(tl.abs(y) + 0.5)  # C roundf: half away from zero
+        # C roundf (half away from zero) without the fp32 rounding of |y| + 0.5: |y| - floor|y| is exact
+        a = tl.abs(y)
+        f = tl.floor(a)
+        r = f + tl.floor(2.0 * (a - f))
         r = tl.where(y < 0, -r, r)
         code = tl.where(is_nan, 0.0, r).to(tl.int8)  # int8 has no NaN code (the scale carries it)
     else:
@@ -147,4 +150,4 @@ def _dequantize_kernel(
     if HAS_OFFSET:
         x = x + tl.load(OFF + h * stride_oh + d * stride_od, mask=d < D, other=0.0).to(tl.float32)[None, :]
     x = tl.where(live[:, None], x, 0.0)
-    tl.store(OUT + b * stride_ob + h * stride_oh2 + l[:, None] * stride_ol + d[None, :] * stride_od2, x.to(OUT.dtype.element_ty), mask=in_range)
+    tl.store(OUT + b * stride_ob + h * stride_oh2 + l[:, None] * stride_ol + d[None, :] * stride_od2, to_store_dtype(x, OUT.dtype.element_ty), mask=in_range)

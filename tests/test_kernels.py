@@ -1,0 +1,447 @@
+"""Triton kernels against the reference: store / dequantize bit-exact, attention vs a float64 oracle.
+
+Without CUDA these run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1
+before triton is imported); with CUDA the same tests run the compiled kernels on the GPU,
+plus the ``gpu``-marked tests at the end (16-bit q, CUDA graphs, the fp8-by-bits path).
+
+Tolerances (relative Frobenius error ||out - ref|| / ||ref|| against reference.attention in
+float64 on the same codes, so quantization error is NOT part of it):
+
+* interpreter / fp32 q: every dot is fp32 "ieee" and P stays fp32 there; the only error is fp32
+  rounding of O(L) sums of exp terms: measured <= 5e-7, asserted 1e-5;
+* GPU, bf16 q: codes widen to bf16 exactly, P * s_v and the output are rounded to bf16
+  (2^-9 relative each, partly averaging out over the keys): measured ~3e-3, asserted 1e-2.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import pytest
+import torch
+
+from kvcompile import formats, reference, tiles
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton kernels on CPU need TRITON_INTERPRET=1 set before triton is imported", allow_module_level=True)
+triton = pytest.importorskip("triton")
+
+from kvcompile import kernels  # noqa: E402
+from kvcompile.kernels import attention_launcher as attn_mod  # noqa: E402
+from kvcompile.kernels.store import dequantize as dequantize_launcher  # noqa: E402
+
+FORMATS = [("fp8_e4m3", "token"), ("fp8_e4m3", "block32"), ("fp8_e4m3", "static"), ("q8_0", "block32")]
+FMT_IDS = ["fp8", "fp8-block32", "fp8-static", "q8_0"]
+ATOL_REL = 1e-5 if DEV == "cpu" else 1e-5  # fp32 q on either device (see module docstring)
+
+
+def as_bits(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def codes_equal(a, b):
+    """Bitwise, except that any two e4m3 NaN codes (0x7F / 0xFF) count as equal."""
+    a, b = as_bits(a), as_bits(b)
+    if a.dtype == torch.uint8:
+        nan_a, nan_b = (a & 0x7F) == 0x7F, (b & 0x7F) == 0x7F
+        return bool(((a == b) | (nan_a & nan_b)).all())
+    return torch.equal(a, b)
+
+
+def scales_equal(a, b):
+    return torch.equal(a.nan_to_num(nan=-1.0), b.nan_to_num(nan=-1.0)) and torch.equal(a.isnan(), b.isnan())
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def empty_cache(kv_dtype, gran, B, H, L, D, gen):
+    fmt = formats.get_format(kv_dtype, gran)
+    c = torch.zeros(B, H, L, D, dtype=fmt.code_dtype, device=DEV)
+    if fmt.is_static:
+        s = (torch.rand(H, generator=gen) * 0.05 + 0.01).to(DEV)
+    else:
+        s = torch.zeros(fmt.scale_shape(B, H, L, D), dtype=fmt.scale_dtype, device=DEV)
+    return c, s
+
+
+def random_cache(kv_dtype, gran, B, H, L, D, gen):
+    """Codes + scales as store_kv would leave them, from random K/V (via the reference store)."""
+    kc, ks = empty_cache(kv_dtype, gran, B, H, L, D, gen)
+    vc, vs = empty_cache(kv_dtype, gran, B, H, L, D, gen)
+    k = torch.randn(B, H, L, D, generator=gen).to(DEV) * 2
+    v = torch.randn(B, H, L, D, generator=gen).to(DEV)
+    reference.store_kv(kc, ks, vc, vs, k, v, torch.tensor(0, device=DEV), None)
+    return kc, ks, vc, vs
+
+
+# ---------------------------------------------------------------------------------------------
+# store_kv: bit-exact with the reference
+# ---------------------------------------------------------------------------------------------
+
+
+def special_values(x):
+    """Sprinkle values that stress rounding: ties, subnormals, Inf, NaN, an all-zero group."""
+    x = x.clone()
+    flat = x.view(-1, x.shape[-1])
+    flat[0, :] = 0.0  # all-zero token: scale 0, codes 0
+    flat[1, 3] = float("inf")
+    flat[2, 5] = float("-inf")
+    flat[3, 7] = float("nan")
+    flat[4, :] = 0.0
+    flat[4, 1] = float("nan")  # NaN in an otherwise all-zero group keeps its NaN code (fp8)
+    flat[5, :] = torch.arange(flat.shape[1], dtype=x.dtype) * 1e-3  # tiny: e4m3 subnormals
+    # exact e4m3 ties after x / s with s = amax / 448: amax 448 makes s = 1
+    flat[6, :] = torch.tensor([448.0, 1.0625, 1.1875, 0.0029296875, -3.25, 2.5, 0.5 + 2**-5, 17.0]).repeat(
+        flat.shape[1] // 8 + 1)[: flat.shape[1]]
+    flat[7, :] = torch.tensor([127.0, 0.5, 1.5, -2.5, 0.49999997, -126.5, 3.5, 64.5]).repeat(
+        flat.shape[1] // 8 + 1)[: flat.shape[1]]
+    return x
+
+
+@pytest.mark.parametrize("kv_dtype,gran", FORMATS, ids=FMT_IDS)
+@pytest.mark.parametrize("with_offset", [False, True], ids=["plain", "k_offset"])
+def test_store_bit_exact(kv_dtype, gran, with_offset):
+    gen = torch.Generator().manual_seed(1)
+    B, H, L = 2, 2, 24
+    dims = (64, 96) if gran == "block32" else (64, 80)
+    for D in dims:
+        for in_dtype in (torch.float32, torch.bfloat16):
+            kc, ks = empty_cache(kv_dtype, gran, B, H, L, D, gen)
+            vc, vs = empty_cache(kv_dtype, gran, B, H, L, D, gen)
+            ref = [t.clone() for t in (kc, ks, vc, vs)]
+            T = 11  # not a power of two
+            k = special_values(torch.randn(B, H, T, D, generator=gen) * 3).to(in_dtype).to(DEV)
+            v = special_values(torch.randn(B, H, T, D, generator=gen)).to(in_dtype).to(DEV)
+            off = (torch.randn(H, D, generator=gen) * 0.5).to(DEV) if with_offset else None
+            start = torch.tensor(5, device=DEV)
+            kernels.store_kv(kc, ks, vc, vs, k, v, start, off)
+            reference.store_kv(*ref, k, v, start, off)
+            assert codes_equal(kc, ref[0]) and codes_equal(vc, ref[2]), (D, in_dtype)
+            assert scales_equal(ks, ref[1]) and scales_equal(vs, ref[3]), (D, in_dtype)
+            # positions outside [start, start + T) are untouched
+            assert not as_bits(kc)[:, :, :5].any() and not as_bits(kc)[:, :, 5 + T:].any()
+
+
+def test_store_rounding_sweep():
+    """Dense sweep over e4m3 / q8_0 rounding boundaries: every midpoint, both sides, both signs."""
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    e4m3 = e4m3[torch.isfinite(e4m3)].unique()
+    mids = (e4m3[1:] + e4m3[:-1]) / 2
+    vals = torch.cat([e4m3, mids, torch.nextafter(mids, torch.full_like(mids, 1e9)),
+                      torch.nextafter(mids, torch.full_like(mids, -1e9))])
+    vals = torch.cat([vals, -vals, torch.tensor([500.0, -1e6])])  # out of range: saturates
+    D = 64
+    n = -(-vals.numel() // D) * D
+    x = torch.zeros(n)
+    x[: vals.numel()] = vals
+    x = x.view(1, 1, -1, D).to(DEV)
+    T = x.shape[2]
+    # static scale 1.0: x / 1 is x, so this tests the encoder itself on every boundary
+    for kv_dtype, gran in (("fp8_e4m3", "static"), ("q8_0", "block32"), ("fp8_e4m3", "token")):
+        fmt = formats.get_format(kv_dtype, gran)
+        c = torch.zeros(1, 1, T, D, dtype=fmt.code_dtype, device=DEV)
+        s = torch.ones(1, device=DEV) if fmt.is_static else torch.zeros(fmt.scale_shape(1, 1, T, D), dtype=fmt.scale_dtype, device=DEV)
+        ref = [c.clone(), s.clone(), c.clone(), s.clone()]
+        c2, s2 = c.clone(), s.clone()
+        start = torch.tensor(0, device=DEV)
+        kernels.store_kv(c, s, c2, s2, x, x * 0.37, start, None)
+        reference.store_kv(*ref, x, x * 0.37, start, None)
+        assert codes_equal(c, ref[0]) and codes_equal(c2, ref[2]), kv_dtype
+        if not fmt.is_static:
+            assert scales_equal(s, ref[1]) and scales_equal(s2, ref[3])
+
+
+def test_e4m3_all_256_codes_by_bits():
+    """The bit-manipulation e4m3 decoder (archs below sm_89) against torch on all 256 codes."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).view(1, 1, 8, 32).to(DEV)
+    scale = torch.ones(1, device=DEV)
+    kv_len = torch.tensor(8, device=DEV)
+    got = dequantize_launcher(codes, scale, None, kv_len, torch.float32, fp8_bits=True)
+    want = codes.float()
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert torch.equal(torch.signbit(got[~got.isnan()]), torch.signbit(want[~want.isnan()]))  # -0 stays -0
+    # and the native path agrees (on the NaN codes too, except in the interpreter, which decodes
+    # 0x7F / 0xFF as +-480)
+    got2 = dequantize_launcher(codes, scale, None, kv_len, torch.float32, fp8_bits=False)
+    finite = ~want.isnan()
+    assert torch.equal(got2[finite], want[finite])
+    if DEV == "cuda":
+        assert torch.equal(got2.isnan(), want.isnan())
+
+
+# ---------------------------------------------------------------------------------------------
+# dequantize
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_dtype,gran", FORMATS, ids=FMT_IDS)
+def test_dequantize_matches_reference(kv_dtype, gran):
+    gen = torch.Generator().manual_seed(2)
+    B, H, L, D = 2, 3, 21, 64
+    kc, ks, _, _ = random_cache(kv_dtype, gran, B, H, L, D, gen)
+    off = torch.randn(H, D, generator=gen).to(DEV)
+    for kv_len in (torch.tensor(13, device=DEV), torch.tensor([21, 4], device=DEV)):
+        for dtype in (torch.float32, torch.bfloat16):
+            for o in (None, off):
+                got = kernels.dequantize(kc, ks, o, kv_len, dtype)
+                want = reference.dequantize(kc, ks, o, kv_len, dtype)
+                assert torch.equal(got, want), (kv_len, dtype, o is None)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention vs the float64 oracle
+# ---------------------------------------------------------------------------------------------
+
+
+def check_attention(kv_dtype, gran, *, B=2, Hkv=2, group=2, Tq=1, L=37, D=64, kv_len=None, mask=None,
+                    causal=False, seed=0, q_dtype=torch.float32, tol=ATOL_REL, q_transposed=False, scale=None):
+    gen = torch.Generator().manual_seed(seed)
+    kc, ks, vc, vs = random_cache(kv_dtype, gran, B, Hkv, L, D, gen)
+    Hq = Hkv * group
+    if q_transposed:  # HF: q comes as a transpose of [B, Tq, Hq, D]
+        q = torch.randn(B, Tq, Hq, D, generator=gen).to(DEV).to(q_dtype).transpose(1, 2)
+    else:
+        q = torch.randn(B, Hq, Tq, D, generator=gen).to(DEV).to(q_dtype)
+    if kv_len is None:
+        kv_len = torch.tensor(L, device=DEV)
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    out = kernels.attention(q, kc, ks, vc, vs, kv_len, mask, causal, scale)
+    ref = reference.attention(q, kc, ks, vc, vs, kv_len, mask, causal, scale, compute_dtype=torch.float64)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert not out.isnan().any()
+    err = rel_err(out, ref)
+    assert err < tol, f"relative error {err:.3g} >= {tol}"
+    return out, ref
+
+
+@pytest.mark.parametrize("kv_dtype,gran", FORMATS, ids=FMT_IDS)
+@pytest.mark.parametrize("Tq,causal", [(1, False), (5, True), (24, True), (24, False)],
+                         ids=["decode", "spec5", "prefill-causal", "prefill"])
+def test_attention_formats(kv_dtype, gran, Tq, causal):
+    # per-batch lengths, neither a multiple of the block; prefill Tq fits inside the shorter one
+    kv_len = torch.tensor([37, 29], device=DEV)
+    check_attention(kv_dtype, gran, Tq=Tq, causal=causal, kv_len=kv_len, L=40)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("Tq", [1, 3, 20])
+def test_attention_gqa(group, Tq):
+    check_attention("fp8_e4m3", "token", Hkv=2, group=group, Tq=Tq, causal=Tq > 1, L=33, B=1)
+
+
+@pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("Tq", [1, 18])
+def test_attention_head_dims(D, Tq):
+    gran = "block32" if D % 32 == 0 and D != 64 else "token"
+    check_attention("fp8_e4m3", gran, D=D, Tq=Tq, causal=True, L=26, B=1, Hkv=1, group=2)
+
+
+def test_attention_unsupported_head_dim_raises():
+    gen = torch.Generator().manual_seed(0)
+    kc, ks, vc, vs = random_cache("fp8_e4m3", "token", 1, 1, 8, 48, gen)
+    q = torch.randn(1, 1, 1, 48, device=DEV)
+    with pytest.raises(ValueError, match="head_dim"):
+        kernels.attention(q, kc, ks, vc, vs, torch.tensor(8, device=DEV), None, False, None)
+
+
+@pytest.mark.parametrize("Tq", [1, 4, 20])
+def test_attention_left_padding_bool_mask(Tq):
+    """HF's mask for a left-padded batch: [B, 1, Tq, L] bool, expanded (stride 0) over heads."""
+    B, L = 2, 30
+    pad = torch.tensor([0, 7])
+    kv_len = 26
+    pos = torch.arange(L)
+    q_pos = kv_len - Tq + torch.arange(Tq)
+    m = (pos.view(1, 1, 1, L) >= pad.view(B, 1, 1, 1)) & (pos.view(1, 1, 1, L) <= q_pos.view(1, 1, Tq, 1))
+    m = m.expand(B, 1, Tq, L).to(DEV)
+    check_attention("q8_0", "block32", B=B, Tq=Tq, L=L, kv_len=torch.tensor(kv_len, device=DEV), mask=m, causal=False)
+
+
+@pytest.mark.parametrize("Tq", [1, 20])
+def test_attention_additive_mask(Tq):
+    gen = torch.Generator().manual_seed(5)
+    B, L, Hkv, group = 2, 23, 2, 2
+    m = torch.randn(B, Hkv * group, Tq, L, generator=gen)
+    m[:, :, :, 3] = float("-inf")
+    check_attention("fp8_e4m3", "block32", B=B, Hkv=Hkv, group=group, Tq=Tq, L=L, mask=m.to(DEV), causal=True)
+
+
+def test_attention_rows_without_keys_are_zero():
+    B, L, Tq = 1, 16, 3
+    m = torch.ones(B, 1, Tq, L, dtype=torch.bool)
+    m[:, :, 1, :] = False  # query 1 sees nothing
+    out, ref = check_attention("fp8_e4m3", "token", B=B, Tq=Tq, L=L, mask=m.to(DEV))
+    assert torch.all(out[:, :, 1] == 0)
+
+
+def test_attention_strided_q_and_scalar_scale():
+    check_attention("fp8_e4m3", "token", Tq=3, causal=True, q_transposed=True, scale=0.3)
+    check_attention("fp8_e4m3", "token", Tq=20, causal=True, q_transposed=True, scale=0.3)
+
+
+def test_attention_kv_len_zero_gives_zeros():
+    gen = torch.Generator().manual_seed(0)
+    kc, ks, vc, vs = random_cache("fp8_e4m3", "token", 2, 1, 16, 64, gen)
+    q = torch.randn(2, 2, 1, 64, device=DEV)
+    out = kernels.attention(q, kc, ks, vc, vs, torch.tensor([0, 5], device=DEV), None, False, None)
+    ref = reference.attention(q, kc, ks, vc, vs, torch.tensor([0, 5], device=DEV), None, False, None,
+                              compute_dtype=torch.float64)
+    assert torch.all(out[0] == 0) and rel_err(out[1], ref[1]) < ATOL_REL
+
+
+def test_decode_splits_depend_on_shapes_only():
+    s1 = attn_mod.decode_splits(programs=8, max_len=32768, block_n=64, sms=132)
+    assert s1 == attn_mod.decode_splits(programs=8, max_len=32768, block_n=64, sms=132)
+    splits, split_len = s1
+    assert split_len % 64 == 0 and splits * split_len >= 32768 and (splits - 1) * split_len < 32768
+    assert attn_mod.decode_splits(programs=8, max_len=10, block_n=64, sms=132) == (1, 64)
+
+
+def test_decode_many_splits_match():
+    """A long cache with a short live prefix: most splits exit at once, the merge skips them."""
+    check_attention("fp8_e4m3", "token", B=2, Hkv=1, group=4, L=300, Tq=2, causal=True,
+                    kv_len=torch.tensor([17, 250], device=DEV))
+
+
+# ---------------------------------------------------------------------------------------------
+# dense-dequant prefill path
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["equal-causal", "ragged-mask", "extend-additive"])
+def test_dense_path(case, monkeypatch):
+    monkeypatch.setenv("KVCOMPILE_PREFILL", "dense")
+    if case == "equal-causal":
+        check_attention("fp8_e4m3", "token", Tq=20, L=20, causal=True, group=4)
+    elif case == "ragged-mask":
+        m = torch.ones(2, 1, 20, 30, dtype=torch.bool)
+        m[1, :, :, :4] = False
+        check_attention("q8_0", "block32", Tq=20, L=30, causal=True, kv_len=torch.tensor([30, 25], device=DEV),
+                        mask=m.to(DEV))
+    else:
+        m = torch.randn(1, 1, 20, 40)
+        check_attention("fp8_e4m3", "static", B=1, Tq=20, L=40, causal=True, kv_len=torch.tensor(33, device=DEV),
+                        mask=m.to(DEV))
+
+
+def test_dense_workspace_released_when_sdpa_raises(monkeypatch):
+    """Inject a failure after the workspace exists: it must be freed, not kept by the traceback."""
+    monkeypatch.setenv("KVCOMPILE_PREFILL", "dense")
+    refs = []
+
+    def boom(q, k, v, attn_mask, is_causal, scale, enable_gqa):
+        refs.extend([weakref.ref(k), weakref.ref(v)])
+        del k, v, attn_mask
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(attn_mod, "_sdpa", boom)
+    gen = torch.Generator().manual_seed(0)
+    kc, ks, vc, vs = random_cache("fp8_e4m3", "token", 1, 1, 24, 64, gen)
+    q = torch.randn(1, 2, 20, 64, device=DEV)
+    with pytest.raises(RuntimeError, match="injected") as info:
+        kernels.attention(q, kc, ks, vc, vs, torch.tensor(24, device=DEV), None, True, None)
+    assert info.value is not None  # the traceback is still alive here
+    assert len(refs) == 2 and all(r() is None for r in refs), "dense workspace kept alive after a failure"
+
+
+def test_prefill_path_option(monkeypatch):
+    q = torch.empty(1, 1, 32, 64, device=DEV)
+    monkeypatch.setenv("KVCOMPILE_PREFILL", "fused")
+    assert attn_mod.prefill_path(q) == "fused"
+    monkeypatch.setenv("KVCOMPILE_PREFILL", "dense")
+    assert attn_mod.prefill_path(q) == "dense"
+    assert attn_mod.prefill_path(q[:, :, :4]) == "decode"
+    monkeypatch.setenv("KVCOMPILE_PREFILL", "bogus")
+    with pytest.raises(ValueError, match="KVCOMPILE_PREFILL"):
+        attn_mod.prefill_path(q)
+
+
+# ---------------------------------------------------------------------------------------------
+# through the ops, KVCOMPILE_KERNELS=triton
+# ---------------------------------------------------------------------------------------------
+
+
+def test_ops_dispatch_to_triton(monkeypatch):
+    import kvcompile  # noqa: F401  (registers the ops)
+
+    monkeypatch.setenv("KVCOMPILE_KERNELS", "triton")
+    gen = torch.Generator().manual_seed(3)
+    B, H, L, D = 1, 2, 16, 64
+    kc, ks = empty_cache("fp8_e4m3", "token", B, H, L, D, gen)
+    vc, vs = empty_cache("fp8_e4m3", "token", B, H, L, D, gen)
+    k = torch.randn(B, H, 6, D, generator=gen).to(DEV)
+    v = torch.randn(B, H, 6, D, generator=gen).to(DEV)
+    start = torch.tensor(0, device=DEV)
+    torch.ops.kvcompile.store_kv(kc, ks, vc, vs, k, v, start, None)
+    ref = [t.clone().zero_() for t in (kc, ks, vc, vs)]
+    reference.store_kv(*ref, k, v, start, None)
+    assert codes_equal(kc, ref[0]) and scales_equal(vs, ref[3])
+    q = torch.randn(B, 4, 1, D, generator=gen).to(DEV)
+    kv_len = torch.tensor(6, device=DEV)
+    out = torch.ops.kvcompile.attention(q, kc, ks, vc, vs, kv_len, None, False, None)
+    want = reference.attention(q, kc, ks, vc, vs, kv_len, None, False, None, compute_dtype=torch.float64)
+    assert rel_err(out, want) < ATOL_REL
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU only
+# ---------------------------------------------------------------------------------------------
+
+BF16_TOL = 1e-2  # bf16 P and output rounding (module docstring); measured ~3e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kv_dtype,gran", FORMATS, ids=FMT_IDS)
+@pytest.mark.parametrize("Tq", [1, 8, 300])
+def test_gpu_bf16_attention(kv_dtype, gran, Tq):
+    check_attention(kv_dtype, gran, B=3, Hkv=8, group=4, Tq=Tq, L=1000, D=128, causal=True,
+                    kv_len=torch.tensor([1000, 517, 301], device=DEV), q_dtype=torch.bfloat16, tol=BF16_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("path", ["fused", "dense"])
+def test_gpu_prefill_paths_bf16(path, monkeypatch):
+    monkeypatch.setenv("KVCOMPILE_PREFILL", path)
+    check_attention("fp8_e4m3", "token", B=1, Hkv=8, group=4, Tq=2048, L=2048, D=128, causal=True,
+                    q_dtype=torch.bfloat16, tol=BF16_TOL)
+    check_attention("q8_0", "block32", B=2, Hkv=2, group=2, Tq=700, L=1500, D=128, causal=True,
+                    kv_len=torch.tensor([1500, 900], device=DEV), q_dtype=torch.float16, tol=BF16_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_decode_in_cuda_graph():
+    """Decode is graph safe: capture once, change kv_len on the device, replay: still right."""
+    gen = torch.Generator().manual_seed(7)
+    B, Hkv, L, D = 2, 8, 2048, 128
+    kc, ks, vc, vs = random_cache("fp8_e4m3", "token", B, Hkv, L, D, gen)
+    q = torch.randn(B, 32, 1, D, generator=gen).to(DEV).bfloat16()
+    kv_len = torch.tensor([100, 200], device=DEV)
+    kernels.attention(q, kc, ks, vc, vs, kv_len, None, False, None)  # compile outside capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = kernels.attention(q, kc, ks, vc, vs, kv_len, None, False, None)
+    for lens in ([100, 200], [2048, 1], [1500, 777]):
+        kv_len.copy_(torch.tensor(lens))
+        g.replay()
+        ref = reference.attention(q, kc, ks, vc, vs, kv_len, None, False, None, compute_dtype=torch.float64)
+        assert rel_err(out, ref) < BF16_TOL, lens
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fp8_by_bits_path(monkeypatch):
+    """Force the below-sm_89 decoder on this GPU: same results as the native e4m3 loads."""
+    monkeypatch.setattr(tiles, "has_native_fp8", lambda cc: False)
+    check_attention("fp8_e4m3", "token", B=2, Hkv=2, group=4, Tq=1, L=500, D=128, q_dtype=torch.bfloat16,
+                    tol=BF16_TOL)
+    check_attention("fp8_e4m3", "block32", B=1, Hkv=2, group=2, Tq=100, L=300, D=128, causal=True,
+                    q_dtype=torch.bfloat16, tol=BF16_TOL)

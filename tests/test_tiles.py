@@ -1,0 +1,66 @@
+"""kvcompile.tiles: the arch/tile table (pure Python, no GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcompile import tiles
+
+ARCHS = [(7, 0), (7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)]
+HEAD_DIMS = [64, 80, 96, 128, 256]
+Q_BYTES = [2, 4]
+
+
+def area(t: tiles.Tile) -> int:
+    return t.block_m * t.block_n
+
+
+@pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("qb", Q_BYTES)
+def test_tiles_fit_and_fp8_is_never_smaller(cc, D, qb):
+    limit = tiles.SMEM_BYTES[cc]
+    for pick, extra in ((tiles.prefill_tile, ()), (tiles.decode_tile, (16,)), (tiles.decode_tile, (64,))):
+        t16 = pick(cc, D, qb, 2, 2, *extra)
+        t8 = pick(cc, D, qb, 1, 1, *extra)
+        for t, kb in ((t16, 2), (t8, 1)):
+            assert tiles.smem_bytes(t, D, qb, kb, kb) <= limit, (pick.__name__, t, kb)
+        # a 1-byte cache is billed at 1 byte: its tile is at least as large as the 16-bit one
+        assert area(t8) >= area(t16) and t8.block_n >= t16.block_n, (pick.__name__, t8, t16)
+
+
+def _pick_billing_16bit_only(cands, cc, D, qb):
+    """The choice a 16-bit-only table makes: first candidate that fits at 2 bytes per K/V element."""
+    for t in cands:
+        if tiles.smem_bytes(t, D, qb, 2, 2) <= tiles.SMEM_BYTES[cc]:
+            return t
+
+
+@pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
+@pytest.mark.parametrize("D", [64, 128])
+def test_16bit_choices_unchanged_by_fp8_accounting(cc, D):
+    # widened-operand terms only apply to 8-bit operands: the 16-bit pick equals the plain table's
+    cands = tiles._PREFILL_CANDIDATES
+    if cc < (8, 0):
+        cands = tuple(tiles.dataclasses.replace(t, num_stages=min(t.num_stages, 2)) for t in cands)
+    assert tiles.prefill_tile(cc, D, 2, 2, 2) == _pick_billing_16bit_only(cands, cc, D, 2)
+
+
+def test_h200_fp8_prefill_gets_the_larger_tile():
+    assert area(tiles.prefill_tile((9, 0), 128, 2, 1, 1)) > area(tiles.prefill_tile((9, 0), 128, 2, 2, 2))
+
+
+def test_native_fp8_from_sm89():
+    assert [tiles.has_native_fp8(c) for c in ARCHS] == [False, False, False, False, True, True, True, True]
+
+
+def test_unsupported_head_dim_is_refused_clearly():
+    with pytest.raises(ValueError, match="head_dim"):
+        tiles.prefill_tile((9, 0), 48, 2, 1, 1)
+    with pytest.raises(ValueError, match="KVCOMPILE_KERNELS=reference"):
+        tiles.decode_tile((9, 0), 100, 2, 1, 1)
+
+
+def test_unknown_newer_arch_uses_closest_known():
+    assert tiles._smem_limit((9, 5)) == tiles.SMEM_BYTES[(9, 0)]
+    assert tiles.prefill_tile((11, 0), 128, 2, 1, 1) == tiles.prefill_tile((10, 0), 128, 2, 1, 1)
