@@ -78,6 +78,9 @@ log = logging.getLogger("kvcompile")
 __all__ = ["KVAttentionPass", "PassReport", "PATTERNS", "KVDtypeMismatch"]
 
 DEQUANTIZE = torch.ops.kvcompile.dequantize.default
+# Dynamo records ``ops.dequantize(...)`` (the custom_op wrapper) as the overload, and a direct
+# ``torch.ops.kvcompile.dequantize(...)`` call as the packet: accept both.
+DEQUANTIZE_TARGETS = (DEQUANTIZE, torch.ops.kvcompile.dequantize)
 ATTENTION = torch.ops.kvcompile.attention.default
 SDPA = F.scaled_dot_product_attention
 MATMUL = [torch.matmul, operator.matmul]
@@ -98,7 +101,7 @@ class KVDtypeMismatch(ValueError):
 def _dequantized(kv: str) -> PatternExpr:
     """``kvcompile::dequantize(codes, scale, offset, kv_len, dtype)``; kv_len shared by K and V."""
     return CallFunction(
-        DEQUANTIZE,
+        list(DEQUANTIZE_TARGETS),
         KeywordArg(f"{kv}_codes"),
         KeywordArg(f"{kv}_scale"),
         Ignored(),  # K centering offset: softmax-invariant, never read by the op
@@ -299,7 +302,7 @@ class KVAttentionPass(CustomGraphPass):
 
     def apply(self, graph: fx.Graph) -> PassReport:
         report = PassReport(self.kv_dtype)
-        dequants = list(graph.find_nodes(op="call_function", target=DEQUANTIZE))
+        dequants = [n for t in DEQUANTIZE_TARGETS for n in graph.find_nodes(op="call_function", target=t)]
         if not dequants:
             return report
         self._check_kv_dtype(dequants)
@@ -484,7 +487,7 @@ def _check_mask(mask: Any, node: fx.Node, kw: dict) -> Any:
 def _repeat_factor(x: fx.Node, dq_shape: tuple) -> int:
     """How many times the K/V chain ending at ``x`` repeats each kv head (interleaved), proven
     from shapes; raises _Skip when the chain is anything else."""
-    if x.target is DEQUANTIZE:
+    if x.target in DEQUANTIZE_TARGETS:
         return 1
     out = _shape(x)
     B, H, L, D = dq_shape

@@ -1,0 +1,316 @@
+"""KVAttentionPass on real HF graphs and on each spelling: op counts before/after, then numerics.
+
+The pass-only backend (tests/test_pass_models.PassOnly) runs the rewritten Dynamo graph eagerly,
+so these tests cost tracing only; tests/test_backend.py runs the same models through Inductor.
+
+Tolerance: both sides use the same cache codes and the reference math in float32 (eager:
+``reference.dequantize`` to fp32 then SDPA / matmul-softmax in fp32; rewritten: ``reference.attention``
+in fp32 over the same codes), so they differ only by float32 summation order: ~1e-6.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kvcompile
+from kvcompile.passes import PATTERNS, KVAttentionPass
+from test_pass_models import (
+    FAMILIES,
+    PassOnly,
+    fresh_dynamo,
+    greedy,
+    make_cache,
+    make_model,
+    prompt,
+)
+
+ATOL = RTOL = 2e-5
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_hf_attention_is_rewritten(family, attn):
+    """Every layer's attention over the cache -> one kvcompile::attention, in prefill and decode
+    graphs; left-padded batch on even families, unpadded on odd ones (both masks are 4-D:
+    bool for sdpa, additive for eager). Logits match the eager model at real positions."""
+    padded = list(FAMILIES).index(family) % 2 == 0
+    fresh_dynamo()
+    model, kv_dtype = make_model(family, attn)
+    layers = model.config.num_hidden_layers
+    ids, mask = prompt(padded)
+    expected = greedy(model.forward, model, make_cache(model, kv_dtype), ids, mask, steps=3)
+
+    backend = PassOnly(kv_dtype)
+    compiled = torch.compile(model.forward, backend=backend, fullgraph=True)
+    got = greedy(compiled, model, make_cache(model, kv_dtype), ids, mask, steps=3)
+
+    assert len(backend.graphs) >= 2, "expected a prefill and a decode graph"
+    anchor = "sdpa" if attn == "sdpa" else "softmax"
+    for before, after, report in backend.graphs:
+        assert before[anchor] == layers and before["dequantize"] == 2 * layers, before
+        assert after[anchor] == 0 and after["dequantize"] == 0 and after["kv_attention"] == layers, after
+        assert (report.found, report.rewritten, report.skipped) == (layers, layers, [])
+        assert report.kv_dtype == kv_dtype
+        if attn == "eager":
+            assert after["matmul"] == 0
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_padded_and_unpadded_both_rewrite(family):
+    """The other padding case for two families (GQA and MHA), sdpa + decode."""
+    padded = list(FAMILIES).index(family) % 2 == 1
+    fresh_dynamo()
+    model, kv_dtype = make_model(family, "sdpa")
+    ids, mask = prompt(padded)
+    expected = greedy(model.forward, model, make_cache(model, kv_dtype), ids, mask, steps=2)
+    backend = PassOnly(kv_dtype)
+    got = greedy(torch.compile(model.forward, backend=backend, fullgraph=True), model,
+                 make_cache(model, kv_dtype), ids, mask, steps=2)
+    for _, after, report in backend.graphs:
+        assert report.rewritten == report.found == 2 and after["sdpa"] == 0
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
+
+
+def test_sdpa_enable_gqa(monkeypatch):
+    """HF passes enable_gqa=True (no repeat_kv) when TRANSFORMERS_SDPA_FORCE_GQA=1 (the CUDA path)."""
+    monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+    fresh_dynamo()
+    model, kv_dtype = make_model("llama", "sdpa")
+    ids, mask = prompt(True)
+    expected = greedy(model.forward, model, make_cache(model, kv_dtype), ids, mask, steps=2)
+    backend = PassOnly(kv_dtype)
+    got = greedy(torch.compile(model.forward, backend=backend, fullgraph=True), model,
+                 make_cache(model, kv_dtype), ids, mask, steps=2)
+    for _, after, report in backend.graphs:
+        assert report.patterns == {"sdpa[direct]": 2}
+        assert after["kv_attention"] == 2 and after["sdpa"] == 0
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# spellings HF does not emit on CPU under torch.compile: a one-layer module over the cache
+# ---------------------------------------------------------------------------------------------
+
+B, HQ, D, L = 2, 4, 32, 16
+
+
+class _Cfg:
+    """Minimal config for a QuantizedCache with one layer."""
+
+    def __init__(self, hkv):
+        self.num_hidden_layers = 1
+        self.num_attention_heads = HQ
+        self.num_key_value_heads = hkv
+        self.head_dim = D
+        self.hidden_size = HQ * D
+        self.max_position_embeddings = L
+
+
+def _repeat_kv(x, n):
+    b, h, s, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+
+
+def _eager(q, k, v, mask, scaling, dropout_first=False):
+    s = torch.matmul(q, k.transpose(2, 3)) * scaling
+    if mask is not None:
+        s = s + mask
+    p = F.softmax(s, dim=-1, dtype=torch.float32)
+    if dropout_first:
+        p = F.dropout(p, p=0.0, training=False).to(q.dtype)
+    else:
+        p = F.dropout(p.to(q.dtype), p=0.0, training=False)
+    return torch.matmul(p, v)
+
+
+SPELLINGS = {
+    # name: (kv heads, attention(q, k, v, mask_bool, mask_add) -> out, uses which mask, rewritten?)
+    "sdpa_gqa_nomask": (2, lambda q, k, v, mb, ma: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), None),
+    "sdpa_mqa_bool_scale": (1, lambda q, k, v, mb, ma: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mb, enable_gqa=True, scale=0.3), "bool"),
+    "sdpa_repeat_kv_additive": (2, lambda q, k, v, mb, ma: F.scaled_dot_product_attention(
+        q, _repeat_kv(k, 2), _repeat_kv(v, 2), ma), "add"),
+    "sdpa_repeat_interleave": (2, lambda q, k, v, mb, ma: F.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), attn_mask=mb), "bool"),
+    "sdpa_torch_repeat_interleave": (1, lambda q, k, v, mb, ma: F.scaled_dot_product_attention(
+        q, torch.repeat_interleave(k, 4, dim=1), torch.repeat_interleave(v, 4, dim=1), mb), "bool"),
+    "sdpa_mha_positional_mask": (4, lambda q, k, v, mb, ma: F.scaled_dot_product_attention(q, k, v, mb, 0.0), "bool"),
+    "eager_mha_nomask": (4, lambda q, k, v, mb, ma: _eager(q, k, v, None, D ** -0.5), None),
+    "eager_gqa_additive": (2, lambda q, k, v, mb, ma: _eager(q, _repeat_kv(k, 2), _repeat_kv(v, 2), ma, 0.2), "add"),
+    "eager_dropout_first": (1, lambda q, k, v, mb, ma: _eager(
+        q, k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1), ma, 0.2, dropout_first=True), "add"),
+}
+
+
+class OneLayer(torch.nn.Module):
+    def __init__(self, attention, hkv, trim=False):
+        super().__init__()
+        self.attention = attention
+        self.hkv = hkv
+        self.trim = trim
+
+    def forward(self, q, k, v, cache, mask_bool, mask_add):
+        keys, values = cache.update(k, v, 0)
+        if self.trim and not torch.compiler.is_compiling():
+            # no mask: the eager oracle attends to the stored tokens only (the op's kv_len semantics;
+            # over the untrimmed buffer it would also attend to the zero keys of empty slots)
+            n = int(cache.layers[0].cumulative_length)
+            keys, values = keys[:, :, :n], values[:, :, :n]
+        return self.attention(q, keys, values, mask_bool, mask_add)
+
+
+def _masks(tq, start):
+    """HF-style masks for queries at positions start..start+tq-1 over L slots, row 0 left-padded by 2."""
+    pos = torch.arange(tq).view(-1, 1) + start
+    keep = (torch.arange(L).view(1, -1) <= pos).expand(B, 1, tq, L).clone()
+    keep[0, :, :, :2] = False
+    add = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    return keep, add
+
+
+def _run_one_layer(attention, hkv, kv_dtype="fp8_e4m3", steps=((5, True), (1, True), (1, True)), trim=False):
+    """Run prefill/decode chunks (tq, with_masks) eagerly and through the pass; return both outputs."""
+    fresh_dynamo()
+    torch.manual_seed(0)
+    chunks = [(torch.randn(B, HQ, t, D), torch.randn(B, hkv, t, D), torch.randn(B, hkv, t, D)) for t, _ in steps]
+    mod = OneLayer(attention, hkv, trim)
+    backend = PassOnly(kv_dtype)
+    compiled = torch.compile(mod, backend=backend, fullgraph=True)
+    outs = []
+    for fn in (mod, compiled):
+        cache = kvcompile.QuantizedCache(_Cfg(hkv), max_batch_size=B, max_cache_len=L, kv_dtype=kv_dtype, device="cpu")
+        start, res = 0, []
+        for (q, k, v), (t, _) in zip(chunks, steps):
+            mb, ma = _masks(t, start)
+            res.append(fn(q, k, v, cache, mb, ma))
+            start += t
+        outs.append(res)
+    # padded query rows (no visible key) are undefined under any attention: compare real rows only
+    real = []
+    start = 0
+    for t, _ in steps:
+        mb, _ = _masks(t, start)
+        real.append(mb.any(-1, keepdim=True).expand(B, HQ, t, D))
+        start += t
+    outs = [[o[r] for o, r in zip(res, real)] for res in outs]
+    return outs, backend
+
+
+@pytest.mark.parametrize("name", list(SPELLINGS))
+def test_spelling_is_rewritten(name):
+    hkv, attention, mask = SPELLINGS[name]
+    (expected, got), backend = _run_one_layer(attention, hkv, trim=mask is None)
+    for before, after, report in backend.graphs:
+        assert (report.found, report.rewritten, report.skipped) == (1, 1, []), report
+        assert after["kv_attention"] == 1 and after["sdpa"] == after["softmax"] == after["dequantize"] == 0
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
+
+
+def test_is_causal_when_queries_fill_the_cache():
+    """is_causal with Tq == L: top-left == bottom-right; rewritten with the cache's own length."""
+    (expected, got), backend = _run_one_layer(
+        lambda q, k, v, mb, ma: F.scaled_dot_product_attention(q, k, v, is_causal=True), 4, steps=((L, False),))
+    (_, after, report), = backend.graphs
+    assert report.rewritten == 1 and after["kv_attention"] == 1
+    torch.testing.assert_close(got[0], expected[0], atol=ATOL, rtol=RTOL)
+
+
+def test_is_causal_prefill_shorter_than_cache():
+    """is_causal with Tq < L (empty cache, then a second chunk): SDPA's top-left causal is reproduced
+    exactly through kv_len = min(kv_len, Tq), proven by the layer's cumulative_length.add_(Tq)."""
+    (expected, got), backend = _run_one_layer(
+        lambda q, k, v, mb, ma: F.scaled_dot_product_attention(
+            q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), is_causal=True),
+        2, steps=((5, False), (5, False)))
+    for _, after, report in backend.graphs:
+        assert report.rewritten == 1 and after["kv_attention"] == 1
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
+
+
+class _NoLengthProof(torch.nn.Module):
+    """Reads a kvcompile cache whose length comes from outside: nothing proves kv_len >= Tq."""
+
+    def forward(self, q, k_codes, k_scale, v_codes, v_scale, kv_len):
+        k = torch.ops.kvcompile.dequantize(k_codes, k_scale, None, kv_len, q.dtype)
+        v = torch.ops.kvcompile.dequantize(v_codes, v_scale, None, kv_len, q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_unprovable_is_causal_is_skipped_with_reason():
+    fresh_dynamo()
+    codes = torch.zeros(B, 4, L, D, dtype=torch.float8_e4m3fn)
+    scale = torch.ones(B, 4, L, 1)
+    backend = PassOnly("fp8_e4m3")
+    q = torch.randn(B, 4, 3, D)
+    args = (q, codes, scale, codes.clone(), scale.clone(), torch.tensor(8))
+    out = torch.compile(_NoLengthProof(), backend=backend, fullgraph=True)(*args)
+    torch.testing.assert_close(out, _NoLengthProof()(*args))
+    (_, after, report), = backend.graphs
+    assert report.found == 1 and report.rewritten == 0 and after["sdpa"] == 1
+    (site, reason), = report.skipped
+    assert "is_causal" in reason and "top-left" in reason
+
+
+def test_dropout_is_skipped_with_reason():
+    _, backend = _run_one_layer(
+        lambda q, k, v, mb, ma: F.scaled_dot_product_attention(q, k, v, attn_mask=mb, dropout_p=0.1), 4,
+        steps=((3, True),))
+    (_, after, report), = backend.graphs
+    assert report.found == 1 and report.rewritten == 0 and after["sdpa"] == 1
+    (site, reason), = report.skipped
+    assert "dropout_p=0.1" in reason
+
+
+def test_softcapping_is_left_alone_and_reported():
+    """Gemma-2's eager attention with logit softcapping is not a spelling the op implements."""
+    import transformers
+
+    fresh_dynamo()
+    cfg = transformers.Gemma2Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                    sliding_window=64, attn_logit_softcapping=50.0, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    ids, mask = prompt(False)
+    from test_pass_models import make_cache as mk
+
+    expected = greedy(model.forward, model, mk(model, "fp8_e4m3"), ids, mask, steps=1)
+    pass_only = PassOnly("fp8_e4m3")
+    got = greedy(torch.compile(model.forward, backend=pass_only, fullgraph=True), model,
+                 mk(model, "fp8_e4m3"), ids, mask, steps=1)
+    for before, after, report in pass_only.graphs:
+        assert report.found == 2 and report.rewritten == 0 and len(report.skipped) == 2
+        assert after == before  # graph unchanged
+        assert all("not recognised" in reason for _, reason in report.skipped)
+        assert all(site.startswith("model.layers.") for site, _ in report.skipped)
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
+
+
+def test_patterns_are_explicit_and_uuid_is_stable():
+    assert {"sdpa[direct]", "sdpa[repeat_kv]", "eager[repeat_kv, mask]", "eager[direct]"} <= set(PATTERNS)
+    a, b, c = KVAttentionPass("fp8_e4m3"), KVAttentionPass("fp8_e4m3"), KVAttentionPass("q8_0")
+    assert a.uuid() == b.uuid() != c.uuid()
+
+
+def test_no_cache_graph_is_untouched():
+    fresh_dynamo()
+    backend = PassOnly("fp8_e4m3")
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    x = torch.randn(1, 2, 4, 8)
+    torch.compile(f, backend=backend, fullgraph=True)(x, x, x)
+    (before, after, report), = backend.graphs
+    assert before == after and report.as_dict() == {"found": 0, "rewritten": 0, "skipped": [], "kv_dtype": "fp8_e4m3"}

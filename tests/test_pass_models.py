@@ -1,0 +1,141 @@
+"""Tiny Hugging Face models and drivers shared by the pass/backend tests (no tests here).
+
+Every config is the real architecture shrunk to 2 layers and hidden 64 so that Dynamo tracing
+and Inductor's CPU compile stay within CI's 2 cores; the real sizes are in the comments.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+import kvcompile
+from kvcompile.passes import KVAttentionPass
+
+VOCAB = 96
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=128)
+
+# family -> (config class, tiny kwargs, kv_dtype the cache uses in tests)
+FAMILIES = {
+    # Llama-3-8B: hidden 4096, 32 layers, 32 q / 8 kv heads, head_dim 128 (GQA)
+    "llama": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2), "fp8_e4m3"),
+    # Mistral-7B: hidden 4096, 32 layers, 32 / 8 heads, sliding window 4096 (MQA here)
+    "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=1, sliding_window=4096), "fp8_e4m3"),
+    # Qwen2-7B: hidden 3584, 28 layers, 28 / 4 heads, head_dim 128, qkv bias
+    "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2), "fp8_e4m3"),
+    # Qwen3-8B: hidden 4096, 36 layers, 32 / 8 heads, head_dim 128, q/k RMSNorm
+    "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32), "q8_0"),
+    # Phi-3-mini: hidden 3072, 32 layers, 32 / 32 heads (MHA), head_dim 96, fused qkv
+    "phi3": ("Phi3Config", dict(num_attention_heads=4, num_key_value_heads=4, sliding_window=None,
+                                pad_token_id=0, bos_token_id=1, eos_token_id=2), "fp8_e4m3"),
+    # Gemma-2B: hidden 2048, 18 layers, 8 q / 1 kv head (MQA), head_dim 256, query_pre_attn_scalar
+    "gemma": ("GemmaConfig", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=32), "q8_0"),
+}
+
+MAX_LEN = 32
+BATCH = 2
+PROMPT = 6
+
+
+def make_model(family: str, attn: str, seed: int = 0):
+    cls_name, kw, kv_dtype = FAMILIES[family]
+    cfg = getattr(transformers, cls_name)(**_COMMON, **kw)
+    cfg._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+    return model, kv_dtype
+
+
+def cache_kwarg(model) -> str:
+    """``cache`` (transformers >= 5.2x) or ``past_key_values`` (5.17 on the GPU box)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def generate_cache_kwarg(model) -> str:
+    return cache_kwarg(model)
+
+
+def make_cache(model, kv_dtype: str, max_len: int = MAX_LEN, batch: int = BATCH):
+    return kvcompile.QuantizedCache(model.config, max_batch_size=batch, max_cache_len=max_len, kv_dtype=kv_dtype, device="cpu")
+
+
+def prompt(padded: bool, batch: int = BATCH, length: int = PROMPT, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, length), generator=g)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    if padded:
+        mask[0, :3] = 0  # left padding on the first row
+        ids[0, :3] = 0
+    return ids, mask
+
+
+def greedy(forward, model, cache, ids, mask, steps: int):
+    """Prefill + ``steps`` greedy decode steps through ``forward``; returns the logits of each call
+    (at real positions only: padded query rows are undefined under any attention)."""
+    kw = cache_kwarg(model)
+    real = mask.bool()
+    outs = []
+    with torch.no_grad():
+        logits = forward(input_ids=ids, attention_mask=mask, use_cache=True, **{kw: cache}).logits
+        outs.append(logits[real])
+        for _ in range(steps):
+            nxt = logits[:, -1:].argmax(-1)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            logits = forward(input_ids=nxt, attention_mask=mask, use_cache=True, **{kw: cache}).logits
+            outs.append(logits[:, -1])
+    return outs
+
+
+# ---------------------------------------------------------------------------------------------
+# a backend that runs the pass only (no Inductor) and keeps each graph before/after
+# ---------------------------------------------------------------------------------------------
+
+SDPA = F.scaled_dot_product_attention
+DEQUANTIZE = torch.ops.kvcompile.dequantize.default
+ATTENTION = torch.ops.kvcompile.attention.default
+
+
+def op_counts(graph: torch.fx.Graph) -> dict:
+    c = {"sdpa": 0, "softmax": 0, "dequantize": 0, "kv_attention": 0, "matmul": 0}
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is SDPA:
+            c["sdpa"] += 1
+        elif n.target in (F.softmax, torch.softmax):
+            c["softmax"] += 1
+        elif n.target in (DEQUANTIZE, torch.ops.kvcompile.dequantize):
+            c["dequantize"] += 1
+        elif n.target is ATTENTION:
+            c["kv_attention"] += 1
+        elif n.target in (torch.matmul, operator.matmul):
+            c["matmul"] += 1
+    return c
+
+
+class PassOnly:
+    """torch.compile backend: KVAttentionPass then run the rewritten graph eagerly."""
+
+    def __init__(self, kv_dtype: str):
+        self.graph_pass = KVAttentionPass(kv_dtype)
+        self.graphs = []  # (counts before, counts after, report)
+
+    def __call__(self, gm, example_inputs, **_):
+        before = op_counts(gm.graph)
+        report = self.graph_pass.apply(gm.graph)
+        gm.graph.lint()
+        gm.recompile()
+        self.graphs.append((before, op_counts(gm.graph), report))
+        return gm.forward
+
+
+def fresh_dynamo():
+    torch._dynamo.reset()
+
+
+requires_family = pytest.mark.parametrize("family", list(FAMILIES))
