@@ -153,7 +153,7 @@ def _as_id_rows(item: Any, tokenizer) -> list[torch.Tensor]:
                 "kvcompile.calibrate: got text but no tokenizer; pass tokenizer=AutoTokenizer.from_pretrained(...) "
                 "or give token-id tensors / tokenizer outputs instead of strings"
             )
-        return [torch.as_tensor(tokenizer(item, return_tensors="pt")["input_ids"][0])]
+        return [torch.as_tensor(list(tokenizer.encode(item)), dtype=torch.long)]
     mask = None
     if isinstance(item, Mapping) or hasattr(item, "keys"):
         if "input_ids" not in item:

@@ -1,0 +1,121 @@
+"""``python -m kvcompile info``: the GPU, the attention tiles chosen for it, and the KV formats.
+
+Prints the detected CUDA device and compute capability (or "no CUDA device"), the prefill and
+decode tiles :mod:`kvcompile.tiles` picks for common head dims per format on that arch (on a
+machine without CUDA: for a few reference archs), and every format with its bytes per element.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+HEAD_DIMS = (64, 128, 256)
+REFERENCE_ARCHS = ((8, 0), (8, 9), (9, 0))  # shown when no GPU is present: A100, L40/4090, H100/H200
+Q_BYTES = 2  # bf16 / fp16 queries
+
+
+def _device_lines() -> tuple[list[str], list[tuple[int, int]]]:
+    import torch
+
+    lines = [f"torch {torch.__version__}"]
+    try:
+        import triton
+
+        lines.append(f"triton {triton.__version__}")
+    except ImportError:
+        lines.append("triton not installed (the reference ops run)")
+    if not torch.cuda.is_available():
+        lines.append("GPU: no CUDA device (the pure-torch reference ops run; KVCOMPILE_KERNELS=reference)")
+        return lines, []
+    archs = []
+    for i in range(torch.cuda.device_count()):
+        cc = torch.cuda.get_device_capability(i)
+        props = torch.cuda.get_device_properties(i)
+        lines.append(
+            f"GPU {i}: {props.name}  sm_{cc[0]}{cc[1]}  {props.total_memory / 2**30:.0f} GiB"
+        )
+        if cc not in archs:
+            archs.append(cc)
+    return lines, archs
+
+
+def _format_rows():
+    """(name, kv_dtype, granularity, bytes/element at head_dim 64 and 128, scale dtype) per format."""
+    from . import formats
+
+    rows = []
+    for kv in formats.KV_DTYPES:
+        for g in formats.SCALE_GRANULARITIES:
+            try:
+                fmt = formats.KVFormat(kv, g)
+            except ValueError:
+                continue
+            rows.append((fmt, [fmt.bytes_per_element(d) for d in (64, 128)]))
+    return rows
+
+
+def _tile_lines(archs) -> list[str]:
+    try:
+        from . import tiles
+    except ImportError as e:
+        return [f"tile table unavailable ({e})"]
+    shown = archs or list(REFERENCE_ARCHS)
+    lines = []
+    if not archs:
+        lines.append("(no GPU: tiles shown for reference archs " + ", ".join(f"sm_{a}{b}" for a, b in shown) + ")")
+    lines.append(f"{'arch':8s} {'head_dim':>8s} {'K/V bytes':>9s}  {'prefill (M,N,warps,stages)':28s} "
+                 f"{'decode (M,N,warps,stages)':28s}")
+    for cc in shown:
+        for d in HEAD_DIMS:
+            for kv_bytes, label in ((1, "8-bit"), (2, "16-bit")):
+                try:
+                    p = tiles.prefill_tile(tuple(cc), d, Q_BYTES, kv_bytes, kv_bytes)
+                    dt = tiles.decode_tile(tuple(cc), d, Q_BYTES, kv_bytes, kv_bytes)
+                    pre = f"{p.block_m},{p.block_n},{p.num_warps},{p.num_stages}"
+                    dec = f"{dt.block_m},{dt.block_n},{dt.num_warps},{dt.num_stages}"
+                except (ValueError, AttributeError, TypeError) as e:
+                    pre, dec = f"n/a ({e})"[:28], ""
+                lines.append(f"sm_{cc[0]}{cc[1]:<5d} {d:8d} {label:>9s}  {pre:28s} {dec:28s}")
+    if hasattr(tiles, "has_native_fp8"):
+        for cc in shown:
+            native = tiles.has_native_fp8(tuple(cc))
+            lines.append(f"sm_{cc[0]}{cc[1]}: fp8 e4m3 {'native (tl.float8e4nv)' if native else 'decoded by bit manipulation'}")
+    return lines
+
+
+def info(out=print) -> None:
+    from . import __version__
+
+    out(f"kvcompile {__version__}")
+    dev, archs = _device_lines()
+    for line in dev:
+        out(line)
+    out("")
+    out("KV formats (bytes per cached element, scales included; static scales amortize to 0):")
+    out(f"  {'format':22s} {'code':14s} {'scale':9s} {'D=64':>6s} {'D=128':>6s}")
+    for fmt, (b64, b128) in _format_rows():
+        code = str(fmt.code_dtype).replace("torch.", "")
+        scale = str(fmt.scale_dtype).replace("torch.", "")
+        name = f"{fmt.kv_dtype} / {fmt.granularity}"
+        out(f"  {name:22s} {code:14s} {scale:9s} {b64:6.3f} {b128:6.3f}")
+    out("  (bf16 cache: 2.000 bytes per element)")
+    out("")
+    out("attention tiles (kvcompile.tiles):")
+    for line in _tile_lines(archs):
+        out("  " + line)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvcompile", description="kvcompile utilities")
+    sub = p.add_subparsers(dest="cmd")
+    sub.add_parser("info", help="GPU/arch, attention tiles per head dim and format, KV formats")
+    args = p.parse_args(argv)
+    if args.cmd in (None, "info"):
+        info()
+        return 0
+    return 1  # pragma: no cover
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""kvcompile.calibrate and the calibration file: statistics against an independent computation,
+safetensors round trip, and every kind of bad file rejected (fail closed)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+import kvcompile
+from kvcompile.formats import FP8_E4M3_MAX
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import _common  # noqa: E402
+
+LAYERS, HKV, D = 2, 2, 64  # the tiny model (real SmolLM2-135M: 30 layers, 3 kv heads, head_dim 64)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tok = _common.tiny_model(seed=0)
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def ids():
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 256, (96,), generator=g)
+
+
+@pytest.fixture(scope="module")
+def calib(tiny, ids):
+    return kvcompile.calibrate(tiny[0], [ids], max_length=96, chunk_size=32)
+
+
+def _reference_kv(model, ids):
+    """K and V as a plain DynamicCache stores them (post-RoPE K), one forward."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids[None], use_cache=True, **{_common.cache_kwarg(model): cache})
+    return [(layer.keys[0].double(), layer.values[0].double()) for layer in cache.layers]  # [H, T, D]
+
+
+def test_calibrate_matches_independent_statistics(tiny, ids, calib):
+    assert set(calib) == {"k_scale", "v_scale", "k_offset"}
+    assert calib["k_scale"].shape == (LAYERS, HKV) and calib["v_scale"].shape == (LAYERS, HKV)
+    assert calib["k_offset"].shape == (LAYERS, HKV, D)
+    assert all(t.dtype == torch.float32 for t in calib.values())
+    for i, (k, v) in enumerate(_reference_kv(tiny[0], ids)):
+        mu = k.mean(1)  # [H, D]
+        torch.testing.assert_close(calib["k_offset"][i].double(), mu, rtol=1e-5, atol=1e-6)
+        k_amax = (k - mu[:, None]).abs().amax((1, 2))
+        torch.testing.assert_close(calib["k_scale"][i].double(), k_amax / FP8_E4M3_MAX, rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(calib["v_scale"][i].double(), v.abs().amax((1, 2)) / FP8_E4M3_MAX,
+                                   rtol=1e-5, atol=1e-9)
+
+
+def test_calibrate_inputs_agree(tiny, ids, calib):
+    model, tok = tiny
+    # chunking inside a window must not change anything; padding must be dropped
+    padded = {"input_ids": torch.cat([ids, torch.zeros(7, dtype=ids.dtype)])[None],
+              "attention_mask": torch.cat([torch.ones(96), torch.zeros(7)])[None].long()}
+    for other in (kvcompile.calibrate(model, [ids], max_length=96, chunk_size=96),
+                  kvcompile.calibrate(model, [padded], max_length=96, chunk_size=32)):
+        for k in calib:
+            torch.testing.assert_close(other[k], calib[k], rtol=1e-5, atol=1e-6)
+    text = bytes(int(i) for i in ids).decode("latin-1")
+    with pytest.raises(ValueError, match="tokenizer"):
+        kvcompile.calibrate(model, [text])
+    out = kvcompile.calibrate(model, "a short string", tokenizer=tok)
+    assert out["k_scale"].shape == (LAYERS, HKV)
+    with pytest.raises(ValueError, match="margin"):
+        kvcompile.calibrate(model, [ids], margin=0.5)
+    with pytest.raises(ValueError, match="no tokens"):
+        kvcompile.calibrate(model, [])
+
+
+def test_margin_scales_only_the_scales(tiny, ids, calib):
+    m2 = kvcompile.calibrate(tiny[0], [ids], max_length=96, margin=2.0)
+    torch.testing.assert_close(m2["k_scale"], 2 * calib["k_scale"])
+    torch.testing.assert_close(m2["v_scale"], 2 * calib["v_scale"])
+    torch.testing.assert_close(m2["k_offset"], calib["k_offset"])
+
+
+def test_round_trip_and_use(tmp_path, tiny, ids, calib):
+    path = tmp_path / "calib.safetensors"
+    kvcompile.save_calibration(calib, path)
+    loaded = kvcompile.load_calibration(path, num_layers=LAYERS, num_kv_heads=HKV, head_dim=D)
+    assert set(loaded) == set(calib)
+    for k in calib:
+        assert torch.equal(loaded[k], calib[k])
+    model = tiny[0]
+    kw = _common.cache_kwarg(model)
+    x = ids[None, :40]
+    with torch.no_grad():
+        ref = model(input_ids=x).logits
+        for gran in ("static", "token"):
+            cache = kvcompile.QuantizedCache(model.config, max_batch_size=1, max_cache_len=64, kv_dtype="fp8_e4m3",
+                                             granularity=gran, calibration=str(path), device="cpu")
+            assert cache.layers[0].k_offset is not None
+            out = model(input_ids=x, use_cache=True, **{kw: cache}).logits
+            # a calibrated 8-bit cache stays close to full precision
+            assert (out - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def _bad_files():
+    good = lambda: {"k_scale": torch.full((LAYERS, HKV), 0.01), "v_scale": torch.full((LAYERS, HKV), 0.01),  # noqa: E731
+                    "k_offset": torch.zeros(LAYERS, HKV, D)}
+    cases = {}
+    c = good(); c["k_scale"] = c["k_scale"][:1]; c["v_scale"] = c["v_scale"][:1]; c["k_offset"] = c["k_offset"][:1]
+    cases["missing layer"] = (c, "shape")
+    c = good(); c["k_scale"][1, 0] = float("nan"); cases["nan scale"] = (c, "non-finite")
+    c = good(); c["k_offset"][0, 1, 3] = float("inf"); cases["inf offset"] = (c, "non-finite")
+    c = good(); c["v_scale"][0, 1] = 0.0; cases["zero scale"] = (c, "<= 0")
+    c = good(); c["k_scale"][1, 1] = -1.0; cases["negative scale"] = (c, "<= 0")
+    c = good(); c["k_offset"] = c["k_offset"][..., :32]; cases["wrong head_dim"] = (c, "shape")
+    c = good(); c["v_scale"] = torch.full((LAYERS, HKV + 1), 0.01); cases["wrong kv heads"] = (c, "shape")
+    c = good(); del c["v_scale"]; cases["only k_scale"] = (c, "only one")
+    c = good(); c["extra"] = torch.zeros(1); cases["unknown tensor"] = (c, "unknown")
+    return cases
+
+
+@pytest.mark.parametrize("case", list(_bad_files()))
+def test_bad_calibration_files_are_rejected(tmp_path, tiny, case):
+    tensors, match = _bad_files()[case]
+    path = tmp_path / "bad.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    with pytest.raises(ValueError, match=match):
+        kvcompile.load_calibration(path, num_layers=LAYERS, num_kv_heads=HKV, head_dim=D)
+    with pytest.raises(ValueError, match=match):  # the cache fails closed too
+        kvcompile.QuantizedCache(tiny[0].config, max_batch_size=1, max_cache_len=16, granularity="static",
+                                 calibration=str(path))
+    with pytest.raises(ValueError, match=match):  # and a dict is validated like a file
+        kvcompile.load_calibration(tensors, num_layers=LAYERS, num_kv_heads=HKV, head_dim=D)
+
+
+@pytest.mark.parametrize("content", [b"", b"not a safetensors file at all", b"\xff" * 64, "truncated"])
+def test_unreadable_files_are_rejected(tmp_path, calib, content):
+    path = tmp_path / "bad.safetensors"
+    if content == "truncated":
+        kvcompile.save_calibration(calib, path)
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    else:
+        path.write_bytes(content)
+    with pytest.raises(ValueError, match="cannot be read as safetensors"):
+        kvcompile.load_calibration(path, num_layers=LAYERS, num_kv_heads=HKV, head_dim=D)
+    with pytest.raises(ValueError):
+        kvcompile.load_calibration(tmp_path / "missing.safetensors", num_layers=LAYERS, num_kv_heads=HKV, head_dim=D)
+
+
+def test_static_cache_needs_both_scales(tiny):
+    with pytest.raises(ValueError, match="static"):
+        kvcompile.QuantizedCache(tiny[0].config, max_batch_size=1, max_cache_len=16, granularity="static",
+                                 calibration={"k_offset": torch.zeros(LAYERS, HKV, D)})

