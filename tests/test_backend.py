@@ -1,0 +1,162 @@
+"""kvcompile.backend(): the pass + Inductor (CPU), numerics, recompiles, generate(), gating, report.
+
+Tolerance: compiled and eager runs hold the same cache codes (quantization is deterministic and
+bit-exact between the reference and Inductor-compiled graphs, as the fp32 K/V fed to store_kv are
+equal up to float32 rounding) and both evaluate attention in float32 with the reference math, so
+logits agree to float32 rounding (~1e-6); 1e-4 leaves room for Inductor's fused reductions.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import transformers
+
+import kvcompile
+from test_pass_models import cache_kwarg, fresh_dynamo, greedy, make_cache, make_model, prompt
+
+ATOL = RTOL = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    fresh_dynamo()
+    yield
+    fresh_dynamo()
+
+
+@pytest.mark.parametrize(
+    "family, attn, padded",
+    [("llama", "sdpa", True), ("qwen3", "eager", False)],  # GQA+fp8+bool mask; q/k-norm+q8_0+additive mask
+)
+def test_compiled_matches_eager_no_recompiles(family, attn, padded):
+    """Prefill + 3 warm-up decode steps, then 64 decode steps with recompiles turned into errors.
+    Every step's logits match the eager model over an identical cache (>= 16 steps compared)."""
+    model, kv_dtype = make_model(family, attn)
+    ids, mask = prompt(padded)
+    steps = 3 + 64
+    max_len = ids.shape[1] + steps + 1
+    expected = greedy(model.forward, model, make_cache(model, kv_dtype, max_len), ids, mask, steps=steps)
+
+    backend = kvcompile.backend(kv_dtype)
+    compiled = torch.compile(model.forward, backend=backend, fullgraph=True)
+    cache = make_cache(model, kv_dtype, max_len)
+    warm = greedy(compiled, model, cache, ids, mask, steps=3)
+    # the next 64 steps continue from the warm-up state
+    kw = cache_kwarg(model)
+    mask = torch.cat([mask, torch.ones(mask.shape[0], 3, dtype=mask.dtype)], 1)
+    nxt = warm[-1].argmax(-1, keepdim=True)
+    got = list(warm)
+    compiles = len(backend.report())
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
+        for _ in range(64):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            logits = compiled(input_ids=nxt, attention_mask=mask, use_cache=True, **{kw: cache}).logits[:, -1]
+            got.append(logits)
+            nxt = logits.argmax(-1, keepdim=True)
+    assert len(backend.report()) == compiles  # no new graph after warm-up
+    assert len(got) == len(expected) == 1 + steps
+    for i, (e, g) in enumerate(zip(expected, got)):
+        torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL, msg=lambda m: f"step {i}: {m}")
+    layers = model.config.num_hidden_layers
+    for r in backend.report():
+        assert r == {"found": layers, "rewritten": layers, "skipped": [], "kv_dtype": kv_dtype}
+
+
+def test_generate_matches_eager(caplog):
+    """model.generate() with the compiled forward: same tokens and scores as eager generate."""
+    model, kv_dtype = make_model("gemma", "sdpa")
+    ids, mask = prompt(True)
+    kw = cache_kwarg(model)
+    gen = dict(max_new_tokens=16, do_sample=False, return_dict_in_generate=True, output_scores=True,
+               attention_mask=mask, pad_token_id=0)
+    with torch.no_grad():
+        ref = model.generate(ids, **{kw: make_cache(model, kv_dtype)}, **gen)
+        backend = kvcompile.backend(kv_dtype)
+        model.forward = torch.compile(model.forward, backend=backend, fullgraph=True)
+        with caplog.at_level(logging.INFO, logger="kvcompile"):
+            out = model.generate(ids, **{kw: make_cache(model, kv_dtype)}, **gen)
+    assert torch.equal(out.sequences, ref.sequences)
+    for e, g in zip(ref.scores, out.scores):
+        torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
+    reports = backend.report()
+    assert reports and all(r["rewritten"] == r["found"] == 2 for r in reports)
+    infos = [r.getMessage() for r in caplog.records if r.name == "kvcompile" and r.levelno == logging.INFO]
+    assert len(infos) == len(reports) and all("rewrote 2/2 attention sites, q8_0" in m for m in infos)
+
+
+def test_static_cache_is_plain_inductor():
+    """No kvcompile cache in the graph: the backend is plain Inductor, report says 0 rewritten."""
+    model, _ = make_model("llama", "sdpa")
+    ids, mask = prompt(True)
+    kw = cache_kwarg(model)
+
+    def run(backend):
+        fresh_dynamo()
+        cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+        f = torch.compile(model.forward, backend=backend, fullgraph=True)
+        return greedy(f, model, cache, ids, mask, steps=2)
+
+    backend = kvcompile.backend("fp8_e4m3")
+    got = run(backend)
+    ref = run("inductor")
+    for e, g in zip(ref, got):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+    assert backend.report() and all(
+        r == {"found": 0, "rewritten": 0, "skipped": [], "kv_dtype": "fp8_e4m3"} for r in backend.report()
+    )
+    del kw
+
+
+def test_kv_dtype_mismatch_is_a_clear_compile_error():
+    model, _ = make_model("gemma", "sdpa")  # head_dim 32: both formats fit
+    ids, mask = prompt(False)
+    compiled = torch.compile(model.forward, backend=kvcompile.backend("fp8_e4m3"), fullgraph=True)
+    with pytest.raises(Exception, match=r"holds torch.int8 codes \(kv_dtype='q8_0'\).*kv_dtype='q8_0'"):
+        greedy(compiled, model, make_cache(model, "q8_0"), ids, mask, steps=0)
+
+
+def test_unknown_kv_dtype_rejected():
+    with pytest.raises(ValueError, match="fp8_e4m3"):
+        kvcompile.backend("int4")
+
+
+def test_mode_and_options_are_forwarded(monkeypatch):
+    """torch.compile passes mode=/options= to a callable backend; they become Inductor config patches."""
+    seen = []
+    import torch._inductor.compile_fx as cfx
+
+    real = cfx.compile_fx
+
+    def spy(gm, ex, config_patches=None, **kw):
+        seen.append(dict(config_patches or {}))
+        return real(gm, ex, config_patches=config_patches, **kw)
+
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    backend = kvcompile.backend("fp8_e4m3")
+    x = torch.randn(8)
+    out = torch.compile(lambda t: t * 2 + 1, backend=backend, mode="reduce-overhead")(x)
+    torch.testing.assert_close(out, x * 2 + 1)
+    assert seen[0] == {"triton.cudagraphs": True}  # (compile_fx re-enters itself without patches)
+    seen.clear()
+    backend(torch.fx.symbolic_trace(lambda t: t + 1), [x], options={"max_autotune": False})
+    assert seen[0] == {"max_autotune": False}
+
+
+def test_unrewritten_site_warns(caplog):
+    """Softcapped eager attention (Gemma-2) stays as is, with one WARNING per site."""
+    cfg = transformers.Gemma2Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=64,
+                                    attn_logit_softcapping=50.0, max_position_embeddings=64)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    ids, mask = prompt(False)
+    backend = kvcompile.backend("fp8_e4m3")
+    with caplog.at_level(logging.INFO, logger="kvcompile"):
+        greedy(torch.compile(model.forward, backend=backend, fullgraph=True), model,
+               make_cache(model, "fp8_e4m3"), ids, mask, steps=0)
+    (r,) = backend.report()
+    assert r["found"] == 2 and r["rewritten"] == 0 and len(r["skipped"]) == 2
+    warnings = [x for x in caplog.records if x.name == "kvcompile" and x.levelno == logging.WARNING]
+    assert len(warnings) == 2 and all("left unrewritten" in w.getMessage() for w in warnings)
