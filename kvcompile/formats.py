@@ -184,7 +184,9 @@ def quantize(
     finite = torch.isfinite(xg)
     amax = torch.where(finite, xg.abs(), torch.zeros_like(xg)).amax(dim=-1, keepdim=True)
     if code_dtype == torch.int8:
-        d = amax / Q8_0_MAX
+        # a tensor divisor: CUDA torch turns `t / python_scalar` into t * (1/scalar), which rounds
+        # differently from the true division the kernels (and CPU torch) do
+        d = amax / torch.full_like(amax, Q8_0_MAX)
         inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
         # x * (1/d), as GGUF computes it (not x / d: the two round differently).
         y = xg * inv
@@ -192,7 +194,7 @@ def quantize(
         has_nan = torch.isnan(xg).any(dim=-1, keepdim=True)
         s = torch.where(has_nan, torch.full_like(d, float("nan")), d).to(torch.float16)
     else:
-        s = amax / FP8_E4M3_MAX
+        s = amax / torch.full_like(amax, FP8_E4M3_MAX)  # true division on every device (see q8_0)
         y = torch.where(s > 0, xg / s, torch.zeros_like(xg))
         # 0 * inf is nan: an Inf in an otherwise-zero group must still saturate.
         y = torch.where(torch.isinf(xg), torch.sign(xg) * FP8_E4M3_MAX, y)

@@ -19,15 +19,22 @@ import triton.language as tl
 
 from ._codes import codes_to_float, to_store_dtype
 
-LOG2E: tl.constexpr = 1.4426950408889634  # 1 / ln(2): exp(x) = exp2(x * LOG2E)
+LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): exp(x) = exp2(x * LOG2E)
 
-SCALE_TOKEN: tl.constexpr = 0
-SCALE_BLOCK: tl.constexpr = 1
-SCALE_STATIC: tl.constexpr = 2
+SCALE_TOKEN = tl.constexpr(0)
+SCALE_BLOCK = tl.constexpr(1)
+SCALE_STATIC = tl.constexpr(2)
 
-MASK_NONE: tl.constexpr = 0
-MASK_BOOL: tl.constexpr = 1
-MASK_ADD: tl.constexpr = 2
+MASK_NONE = tl.constexpr(0)
+MASK_BOOL = tl.constexpr(1)
+MASK_ADD = tl.constexpr(2)
+
+
+@triton.jit
+def _scale_groups(x, s, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_SIZE: tl.constexpr):
+    """x [BLOCK_N, BLOCK_D] * s [BLOCK_N, BLOCK_D // GROUP_SIZE], each scale over its GROUP_SIZE columns."""
+    x3 = tl.reshape(x, (BLOCK_N, BLOCK_D // GROUP_SIZE, GROUP_SIZE))
+    return tl.reshape(x3 * s[:, :, None], (BLOCK_N, BLOCK_D))
 
 
 @triton.jit
@@ -105,12 +112,15 @@ def _attention_kernel(
         n = start_n + tl.arange(0, BLOCK_N)
         n_ok = n < n_hi
         kv_ok = n_ok[:, None] & d_ok[None, :]
+        if SCALE_KIND == SCALE_BLOCK:  # [BLOCK_N, groups] scales, broadcast over each group's columns
+            gi = tl.arange(0, BLOCK_D // GROUP_SIZE)
+            gs_ok = n_ok[:, None] & (gi * GROUP_SIZE < D)[None, :]
         # ---- S = Q K^T, the scale kept out of the K tile (token) or folded in (static) ----
         kc = tl.load(k_base + n[:, None] * stride_kn + d[None, :] * stride_kd, mask=kv_ok, other=0.0)
         if SCALE_KIND == SCALE_BLOCK:
-            ksb = tl.load(ks_base + n[:, None] * stride_ksn + (d // GROUP_SIZE)[None, :] * stride_ksg,
-                          mask=kv_ok, other=0.0)
-            k = (codes_to_float(kc, FP8_BITS) * ksb.to(tl.float32)).to(DOT_DTYPE)
+            ksb = tl.load(ks_base + n[:, None] * stride_ksn + gi[None, :] * stride_ksg, mask=gs_ok, other=0.0)
+            k = _scale_groups(codes_to_float(kc, FP8_BITS), ksb.to(tl.float32), BLOCK_N, BLOCK_D, GROUP_SIZE)
+            k = k.to(DOT_DTYPE)
         elif FP8_BITS:
             k = codes_to_float(kc, FP8_BITS).to(DOT_DTYPE)
         else:
@@ -147,9 +157,9 @@ def _attention_kernel(
         # ---- O += P V, s_v applied to P (token) or to the tile (block32) ----
         vc = tl.load(v_base + n[:, None] * stride_vn + d[None, :] * stride_vd, mask=kv_ok, other=0.0)
         if SCALE_KIND == SCALE_BLOCK:
-            vsb = tl.load(vs_base + n[:, None] * stride_vsn + (d // GROUP_SIZE)[None, :] * stride_vsg,
-                          mask=kv_ok, other=0.0)
-            v = (codes_to_float(vc, FP8_BITS) * vsb.to(tl.float32)).to(PV_DTYPE)
+            vsb = tl.load(vs_base + n[:, None] * stride_vsn + gi[None, :] * stride_vsg, mask=gs_ok, other=0.0)
+            v = _scale_groups(codes_to_float(vc, FP8_BITS), vsb.to(tl.float32), BLOCK_N, BLOCK_D, GROUP_SIZE)
+            v = v.to(PV_DTYPE)
             pv = p.to(PV_DTYPE)
         else:
             if FP8_BITS:

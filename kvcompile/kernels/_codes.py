@@ -8,9 +8,9 @@ truncation on some archs; garbage past +-448 in the interpreter).
 import triton
 import triton.language as tl
 
-FP8_MAX: tl.constexpr = 448.0  # largest finite e4m3fn value
-Q8_MAX: tl.constexpr = 127.0  # GGUF q8_0
-E4M3_MIN_NORMAL: tl.constexpr = 0.015625  # 2**-6: below it e4m3 is subnormal, step 2**-9
+FP8_MAX = tl.constexpr(448.0)  # largest finite e4m3fn value
+Q8_MAX = tl.constexpr(127.0)  # GGUF q8_0
+E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2**-6: below it e4m3 is subnormal, step 2**-9
 
 
 @triton.jit

@@ -22,17 +22,20 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import tiles
-from ._attention_kernel import (
-    MASK_ADD, MASK_BOOL, MASK_NONE, SCALE_BLOCK, SCALE_STATIC, SCALE_TOKEN,
-    _attention_kernel, _merge_kernel,
-)
+from . import _attention_kernel as _k
+from ._attention_kernel import _attention_kernel, _merge_kernel
 from .common import device_cc, interpreting, kv_len_arg, next_pow2, sm_count
 from .store import dequantize, triton_cdiv
 
-__all__ = ["attention", "decode_splits", "prefill_path", "DECODE_MAX_Q", "DENSE_MIN_Q"]
+# the kernel's mode constants (tl.constexpr there) as plain ints here
+SCALE_TOKEN, SCALE_BLOCK, SCALE_STATIC = (int(c.value) for c in (_k.SCALE_TOKEN, _k.SCALE_BLOCK, _k.SCALE_STATIC))
+MASK_NONE, MASK_BOOL, MASK_ADD = (int(c.value) for c in (_k.MASK_NONE, _k.MASK_BOOL, _k.MASK_ADD))
+
+__all__ = ["attention", "decode_splits", "prefill_path", "DECODE_MAX_Q", "DENSE_MIN_Q", "DECODE_PROGRAMS_PER_SM"]
 
 DECODE_MAX_Q = 16  # query blocks up to this length go to the split-K decode kernel
 DENSE_MIN_Q = 1024  # auto: prefills at least this long use the dense-dequant path (measured: BENCHMARKS.md)
+DECODE_PROGRAMS_PER_SM = 4  # split-K target: programs per SM in one decode launch (measured: BENCHMARKS.md)
 _PATHS = ("auto", "fused", "dense")
 
 
@@ -69,7 +72,7 @@ def decode_splits(programs: int, max_len: int, block_n: int, sms: int) -> tuple[
     Aim at ~4 programs per SM so enough loads are in flight to saturate HBM, with at least
     one block of keys per split.
     """
-    want = max(1, triton_cdiv(4 * sms, programs))
+    want = max(1, triton_cdiv(DECODE_PROGRAMS_PER_SM * sms, programs))
     splits = max(1, min(want, triton_cdiv(max_len, block_n)))
     split_len = triton_cdiv(triton_cdiv(max_len, splits), block_n) * block_n
     return triton_cdiv(max_len, split_len), split_len
@@ -133,13 +136,50 @@ def _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale
         tile = tiles.prefill_tile(cc, D, qb, kc.element_size(), vc.element_size())
     if interpreting():
         tile = dataclasses.replace(tile, block_m=min(tile.block_m, 32), block_n=16)
+    key = (decode, cc, D, dot_dtype, kc.dtype, scale_kind, mask_kind, bool(is_causal), rows if decode else 0)
+    tile = _SHRUNK.get(key, tile)
+    out = torch.empty((B, Hq, Tq, D), dtype=q.dtype, device=dev)
+    args = (q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, out, sm_scale, is_causal,
+            group, group_size, scale_kind, fp8_bits, dot_dtype, pv_dtype, decode)
+    from triton.runtime.errors import OutOfResources
+
+    while True:
+        try:
+            _launch(tile, *args)
+            return out
+        except OutOfResources:
+            # the shared-memory model in tiles.py is an estimate; Triton has the last word
+            smaller = _shrink(tile)
+            if smaller is None:
+                raise
+            tile = _SHRUNK[key] = smaller
+
+
+_SHRUNK: dict = {}  # tiles that Triton refused for lack of shared memory -> the one that compiled
+
+
+def _shrink(tile: tiles.Tile):
+    if tile.num_stages > 2:
+        return dataclasses.replace(tile, num_stages=tile.num_stages - 1)
+    if tile.block_n > 16:
+        return dataclasses.replace(tile, block_n=tile.block_n // 2)
+    if tile.block_m > 16:
+        return dataclasses.replace(tile, block_m=tile.block_m // 2)
+    return None
+
+
+def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, out, sm_scale, is_causal,
+            group, group_size, scale_kind, fp8_bits, dot_dtype, pv_dtype, decode):
+    B, Hq, Tq, D = q.shape
+    Hkv, L = kc.shape[1], kc.shape[2]
+    dev = q.device
+    rows = Tq * group
     m_blocks = triton_cdiv(rows, tile.block_m)
     if decode:
         splits, split_len = decode_splits(B * Hkv * m_blocks, L, tile.block_n, sm_count(dev))
     else:
         splits, split_len = 1, triton_cdiv(L, tile.block_n) * tile.block_n
 
-    out = torch.empty((B, Hq, Tq, D), dtype=q.dtype, device=dev)
     if splits > 1:
         op = torch.empty((B, Hq, Tq, splits, D), dtype=torch.float32, device=dev)
         lse = torch.empty((B, Hq, Tq, splits), dtype=torch.float32, device=dev)
@@ -172,7 +212,7 @@ def _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale
             GROUP=group, STATIC_SCALE=scale_kind == SCALE_STATIC, SPLITS_P2=next_pow2(splits),
             BLOCK_D=next_pow2(D), num_warps=4,
         )
-    return out
+
 
 
 def _sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa):

@@ -1,0 +1,256 @@
+"""kvcompile kernel benchmarks on one GPU: decode, prefill, store (subjects), vs bf16 SDPA in the same run.
+
+Llama-3-8B attention shape: 32 query heads, 8 kv heads, head_dim 128, one layer.
+
+    python benchmarks/bench_kv.py --subjects decode,prefill,store --out bench.csv [--sweep]
+
+Timing: every provider is captured in a CUDA graph and timed by replays (triton.testing
+.do_bench_cudagraph, median), so Python launch overhead is out of all numbers alike. Each call
+rotates over enough copies of its inputs (>= 256 MB) that the 50 MB L2 cannot serve repeats.
+Bandwidth = the fewest bytes the provider must move (each input read once, output written once)
+over the time. Ratios are SDPA-bf16 time / provider time (> 1: faster than bf16 SDPA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from kvcompile import formats, reference  # noqa: E402
+from kvcompile import kernels  # noqa: E402
+from kvcompile.kernels import attention_launcher as launcher  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+ROTATE_BYTES = 256 << 20
+ROWS: list[dict] = []
+
+
+def bench(fn_list, n_items):
+    """Median ms per item of calling every fn in ``fn_list`` once (graph-captured)."""
+    import triton.testing
+
+    def run_all():
+        for f in fn_list:
+            f()
+
+    run_all()  # compile / autotune outside capture
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench_cudagraph(run_all, rep=200, return_mode="median")
+    return ms / n_items
+
+
+def copies_for(nbytes: int) -> int:
+    return max(1, min(64, math.ceil(ROTATE_BYTES / max(nbytes, 1))))
+
+
+def record(subject, shape, provider, ms, nbytes, flops=0.0, base_ms=None, **extra):
+    row = dict(subject=subject, shape=shape, provider=provider, us=ms * 1e3,
+               tbps=nbytes / (ms * 1e-3) / 1e12 if nbytes else 0.0,
+               tflops=flops / (ms * 1e-3) / 1e12 if flops else 0.0,
+               vs_sdpa=(base_ms / ms) if base_ms else 1.0, **extra)
+    ROWS.append(row)
+    print(f"{subject:8s} {shape:22s} {provider:26s} {row['us']:10.1f} us  {row['tbps']:6.2f} TB/s  "
+          f"{row['tflops']:7.1f} TF/s  x{row['vs_sdpa']:.2f}", flush=True)
+    return row
+
+
+def make_cache(kv_dtype, gran, B, L, gen_scale=1.0):
+    fmt = formats.get_format(kv_dtype, gran)
+    k = torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16) * gen_scale
+    v = torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16)
+    kc = torch.empty(B, HKV, L, D, dtype=fmt.code_dtype, device="cuda")
+    vc = torch.empty_like(kc)
+    if fmt.is_static:
+        ks = k.float().abs().amax(dim=(0, 2, 3)) / fmt.qmax
+        vs = v.float().abs().amax(dim=(0, 2, 3)) / fmt.qmax
+    else:
+        ks = torch.empty(fmt.scale_shape(B, HKV, L, D), dtype=fmt.scale_dtype, device="cuda")
+        vs = torch.empty_like(ks)
+    kernels.store_kv(kc, ks, vc, vs, k, v, torch.tensor(0, device="cuda"), None)
+    return (kc, ks, vc, vs), (k, v)
+
+
+def cache_bytes(c):
+    return sum(t.numel() * t.element_size() for t in c)
+
+
+FORMATS = {"fp8": ("fp8_e4m3", "token"), "fp8/block32": ("fp8_e4m3", "block32"),
+           "fp8/static": ("fp8_e4m3", "static"), "q8_0": ("q8_0", "block32")}
+
+
+def decode(args):
+    shapes = [(1, 4096), (1, 32768), (8, 32768), (32, 8192), (4, 131072)]
+    for B, L in shapes:
+        shape = f"B={B} L={L}"
+        kv_len = torch.full((B,), L, device="cuda", dtype=torch.long)
+        # bf16 SDPA baseline (GQA by enable_gqa, no mask: its fastest decode configuration)
+        n = copies_for(4 * B * HKV * L * D)
+        qs = [torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
+        kvs = [(torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16),
+                torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16)) for _ in range(n)]
+        fns = [lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+               for q, (k, v) in zip(qs, kvs)]
+        base = bench(fns, n)
+        record("decode", shape, "sdpa-bf16", base, 4 * B * HKV * L * D + 4 * B * HQ * D)
+        del kvs, fns
+        for name in args.formats:
+            kv_dtype, gran = FORMATS[name]
+            c0, _ = make_cache(kv_dtype, gran, B, L)
+            nb = cache_bytes(c0)
+            n = copies_for(nb)
+            caches = [c0] + [make_cache(kv_dtype, gran, B, L)[0] for _ in range(n - 1)]
+            fns = [lambda q=q, c=c: kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, False, None)
+                   for q, c in zip(qs, caches)]
+            ms = bench(fns, len(fns))
+            splits, _ = launcher.decode_splits(B * HKV, L, 128, torch.cuda.get_device_properties(0).multi_processor_count)
+            record("decode", shape, f"kvcompile-{name}", ms, nb + 4 * B * HQ * D, base_ms=base, splits=splits)
+            if name == "fp8" and args.sweep and B * L in (32768, 262144):
+                sweep_decode(shape, qs, caches, kv_len, base, nb)
+            del caches, fns
+        torch.cuda.empty_cache()
+
+
+def sweep_decode(shape, qs, caches, kv_len, base, nb):
+    from kvcompile import tiles
+
+    saved = (launcher.DECODE_PROGRAMS_PER_SM, tiles._DECODE_CANDIDATES)
+    try:
+        for pps in (2, 4, 8):
+            for tile in (tiles.Tile(16, 64, 4, 3), tiles.Tile(16, 128, 4, 3), tiles.Tile(16, 128, 8, 3),
+                         tiles.Tile(16, 256, 8, 2)):
+                launcher.DECODE_PROGRAMS_PER_SM = pps
+                tiles._DECODE_CANDIDATES = (tile,)
+                tiles.decode_tile.cache_clear()
+                fns = [lambda q=q, c=c: kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, False, None)
+                       for q, c in zip(qs, caches)]
+                try:
+                    ms = bench(fns, len(fns))
+                except Exception as e:  # a tile that does not compile on this arch
+                    print("sweep skip", pps, tile, type(e).__name__, str(e)[:80])
+                    continue
+                record("sweep", shape, f"fp8 pps={pps} n={tile.block_n} w={tile.num_warps} s={tile.num_stages}",
+                       ms, nb, base_ms=base)
+    finally:
+        launcher.DECODE_PROGRAMS_PER_SM, tiles._DECODE_CANDIDATES = saved
+        tiles.decode_tile.cache_clear()
+
+
+def prefill(args):
+    L = 16384
+    cases = [(16384, True), (4096, True), (1024, True), (256, True)]  # Tq new tokens at the end of a 16k cache
+    for Tq, causal in cases:
+        shape = f"Tq={Tq} L={L}"
+        q = torch.randn(1, HQ, Tq, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, HKV, L, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(1, HKV, L, D, device="cuda", dtype=torch.bfloat16)
+        # causal FLOPs: the (Tq x L) score and PV products over the visible (lower-right) part
+        vis = Tq * L - Tq * (Tq - 1) / 2
+        flops = 4 * HQ * D * vis
+        if Tq == L:
+            sd = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            from torch.nn.attention.bias import causal_lower_right
+            bias = causal_lower_right(Tq, L)
+            kk, vv = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
+            sd = lambda: F.scaled_dot_product_attention(q, kk, vv, attn_mask=bias)
+        base = bench([sd], 1)
+        record("prefill", shape, "sdpa-bf16", base, 0, flops)
+        c, _ = make_cache("fp8_e4m3", "token", 1, L)
+        kv_len = torch.tensor(L, device="cuda")
+        for path in ("fused", "dense"):
+            os.environ["KVCOMPILE_PREFILL"] = path
+            fn = lambda: kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, causal, None)
+            try:
+                ms = bench([fn], 1) if path == "fused" else time_eager(fn)
+            except Exception as e:
+                print("prefill skip", path, type(e).__name__, str(e)[:200])
+                continue
+            record("prefill", shape, f"kvcompile-fp8-{path}", ms, 0, flops, base_ms=base)
+        os.environ.pop("KVCOMPILE_PREFILL", None)
+        del q, k, v, c
+        torch.cuda.empty_cache()
+
+
+def time_eager(fn):
+    """The dense path syncs once (prefix length) and cannot be graph-captured: time it eagerly."""
+    import triton.testing
+
+    fn()
+    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def store(args):
+    cases = [(1, 16384), (8, 1), (64, 1)]  # (B, T): a 16k prefill of one layer; decode steps
+    L = 16384
+    for B, T in cases:
+        shape = f"B={B} T={T}"
+        nel = B * HKV * T * D
+        n = copies_for(2 * nel * 2 * 2)
+        ks = [torch.randn(B, HKV, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
+        vs = [torch.randn(B, HKV, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
+        kb = torch.empty(B, HKV, L, D, device="cuda", dtype=torch.bfloat16)
+        vb = torch.empty_like(kb)
+        start = torch.tensor(7 if T == 1 else 0, device="cuda")
+        pos = torch.arange(T, device="cuda") + start
+
+        def bf16_write(k, v):  # what HF's StaticLayer does: index_copy_ of K and V
+            kb.index_copy_(2, pos, k)
+            vb.index_copy_(2, pos, v)
+
+        base = bench([lambda k=k, v=v: bf16_write(k, v) for k, v in zip(ks, vs)], n)
+        record("store", shape, "bf16-index_copy", base, 2 * nel * 4)
+        for name in args.formats:
+            kv_dtype, gran = FORMATS[name]
+            fmt = formats.get_format(kv_dtype, gran)
+            kc = torch.empty(B, HKV, L, D, dtype=fmt.code_dtype, device="cuda")
+            vc = torch.empty_like(kc)
+            if fmt.is_static:
+                sk = torch.full((HKV,), 0.01, device="cuda")
+                sv = sk.clone()
+            else:
+                sk = torch.empty(fmt.scale_shape(B, HKV, L, D), dtype=fmt.scale_dtype, device="cuda")
+                sv = torch.empty_like(sk)
+            fns = [lambda k=k, v=v: kernels.store_kv(kc, sk, vc, sv, k, v, start, None) for k, v in zip(ks, vs)]
+            ms = bench(fns, len(fns))
+            g = fmt.groups(D)
+            nb = 2 * nel * (2 + 1) + 2 * B * HKV * T * g * (2 if kv_dtype == "q8_0" else 4)
+            record("store", shape, f"kvcompile-{name}", ms, nb, base_ms=base)
+        del ks, vs, kb, vb
+        torch.cuda.empty_cache()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--subjects", default="decode,prefill,store")
+    p.add_argument("--formats", default="fp8,fp8/block32,fp8/static,q8_0")
+    p.add_argument("--out", default="bench.csv")
+    p.add_argument("--sweep", action="store_true")
+    args = p.parse_args()
+    args.formats = args.formats.split(",")
+    print(torch.cuda.get_device_name(0), "torch", torch.__version__)
+    for subject in args.subjects.split(","):
+        {"decode": decode, "prefill": prefill, "store": store}[subject](args)
+    keys = sorted({k for r in ROWS for k in r})
+    with open(args.out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(ROWS)
+    print("\n| subject | shape | provider | us | TB/s | TFLOP/s | vs SDPA bf16 |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for r in ROWS:
+        if r["subject"] == "sweep":
+            continue
+        print(f"| {r['subject']} | {r['shape']} | {r['provider']} | {r['us']:.1f} | {r['tbps']:.2f} | "
+              f"{r['tflops']:.0f} | {r['vs_sdpa']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
