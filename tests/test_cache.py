@@ -176,6 +176,25 @@ def test_logits_close_to_dynamic_cache(family, attn, monkeypatch):
     assert broken > 5 * errs["fp8_e4m3"] and broken > 2 * BOUNDS[family]["fp8_e4m3"], (broken, errs)
 
 
+def test_bf16_model():
+    # the GPU path runs bf16 models: the cache takes bf16 K/V and returns bf16 K/V
+    torch.manual_seed(0)
+    cfg = tiny_config("llama")
+    cfg._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(cfg).eval().to(torch.bfloat16)
+    ids, am = left_padded_batch()
+    toks = greedy_tokens(model, ids, am, 4)
+    ref = run_steps(model, DynamicCache(config=cfg), ids, am, toks)
+    # Measured vs the bf16 DynamicCache run: fp8 3.2e-2, q8_0 1.1e-2 (bf16 itself is 7.6e-3 from
+    # the fp32 model). Bounds 2x.
+    for kv_dtype, bound in (("fp8_e4m3", 0.064), ("q8_0", 0.022)):
+        cache = QuantizedCache(cfg, max_batch_size=2, max_cache_len=MAX_LEN, kv_dtype=kv_dtype)
+        err = logits_error(ref, run_steps(model, cache, ids, am, toks), am)
+        assert err <= bound, (kv_dtype, err)
+        k, v = cache.update(_kv(B=2, T=1, dtype=torch.bfloat16), _kv(B=2, T=1, dtype=torch.bfloat16), 0)
+        assert k.dtype == v.dtype == torch.bfloat16 and k.shape == (2, 2, MAX_LEN, 32)
+
+
 @pytest.mark.parametrize("granularity", ["block32", "static"])
 def test_other_fp8_granularities_and_k_offset(granularity, tmp_path):
     model = tiny_model("llama")

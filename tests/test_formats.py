@@ -278,10 +278,11 @@ def test_q8_0_is_more_accurate_than_fp8_on_gaussian_data():
 
 
 def test_fp8_nan_inf_policy():
-    x = torch.zeros(1, 1, 3, 32)
+    x = torch.zeros(1, 1, 4, 32)
     x[0, 0, 0, :6] = torch.tensor([1.0, -2.0, math.inf, -math.inf, math.nan, 0.5])
     x[0, 0, 1, 0] = math.inf  # Inf in an otherwise all-zero group
     x[0, 0, 2, :2] = torch.tensor([3.0e38, -3.0e38])  # large finite: saturate, never NaN
+    x[0, 0, 3, 1] = math.nan  # NaN in an otherwise all-zero group (scale 0): still NaN
     codes, s = formats.quantize(x, FP8, groups=1)
     v = decode_codes_f64(codes)[0, 0]
     assert s[0, 0, 0, 0] == np.float32(2.0) / np.float32(448.0)  # scale from the finite values only
@@ -292,12 +293,14 @@ def test_fp8_nan_inf_policy():
     assert back[0, 2] == pytest.approx(2.0, rel=1e-6) and back[0, 3] == pytest.approx(-2.0, rel=1e-6)
     assert back[1, 0] == 0.0  # ± the group's largest finite magnitude: 0
     assert torch.isfinite(back[2]).all() and back[2, 0] == pytest.approx(3.0e38, rel=1e-6)
+    assert s[0, 0, 3, 0] == 0 and math.isnan(v[3, 1]) and (v[3, [0] + list(range(2, 32))] == 0).all()
+    assert math.isnan(back[3, 1])
     # static scale: Inf and out-of-range finite values saturate, NaN stays NaN
     cs, _ = formats.quantize(x, FP8, scale=torch.tensor([1e-3]))
     vs = decode_codes_f64(cs)[0, 0]
     assert vs[0, 2] == 448 and vs[0, 3] == -448 and vs[0, 0] == 448 and vs[0, 1] == -448
     assert math.isnan(vs[0, 4]) and vs[2, 0] == 448 and vs[2, 1] == -448
-    assert vs.isnan().sum() == 1
+    assert math.isnan(vs[3, 1]) and vs.isnan().sum() == 2
 
 
 def test_q8_0_nan_inf_policy():
