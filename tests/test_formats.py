@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import math
 
+import gguf  # the q8_0 oracle; a hard import so CI cannot skip it silently ([test] extra)
 import numpy as np
 import pytest
 import torch
+from gguf import quants
 
 from kvcompile import KV_DTYPES, formats, get_format
 from utils import assert_close, assert_sqnr, bits_equal, decode_codes_f64, e4m3_code_values, sqnr
@@ -60,9 +62,6 @@ def fp8_quantize_ref(x: torch.Tensor, groups: int) -> tuple[np.ndarray, np.ndarr
 
 def gguf_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] float32 -> (int8 codes [..., D], fp16 d [..., D/32]) from gguf.quants."""
-    gguf = pytest.importorskip("gguf")
-    from gguf import quants
-
     rows = x.reshape(-1, x.shape[-1]).numpy().astype(np.float32)
     raw = quants.quantize(rows, gguf.GGMLQuantizationType.Q8_0)  # [N, D/32 * 34] bytes
     blocks = raw.reshape(rows.shape[0], -1, 34)
@@ -245,9 +244,6 @@ def test_q8_0_matches_gguf_bit_exactly():
 
 
 def test_q8_0_dequantize_matches_gguf():
-    gguf = pytest.importorskip("gguf")
-    from gguf import quants
-
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(3, 2, 9, 96, generator=gen) * 3
     x[1, 1, 2] = 0
