@@ -247,6 +247,17 @@ def test_greedy_generate(kv_dtype):
     assert torch.equal(outs["past_key_values"][:, ids.shape[1]], first)
 
 
+def test_beam_search_generate():
+    # beam search reorders the cache in place (reorder_cache) every step
+    model = tiny_model("llama")
+    ids, am = left_padded_batch()
+    cache = QuantizedCache(model.config, max_batch_size=4, max_cache_len=MAX_LEN, kv_dtype="q8_0")
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=5, min_new_tokens=5, num_beams=2,
+                             do_sample=False, **{cache_kwarg(model): cache})
+    assert out.shape == (2, ids.shape[1] + 5) and torch.equal(out[:, : ids.shape[1]], ids)
+
+
 # ------------------------------------------------------------------------------------------------
 # bad input raises, naming the fix
 # ------------------------------------------------------------------------------------------------
