@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any, Optional, Sequence
 
 import torch
@@ -37,7 +38,6 @@ class KVCompileBackend:
         config_patches: Inductor config applied to every graph (merged under ``options=``).
         dump_graphs: a directory; each graph is written there before and after the pass
             (also enabled by ``KVCOMPILE_DUMP_GRAPHS=<dir>``).
-        rewrite: ``False`` runs detection and reporting only (used by benchmarks and tests).
     """
 
     def __init__(
@@ -46,16 +46,15 @@ class KVCompileBackend:
         *,
         config_patches: Optional[dict] = None,
         dump_graphs: Optional[str] = None,
-        rewrite: bool = True,
     ):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"unknown kv_dtype {kv_dtype!r}; kvcompile accepts one of {list(KV_DTYPES)}")
         self.kv_dtype = kv_dtype
         self.config_patches = dict(config_patches or {})
         self.dump_graphs = dump_graphs or os.environ.get("KVCOMPILE_DUMP_GRAPHS") or None
-        self.rewrite = rewrite
         self.graph_pass = KVAttentionPass(kv_dtype)
         self._reports: list[dict] = []
+        self.pass_seconds: list[float] = []  # wall time of the pass per graph (benchmarks)
 
     def report(self) -> list[dict]:
         """One dict per compiled graph: ``{"found", "rewritten", "skipped": [(site, reason)], "kv_dtype"}``."""
@@ -63,6 +62,7 @@ class KVCompileBackend:
 
     def reset_report(self) -> None:
         self._reports.clear()
+        self.pass_seconds.clear()
 
     def __call__(
         self,
@@ -76,14 +76,12 @@ class KVCompileBackend:
 
         index = len(self._reports)
         self._dump(gm, index, "before")
-        if self.rewrite:
-            result = self.graph_pass.apply(gm.graph)
-        else:  # detection only: run the pass on a copy
-            result = self.graph_pass.apply(_copy_graph(gm).graph)
-            result.rewritten = 0
-        if result.found and self.rewrite:
+        t0 = time.perf_counter()
+        result = self.graph_pass.apply(gm.graph)
+        if result.found:
             gm.graph.lint()
             gm.recompile()
+        self.pass_seconds.append(time.perf_counter() - t0)
         self._dump(gm, index, "after")
         report = result.as_dict()
         self._reports.append(report)
@@ -113,9 +111,3 @@ class KVCompileBackend:
     def __repr__(self) -> str:
         return f"kvcompile.backend(kv_dtype={self.kv_dtype!r})"
 
-
-def _copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    graph = torch.fx.Graph()
-    output = graph.graph_copy(gm.graph, {})
-    graph.output(output)
-    return torch.fx.GraphModule(gm, graph)

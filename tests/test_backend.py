@@ -160,3 +160,10 @@ def test_unrewritten_site_warns(caplog):
     assert r["found"] == 2 and r["rewritten"] == 0 and len(r["skipped"]) == 2
     warnings = [x for x in caplog.records if x.name == "kvcompile" and x.levelno == logging.WARNING]
     assert len(warnings) == 2 and all("left unrewritten" in w.getMessage() for w in warnings)
+
+
+def test_dump_graphs(tmp_path):
+    backend = kvcompile.backend("fp8_e4m3", dump_graphs=str(tmp_path))
+    x = torch.randn(4)
+    backend(torch.fx.symbolic_trace(lambda t: t + 1), [x])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["graph000_after.py", "graph000_before.py"]

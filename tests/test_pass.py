@@ -10,7 +10,6 @@ in fp32 over the same codes), so they differ only by float32 summation order: ~1
 
 from __future__ import annotations
 
-import logging
 
 import pytest
 import torch
