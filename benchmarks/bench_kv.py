@@ -87,7 +87,7 @@ FORMATS = {"fp8": ("fp8_e4m3", "token"), "fp8/block32": ("fp8_e4m3", "block32"),
 
 
 def decode(args):
-    shapes = [(1, 4096), (1, 32768), (8, 32768), (32, 8192), (4, 131072)]
+    shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.decode_shapes.split(",")]
     for B, L in shapes:
         shape = f"B={B} L={L}"
         kv_len = torch.full((B,), L, device="cuda", dtype=torch.long)
@@ -112,40 +112,36 @@ def decode(args):
             ms = bench(fns, len(fns))
             splits, _ = launcher.decode_splits(B * HKV, L, 128, torch.cuda.get_device_properties(0).multi_processor_count)
             record("decode", shape, f"kvcompile-{name}", ms, nb + 4 * B * HQ * D, base_ms=base, splits=splits)
-            if name == "fp8" and args.sweep and B * L in (32768, 262144):
-                sweep_decode(shape, qs, caches, kv_len, base, nb)
+            if args.sweep and (B, L) in ((8, 32768), (1, 32768)):
+                sweep_decode(shape, qs, caches, kv_len, base, nb, name)
             del caches, fns
         torch.cuda.empty_cache()
 
 
-def sweep_decode(shape, qs, caches, kv_len, base, nb):
-    from kvcompile import tiles
-
-    saved = (launcher.DECODE_PROGRAMS_PER_SM, tiles._DECODE_CANDIDATES)
-    try:
-        for pps in (2, 4, 8):
-            for tile in (tiles.Tile(16, 64, 4, 3), tiles.Tile(16, 128, 4, 3), tiles.Tile(16, 128, 8, 3),
-                         tiles.Tile(16, 256, 8, 2)):
-                launcher.DECODE_PROGRAMS_PER_SM = pps
-                tiles._DECODE_CANDIDATES = (tile,)
-                tiles.decode_tile.cache_clear()
-                fns = [lambda q=q, c=c: kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, False, None)
-                       for q, c in zip(qs, caches)]
-                try:
-                    ms = bench(fns, len(fns))
-                except Exception as e:  # a tile that does not compile on this arch
-                    print("sweep skip", pps, tile, type(e).__name__, str(e)[:80])
-                    continue
-                record("sweep", shape, f"fp8 pps={pps} n={tile.block_n} w={tile.num_warps} s={tile.num_stages}",
-                       ms, nb, base_ms=base)
-    finally:
-        launcher.DECODE_PROGRAMS_PER_SM, tiles._DECODE_CANDIDATES = saved
-        tiles.decode_tile.cache_clear()
+def sweep_decode(shape, qs, caches, kv_len, base, nb, name):
+    """A/B of the launcher's switches on one shape: bf16 vs fp16 dots, block32 scale layout."""
+    variants = [("bf16-dots", dict(FP16_DOTS=False))]
+    if name in ("q8_0", "fp8/block32"):
+        variants.append(("bcast-scale", dict(BCAST_SCALE=True)))
+    for label, changes in variants:
+        saved = {k: getattr(launcher, k) for k in changes}
+        try:
+            for k, v in changes.items():
+                setattr(launcher, k, v)
+            fns = [lambda q=q, c=c: kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, False, None)
+                   for q, c in zip(qs, caches)]
+            ms = bench(fns, len(fns))
+            record("sweep", shape, f"kvcompile-{name} {label}", ms, nb, base_ms=base)
+        except Exception as e:
+            print("sweep skip", label, type(e).__name__, str(e)[:120])
+        finally:
+            for k, v in saved.items():
+                setattr(launcher, k, v)
 
 
 def prefill(args):
     L = 16384
-    cases = [(16384, True), (4096, True), (1024, True), (256, True)]  # Tq new tokens at the end of a 16k cache
+    cases = [(int(t), True) for t in args.prefill_q.split(",")]  # Tq new tokens at the end of a 16k cache
     for Tq, causal in cases:
         shape = f"Tq={Tq} L={L}"
         q = torch.randn(1, HQ, Tq, D, device="cuda", dtype=torch.bfloat16)
@@ -188,7 +184,7 @@ def time_eager(fn):
 
 
 def store(args):
-    cases = [(1, 16384), (8, 1), (64, 1)]  # (B, T): a 16k prefill of one layer; decode steps
+    cases = [(1, 16384), (8, 1)]  # (B, T): a 16k prefill of one layer; a decode step
     L = 16384
     for B, T in cases:
         shape = f"B={B} T={T}"
@@ -227,17 +223,37 @@ def store(args):
         torch.cuda.empty_cache()
 
 
+def smoke(args):
+    """Every kernel once on small odd shapes (for compute-sanitizer memcheck)."""
+    os.environ["KVCOMPILE_PREFILL"] = "fused"
+    for name in args.formats:
+        kv_dtype, gran = FORMATS[name]
+        (kc, ks, vc, vs), _ = make_cache(kv_dtype, gran, 3, 301)
+        kv_len = torch.tensor([301, 77, 5], device="cuda")
+        for Tq in (1, 7, 40):
+            q = torch.randn(3, HQ, Tq, D, device="cuda", dtype=torch.bfloat16)
+            m = torch.rand(3, 1, Tq, 301, device="cuda") > 0.2
+            kernels.attention(q, kc, ks, vc, vs, kv_len, m, True, None)
+            kernels.attention(q, kc, ks, vc, vs, kv_len, None, False, None)
+        kernels.dequantize(kc, ks, None, kv_len, torch.bfloat16)
+    os.environ.pop("KVCOMPILE_PREFILL")
+    torch.cuda.synchronize()
+    print("smoke done")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--subjects", default="decode,prefill,store")
     p.add_argument("--formats", default="fp8,fp8/block32,fp8/static,q8_0")
     p.add_argument("--out", default="bench.csv")
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--decode-shapes", default="1x4096,1x32768,8x32768,32x8192,4x131072")
+    p.add_argument("--prefill-q", default="16384,4096,1024")
     args = p.parse_args()
     args.formats = args.formats.split(",")
     print(torch.cuda.get_device_name(0), "torch", torch.__version__)
     for subject in args.subjects.split(","):
-        {"decode": decode, "prefill": prefill, "store": store}[subject](args)
+        {"decode": decode, "prefill": prefill, "store": store, "smoke": smoke}[subject](args)
     keys = sorted({k for r in ROWS for k in r})
     with open(args.out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)

@@ -242,6 +242,23 @@ def test_attention_head_dims(D, Tq):
     check_attention("fp8_e4m3", gran, D=D, Tq=Tq, causal=True, L=26, B=1, Hkv=1, group=2)
 
 
+FP16_TOL = 5e-3  # q, P and the V tile rounded to fp16 (2^-11 relative each): measured ~1e-3
+
+
+@pytest.mark.parametrize("kv_dtype,gran", FORMATS, ids=FMT_IDS)
+@pytest.mark.parametrize("Tq", [1, 20])
+@pytest.mark.parametrize("bcast", [False, True], ids=["reshape-tile", "bcast-scale"])
+def test_attention_fp16_dot_path(kv_dtype, gran, Tq, bcast, monkeypatch):
+    """The GPU's fp16-dot path (int8 magic conversion, P * s_v / max s_v), run by the interpreter too."""
+    if gran != "block32" and bcast:
+        pytest.skip("the scale layout only matters for block32")
+    monkeypatch.setattr(attn_mod, "INTERPRET_FP16", True)
+    monkeypatch.setattr(attn_mod, "BCAST_SCALE", bcast)
+    q_dtype = torch.float32 if DEV == "cpu" else torch.float16
+    check_attention(kv_dtype, gran, Tq=Tq, causal=True, L=45, kv_len=torch.tensor([45, 30], device=DEV),
+                    tol=FP16_TOL, q_dtype=q_dtype)
+
+
 def test_attention_unsupported_head_dim_raises():
     gen = torch.Generator().manual_seed(0)
     kc, ks, vc, vs = random_cache("fp8_e4m3", "token", 1, 1, 8, 48, gen)

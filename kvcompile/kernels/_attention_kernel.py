@@ -17,7 +17,7 @@ Static scales: K scale folded into the softmax scale, V scale applied once at th
 import triton
 import triton.language as tl
 
-from ._codes import codes_to_float, to_store_dtype
+from ._codes import codes_to, to_store_dtype
 
 LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): exp(x) = exp2(x * LOG2E)
 
@@ -31,10 +31,19 @@ MASK_ADD = tl.constexpr(2)
 
 
 @triton.jit
-def _scale_groups(x, s, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_SIZE: tl.constexpr):
-    """x [BLOCK_N, BLOCK_D] * s [BLOCK_N, BLOCK_D // GROUP_SIZE], each scale over its GROUP_SIZE columns."""
-    x3 = tl.reshape(x, (BLOCK_N, BLOCK_D // GROUP_SIZE, GROUP_SIZE))
-    return tl.reshape(x3 * s[:, :, None], (BLOCK_N, BLOCK_D))
+def _scale_groups(x, s, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                  BCAST_SCALE: tl.constexpr):
+    """x [BLOCK_N, BLOCK_D] * s [BLOCK_N, BLOCK_D // GROUP_SIZE], each scale over its GROUP_SIZE columns.
+
+    BCAST_SCALE reshapes the broadcast scales to the tile instead of reshaping the tile (two
+    layouts for Triton; which is faster is measured in BENCHMARKS.md).
+    """
+    if BCAST_SCALE:
+        sb = tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_D // GROUP_SIZE, GROUP_SIZE))
+        return x * tl.reshape(sb, (BLOCK_N, BLOCK_D))
+    else:
+        x3 = tl.reshape(x, (BLOCK_N, BLOCK_D // GROUP_SIZE, GROUP_SIZE))
+        return tl.reshape(x3 * s[:, :, None], (BLOCK_N, BLOCK_D))
 
 
 @triton.jit
@@ -57,8 +66,9 @@ def _attention_kernel(
     IS_CAUSAL: tl.constexpr,
     SPLIT_OUTPUT: tl.constexpr,  # write partial outputs + LSE for _merge_kernel
     FP8_BITS: tl.constexpr,      # e4m3 codes arrive as uint8 bits (no fp8 type on this arch)
-    DOT_DTYPE: tl.constexpr,     # operand type of the QK^T dot (q's 16-bit type, or fp32)
-    PV_DTYPE: tl.constexpr,      # operand type of the PV dot (bf16: P * s_v keeps its range)
+    DOT_DTYPE: tl.constexpr,     # operand type of the QK^T dot (fp16 / bf16, or fp32)
+    PV_DTYPE: tl.constexpr,      # operand type of the PV dot (bf16, or fp16 with P * s_v / max s_v)
+    BCAST_SCALE: tl.constexpr,   # block32: broadcast the scales to the tile (else reshape the tile)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -119,12 +129,10 @@ def _attention_kernel(
         kc = tl.load(k_base + n[:, None] * stride_kn + d[None, :] * stride_kd, mask=kv_ok, other=0.0)
         if SCALE_KIND == SCALE_BLOCK:
             ksb = tl.load(ks_base + n[:, None] * stride_ksn + gi[None, :] * stride_ksg, mask=gs_ok, other=0.0)
-            k = _scale_groups(codes_to_float(kc, FP8_BITS), ksb.to(tl.float32), BLOCK_N, BLOCK_D, GROUP_SIZE)
-            k = k.to(DOT_DTYPE)
-        elif FP8_BITS:
-            k = codes_to_float(kc, FP8_BITS).to(DOT_DTYPE)
+            k = codes_to(kc, DOT_DTYPE, FP8_BITS).to(tl.float32)
+            k = _scale_groups(k, ksb.to(tl.float32), BLOCK_N, BLOCK_D, GROUP_SIZE, BCAST_SCALE).to(DOT_DTYPE)
         else:
-            k = kc.to(DOT_DTYPE)  # e4m3 / int8 -> 16 bits is exact
+            k = codes_to(kc, DOT_DTYPE, FP8_BITS)  # e4m3 / int8 -> 16 bits is exact
         if DOT_DTYPE == tl.float32:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -158,21 +166,27 @@ def _attention_kernel(
         vc = tl.load(v_base + n[:, None] * stride_vn + d[None, :] * stride_vd, mask=kv_ok, other=0.0)
         if SCALE_KIND == SCALE_BLOCK:
             vsb = tl.load(vs_base + n[:, None] * stride_vsn + gi[None, :] * stride_vsg, mask=gs_ok, other=0.0)
-            v = _scale_groups(codes_to_float(vc, FP8_BITS), vsb.to(tl.float32), BLOCK_N, BLOCK_D, GROUP_SIZE)
-            v = v.to(PV_DTYPE)
+            v = codes_to(vc, PV_DTYPE, FP8_BITS).to(tl.float32)
+            v = _scale_groups(v, vsb.to(tl.float32), BLOCK_N, BLOCK_D, GROUP_SIZE, BCAST_SCALE).to(PV_DTYPE)
             pv = p.to(PV_DTYPE)
         else:
-            if FP8_BITS:
-                v = codes_to_float(vc, FP8_BITS).to(PV_DTYPE)
-            else:
-                v = vc.to(PV_DTYPE)
+            v = codes_to(vc, PV_DTYPE, FP8_BITS)
             if SCALE_KIND == SCALE_TOKEN:
                 vs = tl.load(vs_base + n * stride_vsn, mask=n_ok, other=0.0).to(tl.float32)
-                pv = (p * vs[None, :]).to(PV_DTYPE)
+                if PV_DTYPE == tl.float16:
+                    # fp16 has no room for p * s_v (s_v ~ amax / 448 underflows): scale P by s_v / max(s_v)
+                    # of this tile (<= 1), and the tile's PV product by max(s_v) in fp32
+                    v_max = tl.max(vs, axis=0)
+                    v_max = tl.where(v_max > 0, v_max, 1.0)
+                    pv = (p * (vs * (1.0 / v_max))[None, :]).to(PV_DTYPE)
+                else:
+                    pv = (p * vs[None, :]).to(PV_DTYPE)
             else:
                 pv = p.to(PV_DTYPE)
         if PV_DTYPE == tl.float32:
             acc += tl.dot(pv, v, input_precision="ieee")
+        elif SCALE_KIND == SCALE_TOKEN and PV_DTYPE == tl.float16:
+            acc += tl.dot(pv, v) * v_max
         else:
             acc += tl.dot(pv, v)
         m_i = m_new

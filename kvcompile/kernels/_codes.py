@@ -71,3 +71,34 @@ def to_store_dtype(x, DTYPE: tl.constexpr):
         return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(DTYPE)
+
+
+@triton.jit
+def codes_to(c, DTYPE: tl.constexpr, FP8_BITS: tl.constexpr):
+    """Loaded codes -> DTYPE, exactly. int8 -> fp16 by the magic-number trick (integer add +
+    one fp16 subtract instead of a quarter-rate int->float convert): fp16 bits 0x6400 | (c + 128)
+    is 1024 + 128 + c, exact since fp16 steps by 1 in [1024, 2048)."""
+    if FP8_BITS:
+        return e4m3_decode_bits(c).to(DTYPE)
+    elif c.dtype == tl.int8 and DTYPE == tl.float16:
+        u = (c.to(tl.int16) + 0x6480).to(tl.uint16)  # 0x6400 = 1024.0, + 128 shifts [-128, 127] to [0, 255]
+        return u.to(tl.float16, bitcast=True) - 1152.0
+    else:
+        return c.to(DTYPE)
+
+
+@triton.jit
+def div_rn_by_row(x, s, r, EXACT_DIV: tl.constexpr):
+    """x / s[:, None] rounded to nearest, with ``r = div_rn(1, s)`` computed once per row.
+
+    Markstein's correction: q0 = RN(x * r) is within an ulp of x / s; the remainder x - q0 * s is
+    exact in one fma, and RN(q0 + rem * r) is then the correctly rounded quotient (normal range;
+    the callers only need the quotient's rounding to 8 bits, and |x / s| <= 448). EXACT_DIV uses
+    div_rn per element instead (the interpreter has no fused fma).
+    """
+    if EXACT_DIV:
+        return tl.math.div_rn(x, s[:, None])
+    else:
+        q0 = x * r[:, None]
+        rem = tl.fma(-q0, s[:, None], x)
+        return tl.fma(rem, r[:, None], q0)

@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from ._codes import FP8_MAX, Q8_MAX, codes_to_float, e4m3_encode, to_store_dtype
+from ._codes import FP8_MAX, Q8_MAX, codes_to_float, div_rn_by_row, e4m3_encode, to_store_dtype
 
 
 @triton.jit
@@ -16,6 +16,7 @@ def _quantize_rows(
     HAS_OFFSET: tl.constexpr,
     INT8: tl.constexpr,
     STATIC_SCALE: tl.constexpr,
+    EXACT_DIV: tl.constexpr,   # per-element div_rn (interpreter) instead of reciprocal + fix-up
     GROUPS_P2: tl.constexpr,   # scale groups per token, padded to a power of two (1 for token/static)
     GROUP_SIZE: tl.constexpr,  # values per scale group (32 for block32; padded head_dim otherwise)
     BLOCK_T: tl.constexpr,
@@ -51,7 +52,13 @@ def _quantize_rows(
             s = tl.where(has_nan, float("nan"), dd)
         else:
             s = tl.math.div_rn(amax, FP8_MAX)  # s = amax / 448
-            y = tl.where(s[:, None] > 0, tl.math.div_rn(x, tl.where(s > 0, s, 1.0)[:, None]), 0.0)
+            # x / s with one reciprocal per row + Markstein's fix-up. A tiny s (possibly subnormal) and
+            # its row are first scaled by 2**64: exact, same quotient, and 1 / s stays finite.
+            up = tl.where(s < 8.673617379884035e-19, 18446744073709551616.0, 1.0)  # 2**-60, 2**64
+            ss = tl.where(s > 0, s * up, 1.0)
+            r = tl.math.div_rn(1.0, ss)
+            y = div_rn_by_row(x * up[:, None], ss, r, EXACT_DIV)
+            y = tl.where(s[:, None] > 0, y, 0.0)
             y = tl.where(is_inf, tl.where(x > 0, FP8_MAX, -FP8_MAX), y)
         tl.store(
             S + b * stride_sb + h * stride_sh + (start + t) * stride_st + g * stride_sg,
@@ -86,6 +93,7 @@ def _store_kv_kernel(
     HAS_OFFSET: tl.constexpr,
     INT8: tl.constexpr,
     STATIC_SCALE: tl.constexpr,
+    EXACT_DIV: tl.constexpr,
     GROUPS_P2: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -103,7 +111,7 @@ def _store_kv_kernel(
             KS, stride_ksb, stride_ksh, stride_kst, stride_ksg,
             OFF, stride_oh, stride_od,
             b, h, t0, start, T, D,
-            HAS_OFFSET, INT8, STATIC_SCALE, GROUPS_P2, GROUP_SIZE, BLOCK_T,
+            HAS_OFFSET, INT8, STATIC_SCALE, EXACT_DIV, GROUPS_P2, GROUP_SIZE, BLOCK_T,
         )
     else:
         _quantize_rows(
@@ -112,7 +120,7 @@ def _store_kv_kernel(
             VS, stride_vsb, stride_vsh, stride_vst, stride_vsg,
             OFF, stride_oh, stride_od,
             b, h, t0, start, T, D,
-            False, INT8, STATIC_SCALE, GROUPS_P2, GROUP_SIZE, BLOCK_T,
+            False, INT8, STATIC_SCALE, EXACT_DIV, GROUPS_P2, GROUP_SIZE, BLOCK_T,
         )
 
 

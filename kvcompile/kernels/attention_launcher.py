@@ -35,7 +35,11 @@ __all__ = ["attention", "decode_splits", "prefill_path", "DECODE_MAX_Q", "DENSE_
 
 DECODE_MAX_Q = 16  # query blocks up to this length go to the split-K decode kernel
 DENSE_MIN_Q = 1024  # auto: prefills at least this long use the dense-dequant path (measured: BENCHMARKS.md)
-DECODE_PROGRAMS_PER_SM = 4  # split-K target: programs per SM in one decode launch (measured: BENCHMARKS.md)
+DECODE_PROGRAMS_PER_SM = 8  # split-K target: programs per SM in one decode launch (measured: BENCHMARKS.md)
+DECODE_PROGRAMS_PER_SM_SMALL = 2  # ... when batch * kv heads is small (<= 16): fewer splits, less merge
+FP16_DOTS = True  # 16-bit q: both dots in fp16 (q cast to fp16; |q| must stay below 65504)
+BCAST_SCALE = False  # block32 scales: broadcast to the tile (True) or reshape the tile (False)
+INTERPRET_FP16 = False  # tests: run the interpreter's dots in fp16 to exercise the fp16 path
 _PATHS = ("auto", "fused", "dense")
 
 
@@ -69,10 +73,12 @@ def prefill_path(q: Tensor) -> str:
 def decode_splits(programs: int, max_len: int, block_n: int, sms: int) -> tuple[int, int]:
     """(number of splits, keys per split) from static shapes only.
 
-    Aim at ~4 programs per SM so enough loads are in flight to saturate HBM, with at least
-    one block of keys per split.
+    Aim at DECODE_PROGRAMS_PER_SM programs per SM so enough loads are in flight to saturate HBM
+    (fewer when batch * kv heads is small: the merge's partial outputs then cost more than the
+    extra parallelism gives), with at least one block of keys per split.
     """
-    want = max(1, triton_cdiv(DECODE_PROGRAMS_PER_SM * sms, programs))
+    pps = DECODE_PROGRAMS_PER_SM_SMALL if programs <= 16 else DECODE_PROGRAMS_PER_SM
+    want = max(1, triton_cdiv(pps * sms, programs))
     splits = max(1, min(want, triton_cdiv(max_len, block_n)))
     split_len = triton_cdiv(triton_cdiv(max_len, splits), block_n) * block_n
     return triton_cdiv(max_len, split_len), split_len
@@ -122,10 +128,14 @@ def _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale
     kvl, kvl_stride = kv_len_arg(kv_len, B, dev)
     mask, mstride, mask_kind = _mask_arg(attn_mask, B, Hq, Tq, L, q)
 
-    if interpreting():  # numpy underneath: no 16-bit dot; small tiles so tests cross block edges
-        dot_dtype = pv_dtype = torch.float32
+    if interpreting():  # numpy underneath: no bf16 dot; small tiles so tests cross block edges
+        dot_dtype = pv_dtype = torch.float16 if INTERPRET_FP16 else torch.float32
     elif q.dtype == torch.float32:
         dot_dtype = pv_dtype = torch.float32
+    elif FP16_DOTS:
+        # e4m3 -> fp16 is one convert per two values and int8 -> fp16 a magic-number add; the
+        # bf16 route costs more per element and decode is bound by those instructions
+        dot_dtype = pv_dtype = torch.float16
     else:
         dot_dtype, pv_dtype = q.dtype, torch.bfloat16  # P * s_v needs bf16's range
     qb = torch.empty((), dtype=dot_dtype).element_size()
@@ -201,7 +211,7 @@ def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, 
         Hkv, Tq, D, float(sm_scale), split_len,
         GROUP=group, GROUP_SIZE=group_size, SCALE_KIND=scale_kind, MASK_KIND=mask_kind,
         IS_CAUSAL=bool(is_causal), SPLIT_OUTPUT=splits > 1, FP8_BITS=fp8_bits,
-        DOT_DTYPE=_tl_dtype(dot_dtype), PV_DTYPE=_tl_dtype(pv_dtype),
+        DOT_DTYPE=_tl_dtype(dot_dtype), PV_DTYPE=_tl_dtype(pv_dtype), BCAST_SCALE=BCAST_SCALE,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=next_pow2(D),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )

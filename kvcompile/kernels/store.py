@@ -11,6 +11,8 @@ from .. import tiles
 from ._store_kernel import _dequantize_kernel, _store_kv_kernel
 from .common import device_cc, interpreting, kv_len_arg, next_pow2
 
+EXACT_DIV = False  # True: per-element div_rn on the GPU too (slower; the default is bit-identical)
+
 # Exact rounding must not be contracted into FMAs (x * s + o must round twice, as torch does).
 _EXACT = {} if interpreting() else {"enable_fp_fusion": False}
 
@@ -62,7 +64,7 @@ def store_kv(
         ks, *ks.stride(), vs, *vs.stride(),
         off, *off_strides,
         start, H, T, D,
-        HAS_OFFSET=k_offset is not None, INT8=int8, STATIC_SCALE=static,
+        HAS_OFFSET=k_offset is not None, INT8=int8, STATIC_SCALE=static, EXACT_DIV=interpreting() or EXACT_DIV,
         GROUPS_P2=groups_p2, GROUP_SIZE=group_size, BLOCK_T=block_t,
         num_warps=4, **_EXACT,
     )
