@@ -167,3 +167,22 @@ def test_dump_graphs(tmp_path):
     x = torch.randn(4)
     backend(torch.fx.symbolic_trace(lambda t: t + 1), [x])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["graph000_after.py", "graph000_before.py"]
+
+
+def test_dynamic_true_compiles_without_dequantize():
+    """Under dynamic=True the K/V view chain stays for its size() only; Inductor drops the dequantize."""
+    from torch._inductor.utils import run_and_get_code
+
+    model, kv_dtype = make_model("llama", "sdpa")
+    ids, mask = prompt(True)
+    kw = cache_kwarg(model)
+    expected = greedy(model.forward, model, make_cache(model, kv_dtype), ids, mask, steps=0)
+    backend = kvcompile.backend(kv_dtype)
+    with torch._dynamo.config.patch(specialize_float=True), torch.no_grad():
+        f = torch.compile(model.forward, backend=backend, dynamic=True, fullgraph=True)
+        out, codes = run_and_get_code(
+            lambda: f(input_ids=ids, attention_mask=mask, use_cache=True, **{kw: make_cache(model, kv_dtype)}))
+    torch.testing.assert_close(out.logits[mask.bool()], expected[0], atol=ATOL, rtol=RTOL)
+    code = "\n".join(codes)
+    assert "kvcompile.attention" in code and "kvcompile.dequantize" not in code
+    assert backend.report()[0]["rewritten"] == 2

@@ -313,3 +313,25 @@ def test_no_cache_graph_is_untouched():
     torch.compile(f, backend=backend, fullgraph=True)(x, x, x)
     (before, after, report), = backend.graphs
     assert before == after and report.as_dict() == {"found": 0, "rewritten": 0, "skipped": [], "kv_dtype": "fp8_e4m3"}
+
+
+def test_dynamic_true():
+    """dynamic=True: shapes are symbols and HF reads ``x.shape`` of the dequantized K/V (size() users);
+    Python float scalings become graph inputs, so the site is skipped with a hint unless floats are
+    specialised, and then rewritten."""
+    model, kv_dtype = make_model("llama", "sdpa")
+    ids, mask = prompt(True)
+    expected = greedy(model.forward, model, make_cache(model, kv_dtype), ids, mask, steps=2)
+    for specialize in (False, True):
+        fresh_dynamo()
+        backend = PassOnly(kv_dtype)
+        with torch._dynamo.config.patch(specialize_float=specialize):
+            got = greedy(torch.compile(model.forward, backend=backend, dynamic=True), model,
+                         make_cache(model, kv_dtype), ids, mask, steps=2)
+        for e, g in zip(expected, got):
+            torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
+        for _, after, report in backend.graphs:
+            if specialize:
+                assert report.rewritten == report.found == 2 and after["sdpa"] == 0
+            else:
+                assert report.rewritten == 0 and all("specialize_float" in r for _, r in report.skipped)

@@ -53,6 +53,7 @@ import hashlib
 import inspect
 import logging
 import operator
+import re
 from typing import Any, Callable, Optional
 
 import torch
@@ -63,13 +64,14 @@ from torch._inductor.pattern_matcher import (
     CallFunction,
     CallMethod,
     Ignored,
+    MULTIPLE,
     KeywordArg,
     Match,
     PatternExpr,
     PatternMatcherPass,
     register_graph_pattern,
 )
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from .. import formats
 
@@ -107,6 +109,9 @@ def _dequantized(kv: str) -> PatternExpr:
         Ignored(),  # K centering offset: softmax-invariant, never read by the op
         KeywordArg("kv_len"),
         KeywordArg(f"{kv}_dtype"),
+        # K/V nodes: besides attention only shape queries (``x.size()`` under dynamic=True) may read
+        # them; the handler checks that (see _shape_query_users)
+        _users=MULTIPLE,
     )
 
 
@@ -117,19 +122,19 @@ def kv_direct(kv: str) -> PatternExpr:
 
 def kv_repeat_expand(kv: str) -> PatternExpr:
     """HF ``repeat_kv``: ``x[:, :, None, :, :].expand(B, H, n, L, D).reshape(B, H * n, L, D)``."""
-    unsqueezed = CallFunction(operator.getitem, _dequantized(kv), Ignored())
-    expanded = CallMethod("expand", unsqueezed, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
-    return CallMethod("reshape", expanded, Ignored(), Ignored(), Ignored(), Ignored())
+    unsqueezed = CallFunction(operator.getitem, _dequantized(kv), Ignored(), _users=MULTIPLE)
+    expanded = CallMethod("expand", unsqueezed, Ignored(), Ignored(), Ignored(), Ignored(), Ignored(), _users=MULTIPLE)
+    return CallMethod("reshape", expanded, Ignored(), Ignored(), Ignored(), Ignored(), _users=MULTIPLE)
 
 
 def kv_repeat_interleave_method(kv: str) -> PatternExpr:
     """``x.repeat_interleave(n, dim=1)``."""
-    return CallMethod("repeat_interleave", _dequantized(kv), Ignored())
+    return CallMethod("repeat_interleave", _dequantized(kv), Ignored(), _users=MULTIPLE)
 
 
 def kv_repeat_interleave_function(kv: str) -> PatternExpr:
     """``torch.repeat_interleave(x, n, dim=1)``."""
-    return CallFunction(torch.repeat_interleave, _dequantized(kv), Ignored())
+    return CallFunction(torch.repeat_interleave, _dequantized(kv), Ignored(), _users=MULTIPLE)
 
 
 KV_SPELLINGS: dict[str, Callable[[str], PatternExpr]] = {
@@ -215,8 +220,13 @@ def _val(x: Any) -> Any:
 
 
 def _known_eq(a: Any, b: Any) -> bool:
+    """``a == b`` for ints or SymInts. A backed symbolic comparison is decided by its hint and guarded
+    (as Inductor does; under ``dynamic=True`` the cache length is a symbol equal to the mask's
+    ``max_cache_len``, and the guard pins it); an unbacked one counts as unequal."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
     try:
-        return bool(statically_known_true(a == b))
+        return bool(guard_or_false(a == b))
     except Exception:  # noqa: BLE001  (an unresolvable symbolic comparison is "not known")
         return False
 
@@ -238,10 +248,9 @@ def site_name(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     if stack:
         path = list(stack.values())[-1][0]
-        for prefix in ("L['self'].", "L['self']", "self."):
-            if path.startswith(prefix):
-                path = path[len(prefix):]
-        path = path.replace("_modules['", "").replace("']", "").replace("[", ".").replace("]", "")
+        path = re.sub(r"^L(\[[^\]]*\])+\.?", "", path)  # L['self'] / L['args'][0]: the compiled root
+        path = re.sub(r"_modules\['([^']*)'\]", r"\1", path)
+        path = re.sub(r"\[(\d+)\]", r".\1", path).replace("..", ".")
         return f"{path or 'model'}:{node.name}"
     return node.name
 
@@ -320,7 +329,7 @@ class KVAttentionPass(CustomGraphPass):
 
         for kv_len, nodes in sites.items():
             report.found += 1
-            if kv_len in state["rewritten"] and all(n._erased or not n.users for n in nodes):
+            if kv_len in state["rewritten"]:
                 report.rewritten += 1
                 continue
             reason = state["reasons"].get(kv_len)
@@ -357,6 +366,7 @@ class KVAttentionPass(CustomGraphPass):
                     call = _sdpa_call(anchor, kwargs)
                 else:
                     call = _eager_call(anchor, kwargs, match)
+                shape_users = _shape_query_users(match, kwargs)
                 _check_heads_and_dtypes(anchor, kwargs, call)
                 call["kv_len"] = _causal_length(anchor.graph, anchor, kwargs, call)
             except _Skip as e:
@@ -377,6 +387,8 @@ class KVAttentionPass(CustomGraphPass):
                 )
             new.meta.update({k: v for k, v in anchor.meta.items() if k in ("example_value", "val", "nn_module_stack", "stack_trace", "source_fn_stack")})
             anchor.replace_all_uses_with(new)
+            for user, dq, codes in shape_users:
+                user.replace_input_with(dq, codes)
             match.erase_nodes()
             state["rewritten"].add(kv_len)
             patterns = state["report"].patterns
@@ -401,9 +413,36 @@ def _canonicalize_sdpa(graph: fx.Graph) -> None:
             node.args, node.kwargs = node.args[:3], kwargs
 
 
+_SHAPE_QUERIES = ("size", "dim")
+
+
+def _shape_query_users(match: Match, kw: dict) -> list:
+    """Shape queries (``x.size()``, ``x.dim()``) on the matched K/V nodes, as (user, node, codes).
+
+    Any other reader outside the match means the dequantized K/V is needed beyond attention: skip.
+    Queries on a dequantize node are pointed at its codes (same shape). Queries on a repeat
+    (``value.shape[-1]`` in HF's SDPA glue under dynamic=True) keep that view chain alive for its
+    metadata only; AOTAutograd's dead-code elimination drops the unused dequantize.
+    """
+    out = []
+    for node in match.nodes:
+        if node is match.output_node():
+            continue
+        for user in node.users:
+            if user in match.nodes:
+                continue
+            if not (user.op == "call_method" and user.target in _SHAPE_QUERIES and user.args[0] is node):
+                raise _Skip(f"the dequantized cache is also read by {_describe(user)} ({user.name})")
+            if node.target in DEQUANTIZE_TARGETS:
+                out.append((user, node, node.args[0]))
+    return out
+
+
 def _constant(value: Any, what: str, types: tuple) -> Any:
     if isinstance(value, fx.Node) or not isinstance(value, types):
-        raise _Skip(f"{what} is not a compile-time constant ({value!r})")
+        hint = (" (dynamic=True lifts Python floats to graph inputs: compile with dynamic=None, or set "
+                "torch._dynamo.config.specialize_float=True)") if isinstance(value, fx.Node) else ""
+        raise _Skip(f"{what} is not a compile-time constant ({value!r}){hint}")
     return value
 
 
@@ -454,9 +493,7 @@ def _eager_call(node: fx.Node, kw: dict, match: Match) -> dict:
     dims = {d % 4 for d in transpose.args[1:] if isinstance(d, int)}
     if dims != {2, 3}:
         raise _Skip(f"K is transposed over dims {transpose.args[1:]}, not (2, 3)")
-    scaling = kw["scaling"]
-    if isinstance(scaling, fx.Node) or not isinstance(scaling, (int, float)):
-        raise _Skip(f"score scaling {scaling!r} is not a compile-time constant")
+    scaling = _constant(kw["scaling"], "score scaling", (int, float))
     return {
         "mask": _check_mask(kw.get("mask"), node, kw),
         "is_causal": False,
