@@ -34,11 +34,11 @@ MASK_NONE, MASK_BOOL, MASK_ADD = (int(c.value) for c in (_k.MASK_NONE, _k.MASK_B
 __all__ = ["attention", "decode_splits", "prefill_path", "DECODE_MAX_Q", "DENSE_MIN_Q", "DECODE_PROGRAMS_PER_SM"]
 
 DECODE_MAX_Q = 16  # query blocks up to this length go to the split-K decode kernel
-DENSE_MIN_Q = 1024  # auto: prefills at least this long use the dense-dequant path (measured: BENCHMARKS.md)
+DENSE_MIN_Q = 512  # auto: prefills at least this long use the dense-dequant path (H200: fused wins at 256, dense at 1024)
 DECODE_PROGRAMS_PER_SM = 8  # split-K target: programs per SM in one decode launch (measured: BENCHMARKS.md)
 DECODE_PROGRAMS_PER_SM_SMALL = 2  # ... when batch * kv heads is small (<= 16): fewer splits, less merge
 FP16_DOTS = True  # 16-bit q: both dots in fp16 (q cast to fp16; |q| must stay below 65504)
-BCAST_SCALE = False  # block32 scales: broadcast to the tile (True) or reshape the tile (False)
+BCAST_SCALE = True  # block32 scales: broadcast to the tile (True: 1.9x faster q8_0 decode on the H200) or reshape it
 INTERPRET_FP16 = False  # tests: run the interpreter's dots in fp16 to exercise the fp16 path
 _PATHS = ("auto", "fused", "dense")
 
