@@ -289,6 +289,18 @@ def test_attention_additive_mask(Tq):
     check_attention("fp8_e4m3", "block32", B=B, Hkv=Hkv, group=group, Tq=Tq, L=L, mask=m.to(DEV), causal=True)
 
 
+def test_attention_unsupported_scale_groups_raise():
+    gen = torch.Generator().manual_seed(0)
+    kc, _, vc, _ = random_cache("fp8_e4m3", "token", 1, 1, 8, 96, gen)
+    s = torch.ones(1, 1, 8, 2, device=DEV)  # groups of 48 values
+    q = torch.randn(1, 1, 1, 96, device=DEV)
+    with pytest.raises(ValueError, match="groups"):
+        kernels.attention(q, kc, s, vc, s, torch.tensor(8, device=DEV), None, False, None)
+    with pytest.raises(ValueError, match="one granularity"):
+        kernels.attention(q, kc, torch.ones(1, 1, 8, 1, device=DEV), vc, torch.ones(1, device=DEV),
+                          torch.tensor(8, device=DEV), None, False, None)
+
+
 def test_attention_rows_without_keys_are_zero():
     B, L, Tq = 1, 16, 3
     m = torch.ones(B, 1, Tq, L, dtype=torch.bool)

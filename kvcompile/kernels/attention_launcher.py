@@ -93,6 +93,11 @@ def _scale_kind(k_scale: Tensor, v_scale: Tensor, head_dim: int) -> tuple[int, i
         return SCALE_BLOCK, head_dim // s.shape[-1]
 
     kk, vk = kind(k_scale), kind(v_scale)
+    if kk[0] == SCALE_BLOCK and (kk[1] & (kk[1] - 1) or kk[1] < 16):
+        raise ValueError(
+            f"kvcompile.attention (triton): scale groups of {kk[1]} values (head_dim={head_dim}, "
+            f"{k_scale.shape[-1]} groups) are not supported; use granularity 'token' or 'block32'"
+        )
     if kk != vk:
         raise ValueError(
             "kvcompile.attention (triton): K and V scales must have one granularity, got "
