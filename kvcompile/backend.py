@@ -108,6 +108,14 @@ class KVCompileBackend:
         with open(os.path.join(self.dump_graphs, f"graph{index:03d}_{stage}.py"), "w") as f:
             f.write(gm.print_readable(print_output=False))
 
+    def __deepcopy__(self, memo):
+        # transformers deep-copies GenerationConfig (and its CompileConfig(backend=...)); the copy
+        # must be this backend, or report() would miss the graphs compiled through it
+        return self
+
+    def __copy__(self):
+        return self
+
     def __repr__(self) -> str:
         return f"kvcompile.backend(kv_dtype={self.kv_dtype!r})"
 

@@ -186,3 +186,24 @@ def test_dynamic_true_compiles_without_dequantize():
     code = "\n".join(codes)
     assert "kvcompile.attention" in code and "kvcompile.dequantize" not in code
     assert backend.report()[0]["rewritten"] == 2
+
+
+def test_generate_with_compile_config():
+    """transformers' own auto-compile: CompileConfig(backend=kvcompile.backend(...)) (mode defaults to
+    "reduce-overhead", which the backend forwards to Inductor; CUDA graphs do not apply on CPU)."""
+    model, kv_dtype = make_model("mistral", "sdpa")
+    ids, mask = prompt(False)
+    kw = cache_kwarg(model)
+    gen = dict(max_new_tokens=16, do_sample=False, return_dict_in_generate=True, output_scores=True,
+               attention_mask=mask, pad_token_id=0)
+    with torch.no_grad():
+        ref = model.generate(ids, **{kw: make_cache(model, kv_dtype)}, **gen)
+        backend = kvcompile.backend(kv_dtype)
+        config = transformers.CompileConfig(backend=backend, fullgraph=True)
+        config._compile_all_devices = True  # CPU CI: transformers auto-compiles on accelerators only
+        out = model.generate(ids, **{kw: make_cache(model, kv_dtype)}, compile_config=config, **gen)
+    assert torch.equal(out.sequences, ref.sequences)
+    for e, g in zip(ref.scores, out.scores):
+        torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
+    reports = backend.report()
+    assert reports and all(r["rewritten"] == r["found"] == 2 for r in reports)

@@ -284,7 +284,7 @@ class PassReport:
 class KVAttentionPass(CustomGraphPass):
     """Rewrites attention over a kvcompile cache into ``kvcompile::attention``.
 
-    ``pass_(graph)`` works in place on a Dynamo (pre-AOT) graph and returns a :class:`PassReport`.
+    ``apply(graph)`` (or calling the pass) works in place on a Dynamo (pre-AOT) graph and returns a :class:`PassReport`.
     Raises :class:`KVDtypeMismatch` when the graph's cache codes are not ``kv_dtype``'s.
     """
 
