@@ -38,11 +38,11 @@ def test_compiled_matches_eager_no_recompiles(family, attn, padded):
     ids, mask = prompt(padded)
     steps = 3 + 64
     max_len = ids.shape[1] + steps + 1
-    expected = greedy(model.forward, model, make_cache(model, kv_dtype, max_len), ids, mask, steps=steps)
+    expected = greedy(model.forward, model, make_cache(model, kv_dtype, max_len, padded=padded), ids, mask, steps=steps)
 
     backend = kvcompile.backend(kv_dtype)
     compiled = torch.compile(model.forward, backend=backend, fullgraph=True)
-    cache = make_cache(model, kv_dtype, max_len)
+    cache = make_cache(model, kv_dtype, max_len, padded=padded)
     warm = greedy(compiled, model, cache, ids, mask, steps=3)
     # the next 64 steps continue from the warm-up state
     kw = cache_kwarg(model)
@@ -68,16 +68,17 @@ def test_compiled_matches_eager_no_recompiles(family, attn, padded):
 def test_generate_matches_eager(caplog):
     """model.generate() with the compiled forward: same tokens and scores as eager generate."""
     model, kv_dtype = make_model("gemma", "sdpa")
-    ids, mask = prompt(True)
+    padded = True
+    ids, mask = prompt(padded)
     kw = cache_kwarg(model)
     gen = dict(max_new_tokens=16, do_sample=False, return_dict_in_generate=True, output_scores=True,
                attention_mask=mask, pad_token_id=0)
     with torch.no_grad():
-        ref = model.generate(ids, **{kw: make_cache(model, kv_dtype)}, **gen)
+        ref = model.generate(ids, **{kw: make_cache(model, kv_dtype, padded=padded)}, **gen)
         backend = kvcompile.backend(kv_dtype)
         model.forward = torch.compile(model.forward, backend=backend, fullgraph=True)
         with caplog.at_level(logging.INFO, logger="kvcompile"):
-            out = model.generate(ids, **{kw: make_cache(model, kv_dtype)}, **gen)
+            out = model.generate(ids, **{kw: make_cache(model, kv_dtype, padded=padded)}, **gen)
     assert torch.equal(out.sequences, ref.sequences)
     for e, g in zip(ref.scores, out.scores):
         torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
@@ -174,14 +175,15 @@ def test_dynamic_true_compiles_without_dequantize():
     from torch._inductor.utils import run_and_get_code
 
     model, kv_dtype = make_model("llama", "sdpa")
-    ids, mask = prompt(True)
+    padded = True
+    ids, mask = prompt(padded)
     kw = cache_kwarg(model)
-    expected = greedy(model.forward, model, make_cache(model, kv_dtype), ids, mask, steps=0)
+    expected = greedy(model.forward, model, make_cache(model, kv_dtype, padded=padded), ids, mask, steps=0)
     backend = kvcompile.backend(kv_dtype)
     with torch._dynamo.config.patch(specialize_float=True), torch.no_grad():
         f = torch.compile(model.forward, backend=backend, dynamic=True, fullgraph=True)
         out, codes = run_and_get_code(
-            lambda: f(input_ids=ids, attention_mask=mask, use_cache=True, **{kw: make_cache(model, kv_dtype)}))
+            lambda: f(input_ids=ids, attention_mask=mask, use_cache=True, **{kw: make_cache(model, kv_dtype, padded=padded)}))
     torch.testing.assert_close(out.logits[mask.bool()], expected[0], atol=ATOL, rtol=RTOL)
     code = "\n".join(codes)
     assert "kvcompile.attention" in code and "kvcompile.dequantize" not in code
@@ -192,16 +194,17 @@ def test_generate_with_compile_config():
     """transformers' own auto-compile: CompileConfig(backend=kvcompile.backend(...)) (mode defaults to
     "reduce-overhead", which the backend forwards to Inductor; CUDA graphs do not apply on CPU)."""
     model, kv_dtype = make_model("mistral", "sdpa")
-    ids, mask = prompt(False)
+    padded = False
+    ids, mask = prompt(padded)
     kw = cache_kwarg(model)
     gen = dict(max_new_tokens=16, do_sample=False, return_dict_in_generate=True, output_scores=True,
                attention_mask=mask, pad_token_id=0)
     with torch.no_grad():
-        ref = model.generate(ids, **{kw: make_cache(model, kv_dtype)}, **gen)
+        ref = model.generate(ids, **{kw: make_cache(model, kv_dtype, padded=padded)}, **gen)
         backend = kvcompile.backend(kv_dtype)
         config = transformers.CompileConfig(backend=backend, fullgraph=True)
         config._compile_all_devices = True  # CPU CI: transformers auto-compiles on accelerators only
-        out = model.generate(ids, **{kw: make_cache(model, kv_dtype)}, compile_config=config, **gen)
+        out = model.generate(ids, **{kw: make_cache(model, kv_dtype, padded=padded)}, compile_config=config, **gen)
     assert torch.equal(out.sequences, ref.sequences)
     for e, g in zip(ref.scores, out.scores):
         torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)

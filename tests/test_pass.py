@@ -41,11 +41,11 @@ def test_hf_attention_is_rewritten(family, attn):
     model, kv_dtype = make_model(family, attn)
     layers = model.config.num_hidden_layers
     ids, mask = prompt(padded)
-    expected = greedy(model.forward, model, make_cache(model, kv_dtype), ids, mask, steps=3)
+    expected = greedy(model.forward, model, make_cache(model, kv_dtype, padded=padded), ids, mask, steps=3)
 
     backend = PassOnly(kv_dtype)
     compiled = torch.compile(model.forward, backend=backend, fullgraph=True)
-    got = greedy(compiled, model, make_cache(model, kv_dtype), ids, mask, steps=3)
+    got = greedy(compiled, model, make_cache(model, kv_dtype, padded=padded), ids, mask, steps=3)
 
     assert len(backend.graphs) >= 2, "expected a prefill and a decode graph"
     anchor = "sdpa" if attn == "sdpa" else "softmax"
@@ -67,10 +67,10 @@ def test_padded_and_unpadded_both_rewrite(family):
     fresh_dynamo()
     model, kv_dtype = make_model(family, "sdpa")
     ids, mask = prompt(padded)
-    expected = greedy(model.forward, model, make_cache(model, kv_dtype), ids, mask, steps=2)
+    expected = greedy(model.forward, model, make_cache(model, kv_dtype, padded=padded), ids, mask, steps=2)
     backend = PassOnly(kv_dtype)
     got = greedy(torch.compile(model.forward, backend=backend, fullgraph=True), model,
-                 make_cache(model, kv_dtype), ids, mask, steps=2)
+                 make_cache(model, kv_dtype, padded=padded), ids, mask, steps=2)
     for _, after, report in backend.graphs:
         assert report.rewritten == report.found == 2 and after["sdpa"] == 0
     for e, g in zip(expected, got):
@@ -82,11 +82,12 @@ def test_sdpa_enable_gqa(monkeypatch):
     monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "1")
     fresh_dynamo()
     model, kv_dtype = make_model("llama", "sdpa")
-    ids, mask = prompt(True)
-    expected = greedy(model.forward, model, make_cache(model, kv_dtype), ids, mask, steps=2)
+    padded = True
+    ids, mask = prompt(padded)
+    expected = greedy(model.forward, model, make_cache(model, kv_dtype, padded=padded), ids, mask, steps=2)
     backend = PassOnly(kv_dtype)
     got = greedy(torch.compile(model.forward, backend=backend, fullgraph=True), model,
-                 make_cache(model, kv_dtype), ids, mask, steps=2)
+                 make_cache(model, kv_dtype, padded=padded), ids, mask, steps=2)
     for _, after, report in backend.graphs:
         assert report.patterns == {"sdpa[direct]": 2}
         assert after["kv_attention"] == 2 and after["sdpa"] == 0
@@ -320,14 +321,15 @@ def test_dynamic_true():
     Python float scalings become graph inputs, so the site is skipped with a hint unless floats are
     specialised, and then rewritten."""
     model, kv_dtype = make_model("llama", "sdpa")
-    ids, mask = prompt(True)
-    expected = greedy(model.forward, model, make_cache(model, kv_dtype), ids, mask, steps=2)
+    padded = True
+    ids, mask = prompt(padded)
+    expected = greedy(model.forward, model, make_cache(model, kv_dtype, padded=padded), ids, mask, steps=2)
     for specialize in (False, True):
         fresh_dynamo()
         backend = PassOnly(kv_dtype)
         with torch._dynamo.config.patch(specialize_float=specialize):
             got = greedy(torch.compile(model.forward, backend=backend, dynamic=True), model,
-                         make_cache(model, kv_dtype), ids, mask, steps=2)
+                         make_cache(model, kv_dtype, padded=padded), ids, mask, steps=2)
         for e, g in zip(expected, got):
             torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
         for _, after, report in backend.graphs:

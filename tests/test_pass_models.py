@@ -60,8 +60,15 @@ def generate_cache_kwarg(model) -> str:
     return cache_kwarg(model)
 
 
-def make_cache(model, kv_dtype: str, max_len: int = MAX_LEN, batch: int = BATCH):
-    return kvcompile.QuantizedCache(model.config, max_batch_size=batch, max_cache_len=max_len, kv_dtype=kv_dtype, device="cpu")
+def make_cache(model, kv_dtype: str, max_len: int = MAX_LEN, batch: int = BATCH, padded: bool = False):
+    """A QuantizedCache on CPU. ``padded=True`` turns prompt-mean K centering off where the cache has
+    it: that mean includes the padded positions, whose hidden states are implementation-defined
+    (a query row with no visible key), so centering would let them leak into real tokens' codes."""
+    kw = {}
+    if padded and "center_keys" in inspect.signature(kvcompile.QuantizedCache).parameters:
+        kw["center_keys"] = False
+    return kvcompile.QuantizedCache(model.config, max_batch_size=batch, max_cache_len=max_len, kv_dtype=kv_dtype,
+                                    device="cpu", **kw)
 
 
 def prompt(padded: bool, batch: int = BATCH, length: int = PROMPT, seed: int = 1):
