@@ -44,6 +44,22 @@ bottom-right (query ``i`` sits at ``kv_len - Tq + i``). They agree when ``Tq == 
 ``cumulative_length.add_(Tq)`` precedes the attention) and passes ``min(kv_len, Tq)`` as the
 length, which reproduces top-left exactly: query ``i`` sees keys ``0..i``. Without that proof
 the site is skipped.
+
+Two more differences, both outside what a model can observe: the K centering offset that
+``dequantize`` adds back is dropped (every key of a query shifts by the same ``q . mu``, which
+softmax ignores; float32 rounding differs at the 1e-7 level), and a query row with no visible key
+(a left-padding position) gets zeros (bool mask) or an average over the stored keys (additive
+``finfo.min`` mask) from the op, where SDPA/eager average over all ``L`` slots; real tokens never
+attend to those rows.
+
+Spellings (``PATTERNS``): K/V arrive ``direct`` (MHA, or SDPA ``enable_gqa=True``), through HF
+``repeat_kv`` (unsqueeze-expand-reshape), or ``repeat_interleave`` (method or function), into
+``F.scaled_dot_product_attention`` (any mask / is_causal / scale, positional or keyword) or the
+eager chain ``matmul(q, K^T) * s (+ mask) -> softmax(fp32) -> .to / dropout (either order, or no
+dropout) -> matmul(P, V)``. Anything else over the cache (softcapping, sinks, ALiBi bias, returned
+attention weights) is left unchanged and reported with a reason. ``dynamic=True`` works when
+Python floats are specialised (``torch._dynamo.config.specialize_float``, the default for
+``dynamic=None``); otherwise the scaling is a graph input and the site is skipped with that hint.
 """
 
 from __future__ import annotations
