@@ -136,9 +136,10 @@ def encode(tok, text: str) -> list[int]:
 VARIANTS: dict[str, dict | None] = {
     "full": None,
     "fp8_e4m3/token": dict(kv_dtype="fp8_e4m3", granularity="token"),
-    "fp8_e4m3/block32": dict(kv_dtype="fp8_e4m3", granularity="block32"),
-    "fp8_e4m3/static": dict(kv_dtype="fp8_e4m3", granularity="static", calib=("k_scale", "v_scale", "k_offset")),
     "fp8_e4m3/token+center": dict(kv_dtype="fp8_e4m3", granularity="token", calib=("k_offset",)),
+    "fp8_e4m3/block32": dict(kv_dtype="fp8_e4m3", granularity="block32"),
+    "fp8_e4m3/block32+center": dict(kv_dtype="fp8_e4m3", granularity="block32", calib=("k_offset",)),
+    "fp8_e4m3/static+center": dict(kv_dtype="fp8_e4m3", granularity="static", calib=("k_scale", "v_scale", "k_offset")),
     "q8_0": dict(kv_dtype="q8_0"),
     "q8_0+center": dict(kv_dtype="q8_0", calib=("k_offset",)),
 }

@@ -24,7 +24,7 @@ import _common  # noqa: E402
 
 import kvcompile  # noqa: E402
 
-DEFAULT_VARIANTS = ["full", "fp8_e4m3/token", "fp8_e4m3/block32", "fp8_e4m3/static", "q8_0"]
+DEFAULT_VARIANTS = ["full", "fp8_e4m3/token", "fp8_e4m3/block32", "q8_0"]
 
 
 def parse_args(argv=None):

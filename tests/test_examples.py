@@ -106,11 +106,13 @@ def test_perplexity(tiny, text_file):
     assert names[0] == "full" and set(names) == set(_common.VARIANTS)
     full = rows[0]
     assert full["delta_pct"] == 0 and full["tf_agree"] == 1.0 and full["free_agree"] == 1.0
+    assert full["kl"] == 0 and full["next_top1"] == 1.0
     for r in rows:
         assert r["tokens"] == 191 and torch.isfinite(torch.tensor(r["ppl"]))
         # a random tiny model is nearly uniform: any 8-bit cache stays within a few percent
         assert abs(r["delta_pct"]) < 5, r
-        assert 0.0 <= r["tf_agree"] <= 1.0
+        assert 0.0 <= r["tf_agree"] <= 1.0 and 0.0 <= r["next_top1"] <= 1.0
+        assert r["kl"] >= -1e-6
     q8 = next(r for r in rows if r["variant"] == "q8_0")
     assert q8["bytes_per_element"] == pytest.approx(1 + 2 * 2 / 64)
 
@@ -119,7 +121,7 @@ def test_perplexity_calibration_file(tmp_path, tiny, text_file):
     ppl = _example("perplexity")
     path = str(tmp_path / "c.safetensors")
     args = ["--text", text_file, "--tokens", "64", "--chunk", "32", "--continuation", "0", "--no-progress",
-            "--variants", "fp8_e4m3/static", "--calib-tokens", "64"]
+            "--variants", "fp8_e4m3/static+center", "--calib-tokens", "64"]
     a = ppl.main(args + ["--save-calibration", path], model=tiny[0], tok=tiny[1])
     b = ppl.main(args + ["--calibration", path], model=tiny[0], tok=tiny[1])
     assert os.path.exists(path)
@@ -129,12 +131,12 @@ def test_perplexity_calibration_file(tmp_path, tiny, text_file):
 def test_needle(tiny, text_file):
     needle = _example("needle")
     rows = needle.main(["--text", text_file, "--contexts", "160", "--depths", "0.2", "0.8", "--new-tokens", "4",
-                        "--variants", "full", "fp8_e4m3/token", "q8_0", "fp8_e4m3/static", "--chunk", "64"],
+                        "--variants", "full", "fp8_e4m3/token", "q8_0", "fp8_e4m3/static+center", "--chunk", "64"],
                        model=tiny[0], tok=tiny[1])
     assert len(rows) == 2
     for r in rows:
         assert r["context"] == 160
-        assert set(r) >= {"full", "fp8_e4m3/token", "q8_0", "fp8_e4m3/static"}
+        assert set(r) >= {"full", "fp8_e4m3/token", "q8_0", "fp8_e4m3/static+center"}
     # the needle is really in the context, at the requested depth
     ids = needle.build_context(tiny[1], _common.encode(tiny[1], TEXT * 40), 160, 0.5, "12345")
     assert "The secret code is 12345." in tiny[1].decode(ids) and len(ids) == 160
