@@ -327,11 +327,20 @@ class QuantizedCache(Cache):
         super().__init__(layers=layers)
         self.fmt = fmt
         self.kv_dtype = fmt.kv_dtype
-        self.max_batch_size = max_batch_size
-        self.max_cache_len = max_cache_len
+        # transformers 5.17's Cache defines read-only (deprecated) properties of these names
+        self._max_batch_size = max_batch_size
+        self._max_cache_len = max_cache_len
         if device is not None:
             for layer in self.layers:
                 layer.allocate(torch.device(device))
+
+    @property
+    def max_batch_size(self) -> int:
+        return self._max_batch_size
+
+    @property
+    def max_cache_len(self) -> int:
+        return self._max_cache_len
 
     @property
     def nbytes(self) -> int:
