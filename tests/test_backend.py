@@ -53,7 +53,8 @@ def test_compiled_matches_eager_no_recompiles(family, attn, padded):
     with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
         for _ in range(64):
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-            logits = compiled(input_ids=nxt, attention_mask=mask, use_cache=True, **{kw: cache}).logits[:, -1]
+            logits = compiled(input_ids=nxt, attention_mask=mask if padded else None, use_cache=True,
+                              **{kw: cache}).logits[:, -1]
             got.append(logits)
             nxt = logits.argmax(-1, keepdim=True)
     assert len(backend.report()) == compiles  # no new graph after warm-up

@@ -83,17 +83,20 @@ def prompt(padded: bool, batch: int = BATCH, length: int = PROMPT, seed: int = 1
 
 def greedy(forward, model, cache, ids, mask, steps: int):
     """Prefill + ``steps`` greedy decode steps through ``forward``; returns the logits of each call
-    (at real positions only: padded query rows are undefined under any attention)."""
+    (at real positions only: padded query rows are undefined under any attention). An unpadded
+    prompt is run with ``attention_mask=None`` (HF still builds a causal mask while tracing)."""
     kw = cache_kwarg(model)
     real = mask.bool()
+    unpadded = bool(real.all())  # then the model gets attention_mask=None: the "no mask" case
     outs = []
     with torch.no_grad():
-        logits = forward(input_ids=ids, attention_mask=mask, use_cache=True, **{kw: cache}).logits
+        logits = forward(input_ids=ids, attention_mask=None if unpadded else mask, use_cache=True, **{kw: cache}).logits
         outs.append(logits[real])
         for _ in range(steps):
             nxt = logits[:, -1:].argmax(-1)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-            logits = forward(input_ids=nxt, attention_mask=mask, use_cache=True, **{kw: cache}).logits
+            logits = forward(input_ids=nxt, attention_mask=None if unpadded else mask, use_cache=True,
+                             **{kw: cache}).logits
             outs.append(logits[:, -1])
     return outs
 
