@@ -76,6 +76,7 @@ class QuantizedLayer(CacheLayerMixin):
         self.device = torch.device(device)
         self.k_codes = torch.zeros((B, H, L, D), dtype=fmt.code_dtype, device=device)
         self.v_codes = torch.zeros((B, H, L, D), dtype=fmt.code_dtype, device=device)
+        self.device = self.k_codes.device  # normalized: "cuda" -> cuda:0, so input checks compare equal
         if fmt.is_static:
             self.k_scales = self._k_static.to(device=device, dtype=torch.float32).contiguous()
             self.v_scales = self._v_static.to(device=device, dtype=torch.float32).contiguous()
