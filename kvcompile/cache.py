@@ -200,6 +200,15 @@ class QuantizedLayer(CacheLayerMixin):
             src = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
             src.copy_(src.index_select(0, idx))
 
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError(
+            "kvcompile.QuantizedCache has a fixed batch (max_batch_size); generation modes that grow or shrink "
+            "the batch in the cache (contrastive search, assisted decoding) are not supported"
+        )
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.batch_repeat_interleave(0)
+
     def offload(self):
         raise NotImplementedError("kvcompile.QuantizedCache does not offload layers; keep offloading=False")
 
