@@ -4,8 +4,10 @@ when the KV cache is 8-bit?
     python examples/needle.py                                  # ~4k and ~7k tokens, 3 depths
     python examples/needle.py --contexts 4000 7000 --depths 0.1 0.3 0.5 0.7 0.9
 
-A sentence "The secret code is NNNNN." is inserted at each depth (fraction of the context);
-the context ends with "The secret code is" and the model continues greedily. Retrieved means
+A passkey sentence ("The pass key is NNNNN. Remember it. NNNNN is the pass key.", the format of
+Mohtashami & Jaggi's passkey retrieval) is inserted at each depth (fraction of the context);
+the context ends with the question "What is the pass key?" (inside the chat template when the
+tokenizer has one) and the model answers greedily. Retrieved means
 the code appears in the continuation. Every variant is compared with the full-precision cache:
 a quantized cache should find the needle wherever full precision does.
 """
@@ -38,7 +40,7 @@ def parse_args(argv=None):
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, help=f"from {list(_common.VARIANTS)}")
     p.add_argument("--calibration", default=None, help="safetensors file (default: calibrate on the text's end)")
     p.add_argument("--chunk", type=int, default=1024)
-    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=12)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="auto")
@@ -46,9 +48,31 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+QUESTION = "What is the pass key? Answer with the number only."
+
+
+def _needle_text(code: str) -> str:
+    return f"\n\nThe pass key is {code}. Remember it. {code} is the pass key.\n\n"
+
+
 def build_context(tok, hay_ids: list[int], length: int, depth: float, code: str) -> list[int]:
-    needle = _common.encode(tok, f"\nThe secret code is {code}. Remember it.\n")
-    question = _common.encode(tok, "\n\nThe secret code is")
+    """About ``length`` prompt tokens: haystack with the needle at ``depth``, then the question.
+
+    With a chat template (instruct models) the haystack and question are one user message and
+    the answer is the assistant's; otherwise a plain completion ending in "The pass key is".
+    """
+    needle = _common.encode(tok, _needle_text(code))
+    if getattr(tok, "chat_template", None):
+        wrap = lambda body: tok.apply_chat_template(  # noqa: E731
+            [{"role": "user", "content": body + "\n\n" + QUESTION}], tokenize=False, add_generation_prompt=True)
+        overhead = len(tok.encode(wrap(""), add_special_tokens=False))
+        body = length - overhead - len(needle)
+        if body < 1 or body > len(hay_ids):
+            raise SystemExit(f"context of {length} tokens does not fit the haystack ({len(hay_ids)} tokens)")
+        at = int(round(depth * body))
+        text = tok.decode(hay_ids[:at]) + _needle_text(code) + tok.decode(hay_ids[at:body])
+        return list(tok.encode(wrap(text), add_special_tokens=False))
+    question = _common.encode(tok, "\n\nWhat is the pass key? The pass key is")
     body = length - len(needle) - len(question)
     if body < 1 or body > len(hay_ids):
         raise SystemExit(f"context of {length} tokens does not fit the haystack ({len(hay_ids)} tokens)")

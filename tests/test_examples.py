@@ -139,7 +139,7 @@ def test_needle(tiny, text_file):
         assert set(r) >= {"full", "fp8_e4m3/token", "q8_0", "fp8_e4m3/static+center"}
     # the needle is really in the context, at the requested depth
     ids = needle.build_context(tiny[1], _common.encode(tiny[1], TEXT * 40), 160, 0.5, "12345")
-    assert "The secret code is 12345." in tiny[1].decode(ids) and len(ids) == 160
+    assert "The pass key is 12345." in tiny[1].decode(ids) and len(ids) == 160
 
 
 def test_info_module():
