@@ -100,7 +100,7 @@ def info(out=print) -> None:
         name = f"{fmt.kv_dtype} / {fmt.granularity}"
         out(f"  {name:22s} {code:14s} {scale:9s} {b64:6.3f} {b128:6.3f}")
     out("  (bf16 cache: 2.000 bytes per element)")
-    out("  defaults: QuantizedCache(kv_dtype='fp8_e4m3') uses block32 when head_dim % 32 == 0, else token;")
+    out("  defaults: QuantizedCache(kv_dtype='fp8_e4m3') uses token scales (block32 on request);")
     out("  q8_0 is always block32. K centering (calibration k_offset) works with every format.")
     out("")
     out("attention tiles (kvcompile.tiles):")

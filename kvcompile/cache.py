@@ -274,10 +274,11 @@ class QuantizedCache(Cache):
         max_cache_len: positions per sequence (prompt + generated tokens).
         kv_dtype: one of :data:`kvcompile.KV_DTYPES` (``"fp8_e4m3"``, ``"q8_0"``).
         device: where to allocate now; ``None`` allocates lazily on the first update's device.
-        granularity: fp8 scale granularity: ``"block32"`` (one fp32 scale per 32 values of a token
-            and kv head; the default when head_dim is a multiple of 32), ``"token"`` (one per token
-            and kv head; the default otherwise) or ``"static"`` (calibrated, per layer and kv head;
-            needs ``calibration``). q8_0 is always block32.
+        granularity: fp8 scale granularity: ``"token"`` (default: one fp32 scale per token and kv
+            head; the fastest to read), ``"block32"`` (one per 32 values: about half the perplexity
+            cost on SmolLM2-135M, see QUALITY.md, but its decode kernel is 2.7x slower today, see
+            BENCHMARKS.md) or ``"static"`` (calibrated, per layer and kv head; needs
+            ``calibration``). q8_0 is always block32.
         calibration: output of :func:`kvcompile.calibrate` or a safetensors path holding it:
             ``k_scale``/``v_scale`` ``[layers, Hkv]`` (static scales) and/or ``k_offset``
             ``[layers, Hkv, D]`` (K centering, usable with every format).
@@ -296,11 +297,6 @@ class QuantizedCache(Cache):
         **kwargs: Any,
     ):
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        if granularity is None and kv_dtype == "fp8_e4m3" and _layer_shapes(text_config)[2] % formats.BLOCK == 0:
-            # fp8's default: one scale per 32 values. Measured on SmolLM2-135M (QUALITY.md) it halves
-            # the perplexity cost of per-token scales (+0.60% vs +1.31%; KL 4.0e-3 vs 7.0e-3) for
-            # 1/16 more bytes at head_dim 64. Heads not a multiple of 32 keep per-token scales.
-            granularity = "block32"
         fmt = formats.get_format(kv_dtype, granularity)
         if max_cache_len is None:
             max_cache_len = getattr(text_config, "max_position_embeddings", None)
