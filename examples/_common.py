@@ -118,6 +118,14 @@ def load_model(model: str | None, *, tiny: bool = False, device: str | None = No
     return m, tok
 
 
+def model_and_text(args, model=None, tok=None):
+    """The prologue every example's main() shares: (model, tok, device, text) from its arguments."""
+    device = args.device or (str(next(model.parameters()).device) if model is not None else default_device())
+    if model is None:
+        model, tok = load_model(args.model, tiny=args.tiny, device=device, dtype=args.dtype, gguf_file=args.gguf_file)
+    return model, tok, device, read_text(args.text)
+
+
 def read_text(path: str | os.PathLike | None) -> str:
     p = Path(path) if path else DEFAULT_TEXT
     if not p.exists():

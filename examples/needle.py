@@ -146,11 +146,7 @@ def format_table(rows, variants) -> str:
 
 def main(argv=None, model=None, tok=None) -> list[dict]:
     args = parse_args(argv)
-    device = args.device or (str(next(model.parameters()).device) if model is not None else _common.default_device())
-    if model is None:
-        model, tok = _common.load_model(args.model, tiny=args.tiny, device=device, dtype=args.dtype,
-                                        gguf_file=args.gguf_file)
-    text = _common.read_text(args.text)
+    model, tok, device, text = _common.model_and_text(args, model, tok)
     calib = None
     if any(_common.VARIANTS[v] and _common.VARIANTS[v].get("calib") for v in args.variants):
         from kvcompile.cache import _layer_shapes

@@ -212,11 +212,7 @@ def format_table(rows, continuation) -> str:
 
 def main(argv=None, model=None, tok=None) -> list[dict]:
     args = parse_args(argv)
-    device = args.device or (str(next(model.parameters()).device) if model is not None else _common.default_device())
-    if model is None:
-        model, tok = _common.load_model(args.model, tiny=args.tiny, device=device, dtype=args.dtype,
-                                        gguf_file=args.gguf_file)
-    text = _common.read_text(args.text)
+    model, tok, device, text = _common.model_and_text(args, model, tok)
     needs_calib = any(_common.VARIANTS.get(v) and _common.VARIANTS[v].get("calib") for v in args.variants)
     calib = None
     if needs_calib:
