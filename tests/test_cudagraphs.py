@@ -61,6 +61,20 @@ class _RecordCounter:
 
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "q8_0"])
 def test_graph_replay_matches_eager_without_recapture(kv_dtype):
+    """300 decode steps (crossing several split-K boundaries of a 512-token cache) three ways over
+    identical caches, teacher-forced with the same tokens:
+
+    * ``graphs``: kvcompile backend, mode="reduce-overhead" (cudagraph trees);
+    * ``plain``:  kvcompile backend, default mode: the same Inductor code and kernels, no graphs;
+    * ``eager``:  the HF model without compile (dequantize to bf16 + bf16 SDPA).
+
+    graphs vs plain checks the replay itself: identical kernels on identical inputs, so the logits
+    must agree to float32 rounding (1e-5 relative). graphs vs eager is a sanity bound only: the two
+    compute attention differently in bf16; on CPU, with the exact fp32 reference op in place of the
+    kernels, this model's compiled-vs-eager logits already differ by 1.3e-2 at the first step and
+    by 5.1e-2 at worst over these 300 steps (the bf16 eager path drifts through the cache; the H200
+    gave 4.4e-2 / 2.3e-2 for fp8 / q8_0), so 1e-1 is a sanity bound that catches O(1) defects.
+    """
     torch._dynamo.reset()
     model = _model()
     kw = _cache_kwarg(model)
@@ -71,23 +85,29 @@ def test_graph_replay_matches_eager_without_recapture(kv_dtype):
         return kvcompile.QuantizedCache(model.config, max_batch_size=B, max_cache_len=max_len,
                                         kv_dtype=kv_dtype, device="cuda")
 
-    eager_cache, graph_cache = new_cache(), new_cache()
+    caches = {name: new_cache() for name in ("eager", "plain", "graphs")}
     backend = kvcompile.backend(kv_dtype)
-    compiled = torch.compile(model.forward, backend=backend, mode="reduce-overhead", fullgraph=True)
+    fns = {
+        "eager": model.forward,
+        "plain": torch.compile(model.forward, backend=kvcompile.backend(kv_dtype), fullgraph=True),
+        "graphs": torch.compile(model.forward, backend=backend, mode="reduce-overhead", fullgraph=True),
+    }
     counter = torch._dynamo.utils.counters
     counter.clear()
+    worst = {"plain": 0.0, "eager": 0.0}
     with torch.no_grad(), _RecordCounter() as rec:
-        model(ids, **{kw: eager_cache}, use_cache=True)
-        model(ids, **{kw: graph_cache}, use_cache=True)  # prefill eager in both: decode is what is graphed
+        for cache in caches.values():  # prefill eager in all three: decode is what is graphed
+            model(ids, **{kw: cache}, use_cache=True)
         tok = torch.randint(0, 1024, (B, 1), device="cuda")
-        worst = 0.0
 
         def step():
-            nonlocal tok, worst
-            ref = model(tok, **{kw: eager_cache}, use_cache=True).logits[:, -1].float()
-            got = compiled(input_ids=tok, **{kw: graph_cache}, use_cache=True).logits[:, -1].float().clone()
-            worst = max(worst, ((got - ref).norm() / ref.norm()).item())
-            tok = ref.argmax(-1, keepdim=True)  # teacher-force both with the eager token
+            nonlocal tok
+            out = {name: fns[name](input_ids=tok, **{kw: caches[name]}, use_cache=True).logits[:, -1].float().clone()
+                   for name in fns}
+            for name in worst:
+                ref = out[name]
+                worst[name] = max(worst[name], ((out["graphs"] - ref).norm() / ref.norm()).item())
+            tok = out["eager"].argmax(-1, keepdim=True)
 
         for _ in range(4):  # warm-up: compile, cudagraph warm-up run, capture
             step()
@@ -95,13 +115,12 @@ def test_graph_replay_matches_eager_without_recapture(kv_dtype):
         with torch._dynamo.config.patch(error_on_recompile=True):
             for _ in range(steps - 4):
                 step()
-    # bf16 activations (eps 2^-8 = 3.9e-3) through 2 layers; the fused kernel and eager dequant+SDPA
-    # round differently (fp32 accumulation vs bf16 K/V), so agreement to ~1e-2 relative is the bound.
-    assert worst < 1e-2, f"graph replay vs eager: worst relative error {worst:.3e}"
+    assert worst["plain"] < 1e-5, f"graph replay vs the same code without graphs: {worst['plain']:.3e}"
+    assert worst["eager"] < 1e-1, f"graph replay vs eager HF: {worst['eager']:.3e}"
     assert captures >= 1, "decode never ran under a CUDA graph"
     assert rec.count == captures, f"re-captured: {captures} -> {rec.count} recordings"
     assert counter["stats"]["unique_graphs"] == graphs
     assert counter["inductor"]["cudagraph_skips"] == 0
-    assert int(graph_cache.layers[0].cumulative_length) == prompt_len + steps
+    assert int(caches["graphs"].layers[0].cumulative_length) == prompt_len + steps
     rewritten = [r for r in backend.report() if r["found"]]
     assert rewritten and all(r["rewritten"] == r["found"] == 2 for r in rewritten)
