@@ -296,6 +296,11 @@ class QuantizedCache(Cache):
         calibration: Mapping[str, torch.Tensor] | str | os.PathLike | None = None,
         **kwargs: Any,
     ):
+        if kwargs:  # a misspelled option must not silently fall back to a default format
+            raise TypeError(
+                f"kvcompile.QuantizedCache got unexpected arguments {sorted(kwargs)}; it takes config, "
+                "max_batch_size, max_cache_len, kv_dtype, device, granularity and calibration"
+            )
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         fmt = formats.get_format(kv_dtype, granularity)
         if max_cache_len is None:

@@ -269,6 +269,12 @@ def test_unknown_kv_dtype_lists_accepted_names():
     assert all(name in str(e.value) for name in KV_DTYPES)
 
 
+def test_misspelled_option_is_refused_not_ignored():
+    # kv_dtpye= must not silently build the default fp8 cache
+    with pytest.raises(TypeError, match="kv_dtpye"):
+        QuantizedCache(tiny_config("llama"), max_batch_size=1, max_cache_len=8, kv_dtpye="q8_0")
+
+
 def test_head_dim_not_multiple_of_32_refused_for_block_formats():
     cfg = tiny_config("llama", head_dim=16)
     for kw in ({"kv_dtype": "q8_0"}, {"kv_dtype": "fp8_e4m3", "granularity": "block32"}):
