@@ -130,11 +130,6 @@ class QuantizedLayer(CacheLayerMixin):
                 f"kvcompile.QuantizedCache: batch of {B} exceeds max_batch_size={self.max_batch_size}; "
                 f"build the cache with max_batch_size>={B}"
             )
-        if B != self.max_batch_size:
-            raise ValueError(
-                f"kvcompile.QuantizedCache: batch of {B} but the cache was built for max_batch_size="
-                f"{self.max_batch_size}; pad the batch or build the cache with max_batch_size={B}"
-            )
         if H != self.num_heads or D != self.head_dim:
             raise ValueError(
                 f"kvcompile.QuantizedCache: layer {self.layer_idx} got {H} kv heads of dim {D}, the config says "
@@ -155,15 +150,28 @@ class QuantizedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._check_input(key_states, value_states)
+        k_codes, k_scales, v_codes, v_scales = self.live_buffers(key_states.shape[0])
         ops.store_kv(
-            self.k_codes, self.k_scales, self.v_codes, self.v_scales,
+            k_codes, k_scales, v_codes, v_scales,
             key_states, value_states, self.cumulative_length, self.k_offset,
         )
         self.cumulative_length.add_(key_states.shape[2])
         dtype = key_states.dtype
-        k = ops.dequantize(self.k_codes, self.k_scales, self.k_offset, self.cumulative_length, dtype)
-        v = ops.dequantize(self.v_codes, self.v_scales, None, self.cumulative_length, dtype)
+        k = ops.dequantize(k_codes, k_scales, self.k_offset, self.cumulative_length, dtype)
+        v = ops.dequantize(v_codes, v_scales, None, self.cumulative_length, dtype)
         return k, v
+
+    def live_buffers(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Codes and scales of the first ``batch`` rows (the whole buffers when the batch is full).
+
+        A batch smaller than ``max_batch_size`` uses the leading rows: views that start at the
+        buffers' static addresses, so CUDA graphs replay them. One cache serves one batch between
+        resets; all rows share ``cumulative_length`` (padding is the attention mask's job).
+        """
+        if batch == self.max_batch_size:
+            return self.k_codes, self.k_scales, self.v_codes, self.v_scales
+        per_row = lambda t: t if t.dim() == 1 else t[:batch]  # noqa: E731  (static scales: per head)
+        return per_row(self.k_codes), per_row(self.k_scales), per_row(self.v_codes), per_row(self.v_scales)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.max_cache_len, 0
@@ -270,7 +278,7 @@ class QuantizedCache(Cache):
 
     Args:
         config: the model config (``model.config``).
-        max_batch_size: batch size the cache is built for.
+        max_batch_size: the largest batch the cache serves (a smaller batch uses its leading rows).
         max_cache_len: positions per sequence (prompt + generated tokens).
         kv_dtype: one of :data:`kvcompile.KV_DTYPES` (``"fp8_e4m3"``, ``"q8_0"``).
         device: where to allocate now; ``None`` allocates lazily on the first update's device.

@@ -333,6 +333,26 @@ def test_batch_larger_than_max_batch_size_raises():
         cache.update(_kv(B=3), _kv(B=3), 0)
 
 
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "q8_0"])
+def test_smaller_batch_uses_leading_rows(kv_dtype):
+    """A batch below max_batch_size returns exactly what a cache of that batch returns, and the
+    rows past it stay untouched (poisoned before, equal after)."""
+    exact = QuantizedCache(tiny_config("llama"), max_batch_size=2, max_cache_len=8, kv_dtype=kv_dtype, device="cpu")
+    roomy = QuantizedCache(tiny_config("llama"), max_batch_size=5, max_cache_len=8, kv_dtype=kv_dtype, device="cpu")
+    layer = roomy.layers[0]
+    for t in (layer.k_codes, layer.v_codes):
+        t.view(torch.uint8).copy_(torch.randint(0, 127, t.shape, dtype=torch.uint8))
+    spare = [t[2:].clone() for t in (layer.k_codes, layer.v_codes, layer.k_scales, layer.v_scales)]
+    for T in (3, 1):
+        k, v = _kv(B=2, T=T), _kv(B=2, T=T)
+        want = exact.update(k, v, 0)
+        got = roomy.update(k, v, 0)
+        assert got[0].shape[0] == 2 and all(torch.equal(g, w) for g, w in zip(got, want))
+    for before, t in zip(spare, (layer.k_codes, layer.v_codes, layer.k_scales, layer.v_scales)):
+        assert torch.equal(t[2:].view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t[2:],
+                           before.view(torch.uint8) if before.dtype == torch.float8_e4m3fn else before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.float8_e4m3fn])
 def test_kv_dtype_outside_fp16_bf16_fp32_raises(dtype):
     cache = QuantizedCache(tiny_config("llama"), max_batch_size=1, max_cache_len=8, device="cpu")
