@@ -177,7 +177,7 @@ def run(model, tok, text: str, *, tokens=4096, chunk=512, continuation=128, vari
             gen = greedy(model, cache, last, continuation, kwarg)
             if ref is None:
                 ref = gen
-            cache.crop(-continuation)  # back to the end of the prompt (static caches crop by a negative count)
+            _rewind(cache, continuation)  # back to the end of the prompt
             tf = teacher_forced(model, cache, last, ref, kwarg)
             row["tf_agree"] = (tf == ref).float().mean().item()
             row["free_agree"] = (gen == ref).float().mean().item()
@@ -208,6 +208,13 @@ def format_table(rows, continuation) -> str:
             line += f" {100 * r['tf_agree']:.1f}% | {100 * r['free_agree']:.1f}% | {r['first_diverge']} |"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _rewind(cache, tokens: int) -> None:
+    """Drop the last ``tokens`` positions of a static cache (transformers 5.17's StaticLayer has no
+    crop(); every static layer, ours included, keeps its length in ``cumulative_length``)."""
+    for layer in cache.layers:
+        layer.cumulative_length.sub_(tokens)
 
 
 def main(argv=None, model=None, tok=None) -> list[dict]:

@@ -54,8 +54,8 @@ def test_hf_attention_is_rewritten(family, attn):
         assert after[anchor] == 0 and after["dequantize"] == 0 and after["kv_attention"] == layers, after
         assert (report.found, report.rewritten, report.skipped) == (layers, layers, [])
         assert report.kv_dtype == kv_dtype
-        if attn == "eager":
-            assert after["matmul"] == 0
+        if attn == "eager":  # both attention matmuls of every layer are gone (RoPE may use one: 5.17)
+            assert after["matmul"] == before["matmul"] - 2 * layers
     for e, g in zip(expected, got):
         torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
 
@@ -78,8 +78,11 @@ def test_padded_and_unpadded_both_rewrite(family):
 
 
 def test_sdpa_enable_gqa(monkeypatch):
-    """HF passes enable_gqa=True (no repeat_kv) when TRANSFORMERS_SDPA_FORCE_GQA=1 (the CUDA path)."""
-    monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+    """HF passes enable_gqa=True (no repeat_kv) on CUDA when there is no mask; force that decision
+    on CPU (transformers 5.24 also reads TRANSFORMERS_SDPA_FORCE_GQA=1; 5.17 does not)."""
+    from transformers.integrations import sdpa_attention
+
+    monkeypatch.setattr(sdpa_attention, "use_gqa_in_sdpa", lambda *args, **kwargs: True)
     fresh_dynamo()
     model, kv_dtype = make_model("llama", "sdpa")
     padded = True
