@@ -66,14 +66,19 @@ def test_compiled_matches_eager_no_recompiles(family, attn, padded):
         assert r == {"found": layers, "rewritten": layers, "skipped": [], "kv_dtype": kv_dtype}
 
 
+def _greedy_generate_kwargs(mask) -> dict:
+    """16 greedy tokens with their scores, for comparing compiled and eager generate()."""
+    return dict(max_new_tokens=16, do_sample=False, return_dict_in_generate=True, output_scores=True,
+                attention_mask=mask, pad_token_id=0)
+
+
 def test_generate_matches_eager(caplog):
     """model.generate() with the compiled forward: same tokens and scores as eager generate."""
     model, kv_dtype = make_model("gemma", "sdpa")
     padded = True
     ids, mask = prompt(padded)
     kw = cache_kwarg(model)
-    gen = dict(max_new_tokens=16, do_sample=False, return_dict_in_generate=True, output_scores=True,
-               attention_mask=mask, pad_token_id=0)
+    gen = _greedy_generate_kwargs(mask)
     with torch.no_grad():
         ref = model.generate(ids, **{kw: make_cache(model, kv_dtype, padded=padded)}, **gen)
         backend = kvcompile.backend(kv_dtype)
@@ -198,8 +203,7 @@ def test_generate_with_compile_config():
     padded = False
     ids, mask = prompt(padded)
     kw = cache_kwarg(model)
-    gen = dict(max_new_tokens=16, do_sample=False, return_dict_in_generate=True, output_scores=True,
-               attention_mask=mask, pad_token_id=0)
+    gen = _greedy_generate_kwargs(mask)
     with torch.no_grad():
         ref = model.generate(ids, **{kw: make_cache(model, kv_dtype, padded=padded)}, **gen)
         backend = kvcompile.backend(kv_dtype)
