@@ -27,9 +27,11 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton kernels on CPU need TRITON_INTERPRET=1 set before triton is imported", allow_module_level=True)
 triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 
 from kvcompile import kernels  # noqa: E402
 from kvcompile.kernels import attention_launcher as attn_mod  # noqa: E402
+from kvcompile.kernels._codes import codes_to_f16_pinned  # noqa: E402
 from kvcompile.kernels.store import dequantize as dequantize_launcher  # noqa: E402
 
 FORMATS = [("fp8_e4m3", "token"), ("fp8_e4m3", "block32"), ("fp8_e4m3", "static"), ("q8_0", "block32")]
@@ -243,6 +245,29 @@ def test_attention_head_dims(D, Tq):
 
 
 FP16_TOL = 5e-3  # q, P and the V tile rounded to fp16 (2^-11 relative each): measured ~1e-3
+
+
+@triton.jit
+def _widen_pinned(C, O):
+    i = tl.arange(0, 256)
+    tl.store(O + i, codes_to_f16_pinned(tl.load(C + i)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("code_dtype", [torch.float8_e4m3fn, torch.int8], ids=["e4m3", "int8"])
+def test_codes_to_f16_pinned_all_codes(code_dtype):
+    """The pinned inline-PTX widening (V tiles on the GPU) against torch on all 256 codes."""
+    if DEV != "cuda":
+        pytest.skip("inline PTX needs a GPU")
+    bits = torch.arange(256, dtype=torch.uint8, device=DEV)
+    codes = bits if code_dtype == torch.float8_e4m3fn else bits.view(torch.int8)
+    out = torch.empty(256, dtype=torch.float16, device=DEV)
+    _widen_pinned[(1,)](codes, out)
+    want = bits.view(code_dtype).to(torch.float16)
+    assert torch.equal(out.isnan(), want.isnan())
+    finite = ~want.isnan()
+    assert torch.equal(out[finite], want[finite])
+    assert torch.equal(torch.signbit(out[finite]), torch.signbit(want[finite]))
 
 
 @pytest.mark.parametrize("kv_dtype,gran", FORMATS, ids=FMT_IDS)

@@ -17,7 +17,7 @@ Static scales: K scale folded into the softmax scale, V scale applied once at th
 import triton
 import triton.language as tl
 
-from ._codes import codes_to, to_store_dtype
+from ._codes import codes_to, codes_to_f16_pinned, to_store_dtype
 
 LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): exp(x) = exp2(x * LOG2E)
 
@@ -69,6 +69,7 @@ def _attention_kernel(
     DOT_DTYPE: tl.constexpr,     # operand type of the QK^T dot (fp16 / bf16, or fp32)
     PV_DTYPE: tl.constexpr,      # operand type of the PV dot (bf16, or fp16 with P * s_v / max s_v)
     BCAST_SCALE: tl.constexpr,   # block32: broadcast the scales to the tile (else reshape the tile)
+    V_PIN: tl.constexpr,         # widen V by pinned inline PTX before its smem transpose (GPU; _codes.py)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -166,11 +167,17 @@ def _attention_kernel(
         vc = tl.load(v_base + n[:, None] * stride_vn + d[None, :] * stride_vd, mask=kv_ok, other=0.0)
         if SCALE_KIND == SCALE_BLOCK:
             vsb = tl.load(vs_base + n[:, None] * stride_vsn + gi[None, :] * stride_vsg, mask=gs_ok, other=0.0)
-            v = codes_to(vc, PV_DTYPE, FP8_BITS).to(tl.float32)
+            if V_PIN:
+                v = codes_to_f16_pinned(vc).to(tl.float32)
+            else:
+                v = codes_to(vc, PV_DTYPE, FP8_BITS).to(tl.float32)
             v = _scale_groups(v, vsb.to(tl.float32), BLOCK_N, BLOCK_D, GROUP_SIZE, BCAST_SCALE).to(PV_DTYPE)
             pv = p.to(PV_DTYPE)
         else:
-            v = codes_to(vc, PV_DTYPE, FP8_BITS)
+            if V_PIN:
+                v = codes_to_f16_pinned(vc)
+            else:
+                v = codes_to(vc, PV_DTYPE, FP8_BITS)
             if SCALE_KIND == SCALE_TOKEN:
                 vs = tl.load(vs_base + n * stride_vsn, mask=n_ok, other=0.0).to(tl.float32)
                 if PV_DTYPE == tl.float16:

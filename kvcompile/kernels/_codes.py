@@ -54,6 +54,53 @@ def e4m3_decode_bits(b):
 
 
 @triton.jit
+def codes_to_f16_pinned(c):
+    """8-bit codes (e4m3fn as uint8 bits, or int8) -> fp16, exactly, as inline PTX that Triton
+    treats as having side effects (``is_pure=False``), so the conversion stays where it is written.
+
+    Why: a tile that feeds ``tl.dot`` as the B operand reduced over its rows (V in P @ V) is
+    read k-major. Converted by ``.to(tl.float16)``, Triton sinks the convert below the shared
+    memory read, into the dot-operand layout, and reads the 8-bit tile one byte per lane
+    (``LDS.U8``: 128 per thread per 128x128 tile on sm_90; there is no 8-bit ldmatrix.trans).
+    Pinned here, the codes are read 16 bytes at a time, widened in registers, and the fp16 tile
+    goes through shared memory to ``ldmatrix.trans``. GPU only. e4m3: ``cvt.rn.f16x2.e4m3x2``
+    (sm_89+; NaN codes stay NaN). int8: the magic-number trick of ``codes_to``, four at a time
+    (``prmt`` puts each byte + 128 under the fp16 exponent of 1024, one ``sub.f16x2`` per pair).
+    """
+    if c.dtype == tl.int8:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 x, lo, hi, m;
+            xor.b32 x, $2, 0x80808080;
+            prmt.b32 lo, x, 0x64646464, 0x4140;
+            prmt.b32 hi, x, 0x64646464, 0x4342;
+            mov.b32 m, 0x64806480;
+            sub.f16x2 $0, lo, m;
+            sub.f16x2 $1, hi, m;
+            }""",
+            constraints="=r,=r,r",
+            args=[c],
+            dtype=tl.float16,
+            is_pure=False,
+            pack=4,
+        )
+    else:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 lo, hi;
+            mov.b32 {lo, hi}, $2;
+            cvt.rn.f16x2.e4m3x2 $0, lo;
+            cvt.rn.f16x2.e4m3x2 $1, hi;
+            }""",
+            constraints="=r,=r,r",
+            args=[c],
+            dtype=tl.float16,
+            is_pure=False,
+            pack=4,
+        )
+
+
+@triton.jit
 def codes_to_float(c, FP8_BITS: tl.constexpr):
     """Loaded codes (fp8, int8, or uint8 bits of e4m3 when FP8_BITS) -> fp32, exactly."""
     if FP8_BITS:

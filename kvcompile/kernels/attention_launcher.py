@@ -39,6 +39,9 @@ DECODE_PROGRAMS_PER_SM = 8  # split-K target: programs per SM in one decode laun
 DECODE_PROGRAMS_PER_SM_SMALL = 2  # ... when batch * kv heads is small (<= 16): fewer splits, less merge
 FP16_DOTS = True  # 16-bit q: both dots in fp16 (q cast to fp16; |q| must stay below 65504)
 BCAST_SCALE = True  # block32 scales: broadcast to the tile (True: 1.9x faster q8_0 decode on the H200) or reshape it
+# V widened to fp16 by pinned inline PTX before its shared-memory transpose (see
+# _codes.codes_to_f16_pinned); off: Triton places the convert (8-bit transposed reads)
+V_PIN = True
 INTERPRET_FP16 = False  # tests: run the interpreter's dots in fp16 to exercise the fp16 path
 _PATHS = ("auto", "fused", "dense")
 
@@ -143,6 +146,11 @@ def _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale
         dot_dtype = pv_dtype = torch.float16
     else:
         dot_dtype, pv_dtype = q.dtype, torch.bfloat16  # P * s_v needs bf16's range
+    # V widened by pinned PTX (GPU, fp16 PV dot, 8-bit codes the PTX decodes: int8 or native e4m3)
+    v_pin = (V_PIN and not interpreting() and pv_dtype == torch.float16 and not fp8_bits
+             and v_q.dtype in (torch.int8, torch.float8_e4m3fn))
+    if v_pin and v_q.dtype == torch.float8_e4m3fn:
+        vc = v_q.view(torch.uint8)  # the PTX takes the code bits
     qb = torch.empty((), dtype=dot_dtype).element_size()
     rows = Tq * group
     if decode:
@@ -151,11 +159,11 @@ def _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale
         tile = tiles.prefill_tile(cc, D, qb, kc.element_size(), vc.element_size())
     if interpreting():
         tile = dataclasses.replace(tile, block_m=min(tile.block_m, 32), block_n=16)
-    key = (decode, cc, D, dot_dtype, kc.dtype, scale_kind, mask_kind, bool(is_causal), rows if decode else 0)
+    key = (decode, cc, D, dot_dtype, k_q.dtype, scale_kind, mask_kind, bool(is_causal), rows if decode else 0)
     tile = _SHRUNK.get(key, tile)
     out = torch.empty((B, Hq, Tq, D), dtype=q.dtype, device=dev)
     args = (q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, out, sm_scale, is_causal,
-            group, group_size, scale_kind, fp8_bits, dot_dtype, pv_dtype, decode)
+            group, group_size, scale_kind, fp8_bits, dot_dtype, pv_dtype, decode, v_pin)
     from triton.runtime.errors import OutOfResources
 
     while True:
@@ -184,7 +192,7 @@ def _shrink(tile: tiles.Tile):
 
 
 def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, out, sm_scale, is_causal,
-            group, group_size, scale_kind, fp8_bits, dot_dtype, pv_dtype, decode):
+            group, group_size, scale_kind, fp8_bits, dot_dtype, pv_dtype, decode, v_pin=False):
     B, Hq, Tq, D = q.shape
     Hkv, L = kc.shape[1], kc.shape[2]
     dev = q.device
@@ -217,6 +225,7 @@ def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, 
         GROUP=group, GROUP_SIZE=group_size, SCALE_KIND=scale_kind, MASK_KIND=mask_kind,
         IS_CAUSAL=bool(is_causal), SPLIT_OUTPUT=splits > 1, FP8_BITS=fp8_bits,
         DOT_DTYPE=_tl_dtype(dot_dtype), PV_DTYPE=_tl_dtype(pv_dtype), BCAST_SCALE=BCAST_SCALE,
+        V_PIN=v_pin,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=next_pow2(D),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
