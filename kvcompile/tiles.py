@@ -5,13 +5,21 @@ element of K and of V). Shared memory is billed at the bytes each operand really
 cache stages 1-byte tiles, so it fits a larger tile where a 16-bit cache cannot. Candidates
 that would not fit the arch's shared memory per block are pruned (Triton tutorial 06 ``keep()``).
 
-Shared-memory model of one program (bytes; an upper bound of what Triton allocates):
+Shared-memory model of one program (bytes; what Triton 3.6 allocates for these kernels on
+sm_90, checked against the compiled kernels' metadata, e.g. 108,544 B for the fp8 decode tile
+16x128, 3 stages, head_dim 128):
 
 * the Q tile, ``BLOCK_M * D * q_bytes`` (kept resident);
-* ``num_stages`` pipelined K and V tiles at their real size, ``BLOCK_N * D * (k_bytes + v_bytes)``;
-* an 8-bit K or V tile is widened to 16 bits before ``tl.dot``; on Hopper the widened
-  operand goes through shared memory: ``BLOCK_N * D * 2`` for each 8-bit operand;
+* ``num_stages - 1`` pipelined K and V tiles in flight at their real size,
+  ``BLOCK_N * D * (k_bytes + v_bytes)``, and their scales (at most ``max(4, D / 16)`` bytes per
+  key for K and for V: one fp32 per token, or one fp16 per 32 values);
+* an 8-bit V tile widened to fp16 before the P @ V dot goes through shared memory for its
+  transpose (``ldmatrix.trans``): ``BLOCK_N * D * 2``. An 8-bit K tile is widened in registers;
 * the 16-bit P tile, ``BLOCK_M * BLOCK_N * 2``.
+
+Decode is bound by memory latency: a tile must leave room for ``DECODE_MIN_PROGRAMS_PER_SM``
+programs on one SM (one program of 4 warps cannot keep enough loads in flight; measured on the
+H200: 16x128 with 4 stages runs one program per SM and is 1.37x slower than 3 stages).
 
 Nothing here imports triton or touches a GPU; the launchers call :func:`prefill_tile` /
 :func:`decode_tile` with the device's capability.
@@ -86,11 +94,12 @@ def _pow2(n: int) -> int:
 
 
 def smem_bytes(tile: Tile, head_dim: int, q_bytes: int, k_bytes: int, v_bytes: int) -> int:
-    """Upper bound of the shared memory a tile needs (see the module docstring)."""
+    """Shared memory one program of this tile needs (see the module docstring)."""
     d = _pow2(head_dim)
+    in_flight = max(1, tile.num_stages - 1)
     total = tile.block_m * d * q_bytes
-    total += tile.num_stages * tile.block_n * d * (k_bytes + v_bytes)
-    total += tile.block_n * d * 2 * ((k_bytes < 2) + (v_bytes < 2))  # widened 8-bit operands
+    total += in_flight * tile.block_n * (d * (k_bytes + v_bytes) + 2 * max(4, d // 16))
+    total += tile.block_n * d * 2 * (v_bytes < 2)  # the widened 8-bit V tile, transposed via smem
     total += tile.block_m * tile.block_n * 2  # P
     return total
 
@@ -120,18 +129,24 @@ _DECODE_CANDIDATES = (
 )
 
 
-def _pick(cands, cc, head_dim, q_bytes, k_bytes, v_bytes, block_m=None) -> Tile:
-    limit = _smem_limit(cc)
+DECODE_MIN_PROGRAMS_PER_SM = 2
+
+
+def _pick(cands, cc, head_dim, q_bytes, k_bytes, v_bytes, block_m=None, programs_per_sm=1) -> Tile:
     # decode: M is the query rows of one kv head; when they do not fit, split them over programs
     ms = [None] if block_m is None else [m for m in (128, 64, 32, 16) if m <= max(16, min(block_m, 128))]
-    for m in ms:
-        for t in cands:
-            if m is not None:
-                t = dataclasses.replace(t, block_m=m)
-            if smem_bytes(t, head_dim, q_bytes, k_bytes, v_bytes) <= limit:
-                return t
+    # the first candidate that leaves room for programs_per_sm programs; else one program per SM
+    for per_sm in sorted({programs_per_sm, 1}, reverse=True):
+        limit = _smem_limit(cc) // per_sm
+        for m in ms:
+            for t in cands:
+                if m is not None:
+                    t = dataclasses.replace(t, block_m=m)
+                if smem_bytes(t, head_dim, q_bytes, k_bytes, v_bytes) <= limit:
+                    return t
     raise ValueError(
-        f"kvcompile: no attention tile fits sm_{cc[0]}{cc[1]} shared memory ({limit} B) for head_dim={head_dim}"
+        f"kvcompile: no attention tile fits sm_{cc[0]}{cc[1]} shared memory ({_smem_limit(cc)} B) for "
+        f"head_dim={head_dim}"
     )
 
 
@@ -156,4 +171,5 @@ def decode_tile(
     cands = _DECODE_CANDIDATES
     if tuple(cc) < (8, 0):
         cands = tuple(dataclasses.replace(t, num_stages=min(t.num_stages, 2)) for t in cands)
-    return _pick(cands, tuple(cc), head_dim, q_bytes, k_bytes, v_bytes, block_m=_pow2(max(rows, 16)))
+    return _pick(cands, tuple(cc), head_dim, q_bytes, k_bytes, v_bytes, block_m=_pow2(max(rows, 16)),
+                 programs_per_sm=DECODE_MIN_PROGRAMS_PER_SM)

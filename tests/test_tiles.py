@@ -46,8 +46,26 @@ def test_16bit_choices_unchanged_by_fp8_accounting(cc, D):
     assert tiles.prefill_tile(cc, D, 2, 2, 2) == _pick_billing_16bit_only(cands, cc, D, 2)
 
 
-def test_h200_fp8_prefill_gets_the_larger_tile():
-    assert area(tiles.prefill_tile((9, 0), 128, 2, 1, 1)) > area(tiles.prefill_tile((9, 0), 128, 2, 2, 2))
+def test_one_byte_cache_gets_the_larger_tile_where_16bit_does_not_fit():
+    # H200 decode, head_dim 128: two programs per SM fit 128 keys of 1-byte K/V, not of 2-byte
+    assert tiles.decode_tile((9, 0), 128, 2, 1, 1, 4).block_n > tiles.decode_tile((9, 0), 128, 2, 2, 2, 4).block_n
+    # sm_86 prefill, head_dim 64 (99 KB of shared memory)
+    assert area(tiles.prefill_tile((8, 6), 64, 2, 1, 1)) > area(tiles.prefill_tile((8, 6), 64, 2, 2, 2))
+
+
+@pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
+@pytest.mark.parametrize("D", HEAD_DIMS)
+def test_decode_tile_leaves_room_for_two_programs_per_sm(cc, D):
+    t = tiles.decode_tile(cc, D, 2, 1, 1, 4)
+    fits_two = any(tiles.smem_bytes(c, D, 2, 1, 1) * 2 <= tiles.SMEM_BYTES[cc] for c in tiles._DECODE_CANDIDATES)
+    if fits_two:  # else the fallback: one program per SM
+        assert tiles.smem_bytes(t, D, 2, 1, 1) * tiles.DECODE_MIN_PROGRAMS_PER_SM <= tiles.SMEM_BYTES[cc], t
+
+
+def test_h200_fp8_decode_tile_is_the_measured_best():
+    # BENCHMARKS.md (decode tile sweep, pinned V): 16x128, 4 warps, 3 stages; 4 stages runs one
+    # program per SM and is 1.37x slower at B=8, L=32k
+    assert tiles.decode_tile((9, 0), 128, 2, 1, 1, 4) == tiles.Tile(16, 128, 4, 3)
 
 
 def test_native_fp8_from_sm89():
