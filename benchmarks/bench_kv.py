@@ -112,31 +112,49 @@ def decode(args):
             ms = bench(fns, len(fns))
             splits, _ = launcher.decode_splits(B * HKV, L, 128, torch.cuda.get_device_properties(0).multi_processor_count)
             record("decode", shape, f"kvcompile-{name}", ms, nb + 4 * B * HQ * D, base_ms=base, splits=splits)
-            if args.sweep and (B, L) in ((8, 32768), (1, 32768)):
-                sweep_decode(shape, qs, caches, kv_len, base, nb, name)
+            if args.sweep and (B, L) in ((8, 32768), (1, 32768), (4, 131072)):
+                sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=args.tile_sweep and L <= 32768)
             del caches, fns
         torch.cuda.empty_cache()
 
 
-def sweep_decode(shape, qs, caches, kv_len, base, nb, name):
-    """A/B of the launcher's switches on one shape: bf16 vs fp16 dots, block32 scale layout."""
+def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False):
+    """A/B of the launcher's switches on one shape (module globals of attention_launcher, or a
+    forced decode tile): bf16 vs fp16 dots, block32 scale layout, V widened before/after smem."""
     variants = [("bf16-dots", dict(FP16_DOTS=False))]
     if name in ("q8_0", "fp8/block32"):
-        variants.append(("bcast-scale", dict(BCAST_SCALE=True)))
+        variants.append(("reshape-tile", dict(BCAST_SCALE=False)))
+    variants.append(("vpin-off", dict(V_PIN=False)))
+    if tiles_sweep and name in ("fp8", "q8_0"):
+        for bn, w, st in ((128, 4, 2), (128, 4, 3), (128, 4, 4), (64, 4, 3), (64, 4, 4), (128, 8, 2), (256, 4, 2),
+                          (64, 2, 3)):
+            variants.append((f"tile{bn}x{w}w{st}s", dict(_tile=(bn, w, st))))
+        for pps in (2, 4, 8, 16):
+            variants.append((f"pps{pps}", dict(DECODE_PROGRAMS_PER_SM=pps, DECODE_PROGRAMS_PER_SM_SMALL=pps)))
     for label, changes in variants:
+        changes = dict(changes)
+        tile = changes.pop("_tile", None)
         saved = {k: getattr(launcher, k) for k in changes}
+        saved_tile = launcher.tiles.decode_tile
         try:
             for k, v in changes.items():
                 setattr(launcher, k, v)
+            if tile is not None:
+                bn, w, st = tile
+                launcher.tiles.decode_tile = lambda *a, **kw: launcher.tiles.Tile(16, bn, w, st)
             fns = [lambda q=q, c=c: kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, False, None)
                    for q, c in zip(qs, caches)]
             ms = bench(fns, len(fns))
+            if launcher._SHRUNK:  # Triton refused the tile; say what ran instead
+                label += " (ran " + ",".join(f"{t.block_n}x{t.num_warps}w{t.num_stages}s" for t in launcher._SHRUNK.values()) + ")"
             record("sweep", shape, f"kvcompile-{name} {label}", ms, nb, base_ms=base)
         except Exception as e:
             print("sweep skip", label, type(e).__name__, str(e)[:120])
         finally:
             for k, v in saved.items():
                 setattr(launcher, k, v)
+            launcher.tiles.decode_tile = saved_tile
+            launcher._SHRUNK.clear()
 
 
 def prefill(args):
@@ -170,6 +188,12 @@ def prefill(args):
                 print("prefill skip", path, type(e).__name__, str(e)[:200])
                 continue
             record("prefill", shape, f"kvcompile-fp8-{path}", ms, 0, flops, base_ms=base)
+            if path == "fused" and args.sweep:
+                launcher.V_PIN = False
+                try:
+                    record("sweep", shape, "kvcompile-fp8-fused vpin-off", bench([fn], 1), 0, flops, base_ms=base)
+                finally:
+                    launcher.V_PIN = True
         os.environ.pop("KVCOMPILE_PREFILL", None)
         del q, k, v, c
         torch.cuda.empty_cache()
@@ -247,6 +271,7 @@ def main():
     p.add_argument("--formats", default="fp8,fp8/block32,fp8/static,q8_0")
     p.add_argument("--out", default="bench.csv")
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--tile-sweep", action="store_true", help="with --sweep: decode tiles and programs per SM")
     p.add_argument("--decode-shapes", default="1x4096,1x32768,8x32768,32x8192,4x131072")
     p.add_argument("--prefill-q", default="16384,4096,1024")
     args = p.parse_args()
@@ -259,6 +284,12 @@ def main():
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(ROWS)
+    if any(r["subject"] == "sweep" for r in ROWS):
+        print("\n| sweep shape | variant | us | TB/s | vs SDPA bf16 |")
+        print("|---|---|---:|---:|---:|")
+        for r in ROWS:
+            if r["subject"] == "sweep":
+                print(f"| {r['shape']} | {r['provider']} | {r['us']:.1f} | {r['tbps']:.2f} | {r['vs_sdpa']:.2f} |")
     print("\n| subject | shape | provider | us | TB/s | TFLOP/s | vs SDPA bf16 |")
     print("|---|---|---|---:|---:|---:|---:|")
     for r in ROWS:
