@@ -5,12 +5,17 @@
 #   bash benchmarks/gpu_check.sh            # tests + example + e2e decode benchmark (~6 min on an H200)
 #   KERNEL_BENCH=1 bash benchmarks/gpu_check.sh   # also the per-kernel decode/prefill/store tables
 #
+# With the device tool, pass carry [".whl"] after copying the gguf package to .whl/gguf (see below).
+#
 # Logs and CSVs go to $OUT (the device tool's output folder) or ./out; the last lines printed
 # are the short tables. Each step has its own timeout so one hang does not eat the call.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+# tests/test_formats.py's q8_0 oracle (the pure-Python gguf package) is not on the device image:
+# copy it to .whl/gguf here and pass `carry: [".whl"]` to the device call
+[ -d .whl/gguf ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 nvidia-smi -L
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
