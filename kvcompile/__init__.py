@@ -13,13 +13,16 @@ from . import ops  # noqa: F401  (registers torch.ops.kvcompile.*)
 from .cache import QuantizedCache, QuantizedLayer
 from .calibration import calibrate, load_calibration, save_calibration
 from .formats import KV_DTYPES, KVFormat, get_format
+from .graphs import BatchPaddedForward, default_capture_sizes
 
 __all__ = [
+    "BatchPaddedForward",
     "KV_DTYPES",
     "KVFormat",
     "QuantizedCache",
     "QuantizedLayer",
     "calibrate",
+    "default_capture_sizes",
     "get_format",
     "load_calibration",
     "save_calibration",

@@ -124,3 +124,53 @@ def test_graph_replay_matches_eager_without_recapture(kv_dtype):
     assert int(caches["graphs"].layers[0].cumulative_length) == prompt_len + steps
     rewritten = [r for r in backend.report() if r["found"]]
     assert rewritten and all(r["rewritten"] == r["found"] == 2 for r in rewritten)
+
+
+def test_live_batch_runs_on_the_next_captured_size():
+    """BatchPaddedForward under cudagraph trees: a batch of 3 is captured at size 4; a later batch
+    of 4 over the same (reset) cache replays that capture: no new recording, no recompile. The
+    live rows of the graphed run equal the same padded code run without graphs (1e-5: identical
+    kernels on identical inputs)."""
+    torch._dynamo.reset()
+    model = _model()
+    kw = _cache_kwarg(model)
+    kv_dtype, prompt_len, steps, max_len = "fp8_e4m3", 40, 40, 256
+    ids = torch.randint(0, 1024, (4, prompt_len), device="cuda")
+
+    def new_cache():
+        return kvcompile.QuantizedCache(model.config, max_batch_size=4, max_cache_len=max_len,
+                                        kv_dtype=kv_dtype, device="cuda")
+
+    graphed = kvcompile.BatchPaddedForward(
+        torch.compile(model.forward, backend=kvcompile.backend(kv_dtype), mode="reduce-overhead", fullgraph=True),
+        max_batch_size=4, capture_sizes=(1, 2, 4))
+    plain = kvcompile.BatchPaddedForward(
+        torch.compile(model.forward, backend=kvcompile.backend(kv_dtype), fullgraph=True),
+        max_batch_size=4, capture_sizes=(1, 2, 4))
+    caches = {"graphed": new_cache(), "plain": new_cache()}
+    fns = {"graphed": graphed, "plain": plain}
+    counter = torch._dynamo.utils.counters
+    counter.clear()
+    worst = 0.0
+    with torch.no_grad(), _RecordCounter() as rec:
+        def run(batch: int, check_recompile: bool):
+            nonlocal worst
+            for cache in caches.values():
+                cache.reset()
+                model(ids[:batch], **{kw: cache}, use_cache=True)  # prefill eager
+            tok = torch.randint(0, 1024, (batch, 1), device="cuda")
+            for i in range(steps):
+                with torch._dynamo.config.patch(error_on_recompile=check_recompile or i >= 4):
+                    out = {n: fns[n](input_ids=tok, **{kw: caches[n]}, use_cache=True).logits[:, -1].float().clone()
+                           for n in fns}
+                assert out["graphed"].shape[0] == batch
+                worst = max(worst, ((out["graphed"] - out["plain"]).norm() / out["plain"].norm()).item())
+                tok = out["plain"].argmax(-1, keepdim=True)
+
+        run(3, check_recompile=False)
+        captures = rec.count
+        run(4, check_recompile=True)
+    assert captures >= 1, "decode never ran under a CUDA graph"
+    assert rec.count == captures, f"batch 4 re-captured: {captures} -> {rec.count} recordings"
+    assert counter["inductor"]["cudagraph_skips"] == 0
+    assert worst < 1e-5, f"graph replay vs the same padded code without graphs: {worst:.3e}"
