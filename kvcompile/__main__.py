@@ -1,5 +1,8 @@
 """``python -m kvcompile info``: the GPU, the attention tiles chosen for it, and the KV formats.
 
+``python -m kvcompile sass``: compile the attention kernel for an arch (no GPU needed) and print
+its registers, shared memory and SASS opcode counts (:mod:`kvcompile.kernels.aot`).
+
 Prints the detected CUDA device and compute capability (or "no CUDA device"), the prefill and
 decode tiles :mod:`kvcompile.tiles` picks for common head dims per format on that arch (on a
 machine without CUDA: for a few reference archs), and every format with its bytes per element.
@@ -112,9 +115,28 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvcompile", description="kvcompile utilities")
     sub = p.add_subparsers(dest="cmd")
     sub.add_parser("info", help="GPU/arch, attention tiles per head dim and format, KV formats")
+    sp = sub.add_parser("sass", help="compile the attention kernel for an arch (no GPU) and summarize its SASS")
+    sp.add_argument("--arch", default="90", help="compute capability, e.g. 90 or 89 (default 90)")
+    sp.add_argument("--kv-dtype", default="fp8_e4m3")
+    sp.add_argument("--granularity", default=None, help="token / block32 / static (default: the format's)")
+    sp.add_argument("--head-dim", type=int, default=128)
+    sp.add_argument("--group", type=int, default=4, help="query heads per kv head")
+    sp.add_argument("--q-len", type=int, default=1, help="<= 16: split-K decode launch; longer: fused prefill")
+    sp.add_argument("--no-v-pin", action="store_true", help="let Triton place the V conversion (for A/B)")
+    sp.add_argument("--top", type=int, default=24, help="opcodes to list")
     args = p.parse_args(argv)
     if args.cmd in (None, "info"):
         info()
+        return 0
+    if args.cmd == "sass":
+        from .kernels import aot
+
+        if not (args.arch.isdigit() and len(args.arch) >= 2):
+            p.error(f"--arch takes a compute capability such as 90 or 89, got {args.arch!r}")
+        cc = (int(args.arch[:-1]), int(args.arch[-1]))
+        r = aot.compile_attention(cc, args.kv_dtype, args.granularity, args.head_dim, args.group, args.q_len,
+                                  v_pin=False if args.no_v_pin else None)
+        print(r.summary(args.top))
         return 0
     return 1  # pragma: no cover
 

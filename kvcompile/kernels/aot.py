@@ -1,0 +1,203 @@
+"""Compile the attention kernel ahead of time for a GPU arch, on any machine, and read its SASS.
+
+No GPU needed: Triton lowers to PTX, its bundled ``ptxas`` assembles for the target, and its
+bundled ``cuobjdump`` prints the machine code. Used by ``python -m kvcompile sass`` and by
+``tests/test_sass.py``, which pins the code shape of the decode loop in CI (no byte-wise
+shared-memory reads of V; no register spills) on a machine without a GPU.
+
+The compile mirrors one real launch of :func:`attention_launcher._launch`: the constexprs it
+passes, the tile :mod:`kvcompile.tiles` picks, and the launch-time specializations Triton makes
+(integer arguments equal to 1 become constants, multiples of 16 and pointers are marked
+16-divisible) for contiguous ``[B, H, L, D]`` tensors. The version of Triton installed decides
+the code: compare against the GPU machine's Triton when it matters.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import re
+import subprocess
+import tempfile
+from typing import Optional
+
+from .. import formats, tiles
+
+__all__ = ["SassReport", "compile_attention", "tool_path"]
+
+
+@dataclasses.dataclass
+class SassReport:
+    arch: str
+    tile: tiles.Tile
+    registers: int
+    stack_bytes: int  # local memory per thread: > 0 means spills
+    shared_bytes: int
+    instructions: int
+    opcodes: collections.Counter  # SASS opcode (with modifiers) -> count, whole kernel
+
+    def count(self, prefix: str) -> int:
+        """Instructions whose opcode starts with ``prefix`` (e.g. "LDS.U8", "HMMA")."""
+        return sum(n for op, n in self.opcodes.items() if op.startswith(prefix))
+
+    def summary(self, top: int = 16) -> str:
+        ops = "  ".join(f"{op}:{n}" for op, n in self.opcodes.most_common(top))
+        t = self.tile
+        return (f"{self.arch} tile {t.block_m}x{t.block_n} {t.num_warps}w {t.num_stages}s: {self.registers} registers, "
+                f"{self.stack_bytes} B stack, {self.shared_bytes} B shared, {self.instructions} instructions\n  {ops}")
+
+
+def tool_path(name: str) -> str:
+    """A tool Triton ships for the NVIDIA backend (``ptxas``, ``cuobjdump``)."""
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    if not os.path.exists(path):
+        raise RuntimeError(f"kvcompile.kernels.aot: {name} not found at {path} (Triton's NVIDIA backend tools)")
+    return path
+
+
+def compile_attention(
+    cc: tuple[int, int] = (9, 0),
+    kv_dtype: str = "fp8_e4m3",
+    granularity: Optional[str] = None,
+    head_dim: int = 128,
+    group: int = 4,
+    q_len: int = 1,
+    v_pin: Optional[bool] = None,
+    tile: Optional[tiles.Tile] = None,
+) -> SassReport:
+    """Compile ``_attention_kernel`` as the launcher would for this case; return its SASS report.
+
+    ``q_len <= 16`` is the split-K decode launch (partial outputs), longer the fused prefill launch
+    (causal). Queries bf16, fp16 dots (the GPU default). ``v_pin`` defaults to the launcher's
+    ``V_PIN``; ``tile`` to the one :mod:`kvcompile.tiles` picks.
+    """
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from . import attention_launcher as launcher
+
+    _attention_kernel = _compilable_kernels()._attention_kernel
+
+    fmt = formats.get_format(kv_dtype, granularity)
+    tiles.check_head_dim(head_dim)
+    decode = q_len <= launcher.DECODE_MAX_Q
+    fp8 = fmt.code_dtype.is_floating_point
+    fp8_bits = fp8 and not tiles.has_native_fp8(cc)
+    v_pin = (launcher.V_PIN if v_pin is None else v_pin) and not fp8_bits
+    if fmt.is_static:
+        kind, group_size = launcher.SCALE_STATIC, head_dim
+    elif fmt.granularity == "token":
+        kind, group_size = launcher.SCALE_TOKEN, head_dim
+    else:
+        kind, group_size = launcher.SCALE_BLOCK, formats.BLOCK
+    if tile is None:
+        tile = (tiles.decode_tile(cc, head_dim, 2, 1, 1, q_len * group) if decode
+                else tiles.prefill_tile(cc, head_dim, 2, 1, 1))
+    # code pointers as the launcher passes them: e4m3 as uint8 bits below sm_89 and for pinned V
+    k_code = "*i8" if not fp8 else ("*u8" if fp8_bits else "*fp8e4nv")
+    v_code = "*u8" if fp8 and v_pin else k_code
+    scale = "*fp32" if fmt.scale_dtype.itemsize == 4 else "*fp16"
+    ptrs = {"Q": "*bf16", "K": k_code, "V": v_code, "KS": scale, "VS": scale, "KVLEN": "*i64", "MASK": "*bf16",
+            "O": "*bf16", "OP": "*fp32", "LSE": "*fp32"}
+    ones = {"stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_kvl", "stride_ls"}
+    if kind == launcher.SCALE_TOKEN:
+        ones |= {"stride_ksn", "stride_vsn", "stride_ksg", "stride_vsg"}
+    elif kind == launcher.SCALE_BLOCK:
+        ones |= {"stride_ksg", "stride_vsg"}
+    else:  # static: [Hkv] viewed as [1, Hkv, 1, 1]
+        ones |= {"stride_ksh", "stride_vsh", "stride_ksn", "stride_vsn", "stride_ksg", "stride_vsg"}
+    if q_len == 1:
+        ones.add("Tq")
+    zeros = {"stride_mb", "stride_mh", "stride_mm", "stride_mn"}  # no mask: the launcher passes 0 strides
+    not16 = {"Hkv", "Tq"}
+    consts = dict(
+        GROUP=group, GROUP_SIZE=group_size, SCALE_KIND=kind, MASK_KIND=launcher.MASK_NONE, IS_CAUSAL=not decode,
+        SPLIT_OUTPUT=decode, FP8_BITS=fp8_bits, DOT_DTYPE=tl.float16, PV_DTYPE=tl.float16,
+        BCAST_SCALE=launcher.BCAST_SCALE, V_PIN=v_pin, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        BLOCK_D=1 << (head_dim - 1).bit_length(),
+    )
+    names = _attention_kernel.arg_names
+    signature, constexprs, attrs = {}, {}, {}
+    for i, a in enumerate(names):
+        if a in consts:
+            signature[a], constexprs[(i,)] = "constexpr", consts[a]
+        elif a in ptrs:
+            signature[a] = ptrs[a]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif a in ones:
+            signature[a], constexprs[(i,)] = "constexpr", 1
+        elif a == "sm_scale":
+            signature[a] = "fp32"
+        else:
+            signature[a] = "i32"
+            if a not in zeros and a not in not16:
+                attrs[(i,)] = [["tt.divisibility", 16]]  # strides, D, split_len: multiples of 16 here
+    missing = set(consts) - set(names)
+    if missing:
+        raise RuntimeError(f"kvcompile.kernels.aot: _attention_kernel has no argument(s) {sorted(missing)}")
+    src = ASTSource(fn=_attention_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    target = GPUTarget("cuda", cc[0] * 10 + cc[1], 32)
+    compiled = triton.compile(src, target=target, options=dict(num_warps=tile.num_warps, num_stages=tile.num_stages))
+    return _report(compiled, f"sm_{cc[0]}{cc[1]}", tile)
+
+
+_KERNELS = None
+
+
+def _compilable_kernels():
+    """The kernel module, decorated for compilation even under ``TRITON_INTERPRET=1`` (where
+    ``@triton.jit`` makes interpreter functions that cannot be compiled): a private copy of
+    ``_codes`` and ``_attention_kernel`` loaded with the interpreter switched off."""
+    global _KERNELS
+    if _KERNELS is not None:
+        return _KERNELS
+    import importlib.util
+    import sys
+    import types
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    pkg_name = "_kvcompile_aot_kernels"
+    pkg = types.ModuleType(pkg_name)
+    pkg.__path__ = [here]
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        sys.modules[pkg_name] = pkg
+        mods = {}
+        for name in ("_codes", "_attention_kernel"):
+            spec = importlib.util.spec_from_file_location(f"{pkg_name}.{name}", os.path.join(here, f"{name}.py"))
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = mod
+            spec.loader.exec_module(mod)
+            mods[name] = mod
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+    _KERNELS = mods["_attention_kernel"]
+    return _KERNELS
+
+
+def _report(compiled, arch: str, tile: tiles.Tile) -> SassReport:
+    with tempfile.TemporaryDirectory() as d:
+        cubin = os.path.join(d, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = subprocess.run([tool_path("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([tool_path("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True,
+                             check=True).stdout
+    regs = re.search(r"REG:(\d+)", res)
+    stack = re.search(r"STACK:(\d+)", res)
+    # SASS lines: "        /*0150*/                   LDS.U8 R5, [R2+0x10] ;" (optionally predicated "@P0 ")
+    ops = collections.Counter(
+        m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    )
+    return SassReport(arch=arch, tile=tile, registers=int(regs.group(1)) if regs else -1,
+                      stack_bytes=int(stack.group(1)) if stack else -1,
+                      shared_bytes=int(compiled.metadata.shared), instructions=sum(ops.values()), opcodes=ops)

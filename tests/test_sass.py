@@ -1,0 +1,56 @@
+"""The compiled decode loop's code shape, checked in CI without a GPU (kvcompile.kernels.aot).
+
+The attention kernel is compiled for sm_90 exactly as the launcher would launch it on an H200
+(Triton's bundled ptxas; cuobjdump reads the SASS). What is pinned here was measured to matter on
+the H200 (BENCHMARKS.md, session 2): V read from shared memory one byte per lane (LDS.U8/S8)
+with 255 registers made fp8 decode 1.3x slower than with V widened before its transpose.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+from kvcompile import tiles  # noqa: E402
+from kvcompile.kernels import aot  # noqa: E402
+
+H200 = (9, 0)
+CASES = [("fp8_e4m3", "token"), ("fp8_e4m3", "static"), ("fp8_e4m3", "block32"), ("q8_0", "block32")]
+
+
+def _byte_loads(r: aot.SassReport) -> int:
+    return r.count("LDS.U8") + r.count("LDS.S8")
+
+
+@pytest.fixture(scope="module")
+def reports():
+    try:
+        aot.tool_path("cuobjdump")
+    except RuntimeError as e:  # the Triton wheel ships it; say so loudly if a build does not
+        pytest.fail(str(e))
+    return {case: aot.compile_attention(H200, *case) for case in CASES}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "/".join(c))
+def test_decode_reads_v_without_byte_loads_or_spills(reports, case):
+    r = reports[case]
+    assert _byte_loads(r) == 0, r.summary()
+    assert r.stack_bytes == 0, f"register spills: {r.summary()}"
+    assert r.count("HMMA") > 0 and r.count("LDSM") > 0, r.summary()  # tensor cores, ldmatrix(.trans) for V
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "/".join(c))
+def test_two_decode_programs_fit_one_h200_sm(reports, case):
+    r = reports[case]
+    assert r.tile == tiles.decode_tile(H200, 128, 2, 1, 1, 4)
+    assert 2 * r.shared_bytes <= tiles.SMEM_BYTES[H200], r.summary()
+    assert 2 * r.registers * 32 * r.tile.num_warps <= 65536, r.summary()  # 64K registers per SM
+
+
+def test_unpinned_v_is_what_the_pin_avoids():
+    """Control: with V converted by .to(fp16), this Triton reads the V tile byte by byte. If this
+    fails after a Triton upgrade, the pin (attention_launcher.V_PIN) may no longer be needed:
+    measure both on the GPU."""
+    r = aot.compile_attention(H200, "fp8_e4m3", "token", v_pin=False)
+    assert _byte_loads(r) > 0, r.summary()
