@@ -68,36 +68,33 @@ def codes_to_f16_pinned(c):
     (``prmt`` puts each byte + 128 under the fp16 exponent of 1024, one ``sub.f16x2`` per pair).
     """
     if c.dtype == tl.int8:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 x, lo, hi, m;
-            xor.b32 x, $2, 0x80808080;
-            prmt.b32 lo, x, 0x64646464, 0x4140;
-            prmt.b32 hi, x, 0x64646464, 0x4342;
-            mov.b32 m, 0x64806480;
-            sub.f16x2 $0, lo, m;
-            sub.f16x2 $1, hi, m;
-            }""",
-            constraints="=r,=r,r",
-            args=[c],
-            dtype=tl.float16,
-            is_pure=False,
-            pack=4,
-        )
+        return _widen_four_pinned(c, _INT8_TO_F16X2)
     else:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b16 lo, hi;
-            mov.b32 {lo, hi}, $2;
-            cvt.rn.f16x2.e4m3x2 $0, lo;
-            cvt.rn.f16x2.e4m3x2 $1, hi;
-            }""",
-            constraints="=r,=r,r",
-            args=[c],
-            dtype=tl.float16,
-            is_pure=False,
-            pack=4,
-        )
+        return _widen_four_pinned(c, _E4M3_TO_F16X2)
+
+
+# four 8-bit codes in $2 -> two fp16x2 registers $0, $1 (element order: byte 0 -> low half of $0)
+_INT8_TO_F16X2 = tl.constexpr("""{
+    .reg .b32 x, lo, hi, m;
+    xor.b32 x, $2, 0x80808080;
+    prmt.b32 lo, x, 0x64646464, 0x4140;
+    prmt.b32 hi, x, 0x64646464, 0x4342;
+    mov.b32 m, 0x64806480;
+    sub.f16x2 $0, lo, m;
+    sub.f16x2 $1, hi, m;
+    }""")
+_E4M3_TO_F16X2 = tl.constexpr("""{
+    .reg .b16 lo, hi;
+    mov.b32 {lo, hi}, $2;
+    cvt.rn.f16x2.e4m3x2 $0, lo;
+    cvt.rn.f16x2.e4m3x2 $1, hi;
+    }""")
+
+
+@triton.jit
+def _widen_four_pinned(c, ASM: tl.constexpr):
+    return tl.inline_asm_elementwise(asm=ASM, constraints="=r,=r,r", args=[c], dtype=tl.float16, is_pure=False,
+                                     pack=4)
 
 
 @triton.jit
