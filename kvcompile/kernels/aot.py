@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from typing import Optional
 
 from .. import formats, tiles
 
-__all__ = ["SassReport", "compile_attention", "tool_path"]
+__all__ = ["SassReport", "compile_attention", "compile_attention_isolated", "tool_path"]
 
 
 @dataclasses.dataclass
@@ -40,6 +42,18 @@ class SassReport:
     def count(self, prefix: str) -> int:
         """Instructions whose opcode starts with ``prefix`` (e.g. "LDS.U8", "HMMA")."""
         return sum(n for op, n in self.opcodes.items() if op.startswith(prefix))
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["opcodes"] = dict(self.opcodes)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "SassReport":
+        d = dict(d)
+        d["tile"] = tiles.Tile(**d["tile"])
+        d["opcodes"] = collections.Counter(d["opcodes"])
+        return cls(**d)
 
     def summary(self, top: int = 16) -> str:
         ops = "  ".join(f"{op}:{n}" for op, n in self.opcodes.most_common(top))
@@ -80,8 +94,14 @@ def compile_attention(
     from triton.compiler import ASTSource
 
     from . import attention_launcher as launcher
+    from ._attention_kernel import _attention_kernel
+    from .common import interpreting
 
-    _attention_kernel = _compilable_kernels()._attention_kernel
+    if interpreting():
+        raise RuntimeError(
+            "kvcompile.kernels.aot: Triton was imported with TRITON_INTERPRET=1 in this process and cannot "
+            "compile here; use compile_attention_isolated(...) (a fresh process) or unset TRITON_INTERPRET"
+        )
 
     fmt = formats.get_format(kv_dtype, granularity)
     tiles.check_head_dim(head_dim)
@@ -146,44 +166,6 @@ def compile_attention(
     return _report(compiled, f"sm_{cc[0]}{cc[1]}", tile)
 
 
-_KERNELS = None
-
-
-def _compilable_kernels():
-    """The kernel module, decorated for compilation even under ``TRITON_INTERPRET=1`` (where
-    ``@triton.jit`` makes interpreter functions that cannot be compiled): a private copy of
-    ``_codes`` and ``_attention_kernel`` loaded with the interpreter switched off."""
-    global _KERNELS
-    if _KERNELS is not None:
-        return _KERNELS
-    import importlib.util
-    import sys
-    import types
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    pkg_name = "_kvcompile_aot_kernels"
-    pkg = types.ModuleType(pkg_name)
-    pkg.__path__ = [here]
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "0"
-    try:
-        sys.modules[pkg_name] = pkg
-        mods = {}
-        for name in ("_codes", "_attention_kernel"):
-            spec = importlib.util.spec_from_file_location(f"{pkg_name}.{name}", os.path.join(here, f"{name}.py"))
-            mod = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = mod
-            spec.loader.exec_module(mod)
-            mods[name] = mod
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-    _KERNELS = mods["_attention_kernel"]
-    return _KERNELS
-
-
 def _report(compiled, arch: str, tile: tiles.Tile) -> SassReport:
     with tempfile.TemporaryDirectory() as d:
         cubin = os.path.join(d, "k.cubin")
@@ -201,3 +183,34 @@ def _report(compiled, arch: str, tile: tiles.Tile) -> SassReport:
     return SassReport(arch=arch, tile=tile, registers=int(regs.group(1)) if regs else -1,
                       stack_bytes=int(stack.group(1)) if stack else -1,
                       shared_bytes=int(compiled.metadata.shared), instructions=sum(ops.values()), opcodes=ops)
+
+
+def compile_attention_isolated(cases: list[dict], timeout: float = 600.0) -> list[SassReport]:
+    """:func:`compile_attention` for each dict of keyword arguments, in a fresh Python process
+    with the Triton interpreter off (a process that imported Triton with ``TRITON_INTERPRET=1``,
+    as the CPU test session does, cannot compile kernels)."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    payload = json.dumps([{k: (dataclasses.asdict(v) if isinstance(v, tiles.Tile) else v) for k, v in c.items()}
+                          for c in cases])
+    proc = subprocess.run([sys.executable, "-m", "kvcompile.kernels.aot"], input=payload, capture_output=True,
+                          text=True, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"kvcompile.kernels.aot: the compile process failed:\n{proc.stderr[-4000:]}")
+    return [SassReport.from_json(d) for d in json.loads(proc.stdout.strip().splitlines()[-1])]
+
+
+def _main() -> None:  # the isolated process: JSON cases on stdin, JSON reports on the last stdout line
+    cases = json.loads(sys.stdin.read())
+    out = []
+    for c in cases:
+        if isinstance(c.get("tile"), dict):
+            c["tile"] = tiles.Tile(**c["tile"])
+        if "cc" in c:
+            c["cc"] = tuple(c["cc"])
+        out.append(compile_attention(**c).to_json())
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    _main()
