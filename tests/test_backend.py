@@ -20,11 +20,7 @@ from test_pass_models import cache_kwarg, fresh_dynamo, greedy, make_cache, make
 ATOL = RTOL = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def _reset():
-    fresh_dynamo()
-    yield
-    fresh_dynamo()
+pytestmark = pytest.mark.usefixtures("dynamo_reset_around")
 
 
 @pytest.mark.parametrize(

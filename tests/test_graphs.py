@@ -14,16 +14,12 @@ import pytest
 import torch
 
 import kvcompile
-from test_pass_models import cache_kwarg, fresh_dynamo, greedy, make_cache, make_model, prompt
+from test_pass_models import cache_kwarg, greedy, make_cache, make_model, prompt
 
 ATOL = RTOL = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def _reset():
-    fresh_dynamo()
-    yield
-    fresh_dynamo()
+pytestmark = pytest.mark.usefixtures("dynamo_reset_around")
 
 
 def test_default_capture_sizes():
