@@ -58,3 +58,18 @@ def test_unpinned_v_is_what_the_pin_avoids(reports):
     measure both on the GPU."""
     r = reports["unpinned"]
     assert _byte_loads(r) > 0, r.summary()
+
+
+def test_cli_prints_a_summary_and_refuses_a_bad_arch():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    ok = subprocess.run([sys.executable, "-m", "kvcompile", "sass", "--arch", "90", "--kv-dtype", "q8_0", "--top", "60"],
+                        capture_output=True, text=True, env=env, timeout=600)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "sm_90 tile 16x128" in ok.stdout and "registers" in ok.stdout and "HMMA" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "kvcompile", "sass", "--arch", "sm90"], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert bad.returncode == 2 and "compute capability such as 90" in bad.stderr
