@@ -194,6 +194,22 @@ def prefill(args):
                     record("sweep", shape, "kvcompile-fp8-fused vpin-off", bench([fn], 1), 0, flops, base_ms=base)
                 finally:
                     launcher.V_PIN = True
+            if path == "fused" and args.tile_sweep:
+                # the shipped 128x128/8 warps spills on sm_90 (python -m kvcompile sass --q-len 1024)
+                saved_tile = launcher.tiles.prefill_tile
+                for bm, bn, w, st in ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (64, 128, 4, 2)):
+                    launcher.tiles.prefill_tile = lambda *a, t=launcher.tiles.Tile(bm, bn, w, st), **kw: t
+                    launcher._SHRUNK.clear()
+                    try:
+                        ms = bench([fn], 1)
+                        ran = ",".join(f"{t.block_m}x{t.block_n}x{t.num_warps}w{t.num_stages}s" for t in launcher._SHRUNK.values())
+                        record("sweep", shape, f"kvcompile-fp8-fused tile{bm}x{bn}x{w}w{st}s" + (f" (ran {ran})" if ran else ""),
+                               ms, 0, flops, base_ms=base)
+                    except Exception as e:
+                        print("sweep skip", bm, bn, w, st, type(e).__name__, str(e)[:120])
+                    finally:
+                        launcher.tiles.prefill_tile = saved_tile
+                        launcher._SHRUNK.clear()
         os.environ.pop("KVCOMPILE_PREFILL", None)
         del q, k, v, c
         torch.cuda.empty_cache()
@@ -271,7 +287,8 @@ def main():
     p.add_argument("--formats", default="fp8,fp8/block32,fp8/static,q8_0")
     p.add_argument("--out", default="bench.csv")
     p.add_argument("--sweep", action="store_true")
-    p.add_argument("--tile-sweep", action="store_true", help="with --sweep: decode tiles and programs per SM")
+    p.add_argument("--tile-sweep", action="store_true",
+                   help="decode tiles and programs per SM (with --sweep), fused prefill tiles")
     p.add_argument("--decode-shapes", default="1x4096,1x32768,8x32768,32x8192,4x131072")
     p.add_argument("--prefill-q", default="16384,4096,1024")
     args = p.parse_args()
