@@ -10,6 +10,8 @@ served by one program and each K/V tile is read once for all of them (GQA/MQA).
 Scales never enter the 8-bit tiles (per-token formats): the QK^T tile's columns are scaled by
 s_k, P by s_v before the PV dot, and the running denominator sums the unscaled p. The 8-bit
 tile is widened to 16 bits (exact for e4m3 and int8) into ``tl.dot``; accumulation is fp32.
+On the GPU the V tile is widened by pinned inline PTX before its shared-memory transpose
+(``V_PIN``; why: ``_codes.codes_to_f16_pinned``).
 block32 formats dequantize the tile (codes * scale of each 32-wide slice) before the dot.
 Static scales: K scale folded into the softmax scale, V scale applied once at the end.
 """

@@ -159,7 +159,7 @@ def _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale
         tile = tiles.prefill_tile(cc, D, qb, kc.element_size(), vc.element_size())
     if interpreting():
         tile = dataclasses.replace(tile, block_m=min(tile.block_m, 32), block_n=16)
-    key = (decode, cc, D, dot_dtype, k_q.dtype, scale_kind, mask_kind, bool(is_causal), rows if decode else 0)
+    key = (decode, cc, D, dot_dtype, k_q.dtype, scale_kind, mask_kind, bool(is_causal), rows if decode else 0, v_pin)
     tile = _SHRUNK.get(key, tile)
     out = torch.empty((B, Hq, Tq, D), dtype=q.dtype, device=dev)
     args = (q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, out, sm_scale, is_causal,
