@@ -202,7 +202,8 @@ def test_dequantize_matches_reference(kv_dtype, gran):
 
 
 def check_attention(kv_dtype, gran, *, B=2, Hkv=2, group=2, Tq=1, L=37, D=64, kv_len=None, mask=None,
-                    causal=False, seed=0, q_dtype=torch.float32, tol=ATOL_REL, q_transposed=False, scale=None):
+                    causal=False, seed=0, q_dtype=torch.float32, tol=ATOL_REL, q_transposed=False, scale=None,
+                    q_mult=1.0):
     gen = torch.Generator().manual_seed(seed)
     kc, ks, vc, vs = random_cache(kv_dtype, gran, B, Hkv, L, D, gen)
     Hq = Hkv * group
@@ -210,6 +211,7 @@ def check_attention(kv_dtype, gran, *, B=2, Hkv=2, group=2, Tq=1, L=37, D=64, kv
         q = torch.randn(B, Tq, Hq, D, generator=gen).to(DEV).to(q_dtype).transpose(1, 2)
     else:
         q = torch.randn(B, Hq, Tq, D, generator=gen).to(DEV).to(q_dtype)
+    q = q * q_mult
     if kv_len is None:
         kv_len = torch.tensor(L, device=DEV)
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
@@ -282,6 +284,19 @@ def test_attention_fp16_dot_path(kv_dtype, gran, Tq, bcast, monkeypatch):
     q_dtype = torch.float32 if DEV == "cpu" else torch.float16
     check_attention(kv_dtype, gran, Tq=Tq, causal=True, L=45, kv_len=torch.tensor([45, 30], device=DEV),
                     tol=FP16_TOL, q_dtype=q_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype,gran", [("fp8_e4m3", "token"), ("q8_0", "block32"), ("fp8_e4m3", "static")],
+                         ids=["fp8", "q8_0", "fp8-static"])
+@pytest.mark.parametrize("Tq", [1, 20])
+def test_attention_fp16_dots_take_queries_beyond_fp16_range(kv_dtype, gran, Tq, monkeypatch):
+    """|q| up to 2e5 (beyond fp16's 65504) with a softmax scale 1e-5 smaller: the scores are ordinary,
+    so the result is well conditioned; the fp16-dot path must scale q into range (by a power of two,
+    folded into the softmax scale), not overflow to inf/NaN. Same tolerance as the fp16 path."""
+    monkeypatch.setattr(attn_mod, "INTERPRET_FP16", True)
+    q_dtype = torch.float32 if DEV == "cpu" else torch.bfloat16
+    check_attention(kv_dtype, gran, Tq=Tq, causal=Tq > 1, L=45, kv_len=torch.tensor([45, 30], device=DEV),
+                    tol=FP16_TOL, q_dtype=q_dtype, q_mult=5e4, scale=64**-0.5 / 5e4)
 
 
 def test_attention_unsupported_head_dim_raises():

@@ -100,7 +100,17 @@ def _attention_kernel(
     q = tl.load(
         Q + b * stride_qb + h[:, None] * stride_qh + qi[:, None] * stride_qm + d[None, :] * stride_qd,
         mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-    ).to(DOT_DTYPE)
+    )
+    q_unscale = 1.0
+    if DOT_DTYPE == tl.float16 and Q.dtype.element_ty != tl.float16:
+        # fp16 holds |x| < 65504, bf16 / fp32 queries may not: a block whose largest |q| reaches
+        # 2^15 is scaled by 2^-shift (exact), and 2^shift goes into the softmax scale (shift = 0 otherwise).
+        q = q.to(tl.float32)
+        amax_exp = ((tl.max(tl.max(tl.abs(q), axis=1), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF)
+        q_shift = tl.maximum(amax_exp - 141, 0)  # |q| < 2^(e - 126) <= 2^15 once e - shift <= 141 (127 + 14)
+        q = q * ((127 - q_shift) << 23).to(tl.float32, bitcast=True)
+        q_unscale = ((127 + q_shift) << 23).to(tl.float32, bitcast=True)
+    q = q.to(DOT_DTYPE)
 
     # ---- keys this program reads: its split, cut at kv_len and (causal) at its last query ----
     n_hi = tl.minimum(kv_len, n_lo + split_len)
@@ -108,9 +118,9 @@ def _attention_kernel(
         last_q = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, Tq * GROUP - 1) // GROUP
         n_hi = tl.minimum(n_hi, kv_len - Tq + last_q + 1)
 
-    qk_scale = sm_scale
+    qk_scale = sm_scale * q_unscale
     if SCALE_KIND == SCALE_STATIC:
-        qk_scale = sm_scale * tl.load(KS + hk * stride_ksh).to(tl.float32)
+        qk_scale = qk_scale * tl.load(KS + hk * stride_ksh).to(tl.float32)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     ks_base = KS + b * stride_ksb + hk * stride_ksh

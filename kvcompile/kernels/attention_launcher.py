@@ -37,7 +37,7 @@ DECODE_MAX_Q = 16  # query blocks up to this length go to the split-K decode ker
 DENSE_MIN_Q = 512  # auto: prefills at least this long use the dense-dequant path (H200: fused wins at 256, dense at 1024)
 DECODE_PROGRAMS_PER_SM = 8  # split-K target: programs per SM in one decode launch (measured: BENCHMARKS.md)
 DECODE_PROGRAMS_PER_SM_SMALL = 2  # ... when batch * kv heads is small (<= 16): fewer splits, less merge
-FP16_DOTS = True  # 16-bit q: both dots in fp16 (q cast to fp16; |q| must stay below 65504)
+FP16_DOTS = True  # 16-bit q: both dots in fp16 (a query block beyond fp16 range is scaled by a power of two)
 BCAST_SCALE = True  # block32 scales: broadcast to the tile (True: 1.9x faster q8_0 decode on the H200) or reshape it
 # V widened to fp16 by pinned inline PTX before its shared-memory transpose (see
 # _codes.codes_to_f16_pinned); off: Triton places the convert (8-bit transposed reads)
