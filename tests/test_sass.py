@@ -60,6 +60,24 @@ def test_unpinned_v_is_what_the_pin_avoids(reports):
     assert _byte_loads(r) > 0, r.summary()
 
 
+# every path the launcher takes, per arch: the interpreter cannot catch what only fails to compile
+# (a loop-carried name reused with another type did, once)
+COMPILE_MATRIX = [
+    dict(kv_dtype="fp8_e4m3", granularity="token", q_len=1),
+    dict(kv_dtype="q8_0", q_len=1, mask="bool"),
+    dict(kv_dtype="fp8_e4m3", granularity="block32", q_len=5, mask="add"),
+    dict(kv_dtype="fp8_e4m3", granularity="static", q_len=1024),
+    dict(kv_dtype="fp8_e4m3", granularity="token", q_len=1, head_dim=80, group=8),
+]
+
+
+@pytest.mark.parametrize("cc", [(8, 0), (8, 9), (9, 0)], ids=lambda c: f"sm_{c[0]}{c[1]}")
+def test_every_launch_path_compiles(cc):
+    got = aot.compile_attention_isolated([dict(case, cc=cc) for case in COMPILE_MATRIX])
+    for case, r in zip(COMPILE_MATRIX, got):
+        assert r.count("HMMA") + r.count("HGMMA") > 0, (case, r.summary())
+
+
 def test_cli_prints_a_summary_and_refuses_a_bad_arch():
     import os
     import subprocess

@@ -79,13 +79,16 @@ def compile_attention(
     head_dim: int = 128,
     group: int = 4,
     q_len: int = 1,
+    mask: str = "none",
+    causal: Optional[bool] = None,
     v_pin: Optional[bool] = None,
     tile: Optional[tiles.Tile] = None,
 ) -> SassReport:
     """Compile ``_attention_kernel`` as the launcher would for this case; return its SASS report.
 
     ``q_len <= 16`` is the split-K decode launch (partial outputs), longer the fused prefill launch
-    (causal). Queries bf16, fp16 dots (the GPU default). ``v_pin`` defaults to the launcher's
+    (causal). ``causal`` defaults to ``q_len > 1``. ``mask``: "none", "bool" or "add" (an explicit attention mask, as HF passes for padded
+    batches). Queries bf16, fp16 dots (the GPU default). ``v_pin`` defaults to the launcher's
     ``V_PIN``; ``tile`` to the one :mod:`kvcompile.tiles` picks.
     """
     import triton
@@ -122,7 +125,11 @@ def compile_attention(
     k_code = "*i8" if not fp8 else ("*u8" if fp8_bits else "*fp8e4nv")
     v_code = "*u8" if fp8 and v_pin else k_code
     scale = "*fp32" if fmt.scale_dtype.itemsize == 4 else "*fp16"
-    ptrs = {"Q": "*bf16", "K": k_code, "V": v_code, "KS": scale, "VS": scale, "KVLEN": "*i64", "MASK": "*bf16",
+    masks = {"none": (launcher.MASK_NONE, "*bf16"), "bool": (launcher.MASK_BOOL, "*u8"), "add": (launcher.MASK_ADD, "*bf16")}
+    if mask not in masks:
+        raise ValueError(f"kvcompile.kernels.aot: mask must be one of {list(masks)}, got {mask!r}")
+    mask_kind, mask_ptr = masks[mask]
+    ptrs = {"Q": "*bf16", "K": k_code, "V": v_code, "KS": scale, "VS": scale, "KVLEN": "*i64", "MASK": mask_ptr,
             "O": "*bf16", "OP": "*fp32", "LSE": "*fp32"}
     ones = {"stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_kvl", "stride_ls"}
     if kind == launcher.SCALE_TOKEN:
@@ -133,10 +140,13 @@ def compile_attention(
         ones |= {"stride_ksh", "stride_vsh", "stride_ksn", "stride_vsn", "stride_ksg", "stride_vsg"}
     if q_len == 1:
         ones.add("Tq")
-    zeros = {"stride_mb", "stride_mh", "stride_mm", "stride_mn"}  # no mask: the launcher passes 0 strides
+    # no mask: the launcher passes 0 strides; an expanded [B, 1, Tq, L] mask: 0 over heads, 1 along keys
+    zeros = {"stride_mb", "stride_mh", "stride_mm", "stride_mn"} if mask == "none" else {"stride_mh", "stride_mm"}
+    if mask != "none":
+        ones.add("stride_mn")
     not16 = {"Hkv", "Tq"}
     consts = dict(
-        GROUP=group, GROUP_SIZE=group_size, SCALE_KIND=kind, MASK_KIND=launcher.MASK_NONE, IS_CAUSAL=not decode,
+        GROUP=group, GROUP_SIZE=group_size, SCALE_KIND=kind, MASK_KIND=mask_kind, IS_CAUSAL=q_len > 1 if causal is None else causal,
         SPLIT_OUTPUT=decode, FP8_BITS=fp8_bits, DOT_DTYPE=tl.float16, PV_DTYPE=tl.float16,
         BCAST_SCALE=launcher.BCAST_SCALE, V_PIN=v_pin, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         BLOCK_D=1 << (head_dim - 1).bit_length(),
