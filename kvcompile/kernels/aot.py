@@ -167,9 +167,12 @@ def compile_attention(
             signature[a] = "i32"
             if a not in zeros and a not in not16:
                 attrs[(i,)] = [["tt.divisibility", 16]]  # strides, D, split_len: multiples of 16 here
-    missing = set(consts) - set(names)
-    if missing:
-        raise RuntimeError(f"kvcompile.kernels.aot: _attention_kernel has no argument(s) {sorted(missing)}")
+    declared = {names[i] for i in _attention_kernel.constexprs}
+    if declared != set(consts):  # the kernel and this mirror of the launcher drifted apart
+        raise RuntimeError(
+            f"kvcompile.kernels.aot: _attention_kernel's constexprs {sorted(declared)} differ from the ones "
+            f"compiled here {sorted(consts)}; update compile_attention to match attention_launcher._launch"
+        )
     src = ASTSource(fn=_attention_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", cc[0] * 10 + cc[1], 32)
     compiled = triton.compile(src, target=target, options=dict(num_warps=tile.num_warps, num_stages=tile.num_stages))
