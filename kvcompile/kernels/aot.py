@@ -91,6 +91,7 @@ def compile_attention(
     batches). Queries bf16, fp16 dots (the GPU default). ``v_pin`` defaults to the launcher's
     ``V_PIN``; ``tile`` to the one :mod:`kvcompile.tiles` picks.
     """
+    import torch
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -112,12 +113,9 @@ def compile_attention(
     fp8 = fmt.code_dtype.is_floating_point
     fp8_bits = fp8 and not tiles.has_native_fp8(cc)
     v_pin = (launcher.V_PIN if v_pin is None else v_pin) and not fp8_bits
-    if fmt.is_static:
-        kind, group_size = launcher.SCALE_STATIC, head_dim
-    elif fmt.granularity == "token":
-        kind, group_size = launcher.SCALE_TOKEN, head_dim
-    else:
-        kind, group_size = launcher.SCALE_BLOCK, formats.BLOCK
+    # the launcher reads the scale kind off the scale tensors' shapes: give it shape-only ones
+    scales = torch.empty(fmt.scale_shape(1, 1, 1, head_dim), device="meta")
+    kind, group_size = launcher._scale_kind(scales, scales, head_dim)
     if tile is None:
         tile = (tiles.decode_tile(cc, head_dim, 2, 1, 1, q_len * group) if decode
                 else tiles.prefill_tile(cc, head_dim, 2, 1, 1))
