@@ -123,6 +123,8 @@ def main(argv=None) -> int:
     sp.add_argument("--group", type=int, default=4, help="query heads per kv head")
     sp.add_argument("--q-len", type=int, default=1, help="<= 16: split-K decode launch; longer: fused prefill")
     sp.add_argument("--no-v-pin", action="store_true", help="let Triton place the V conversion (for A/B)")
+    sp.add_argument("--v-layout", choices=("auto", "keys", "head_dim"), default="auto",
+                    help="V codes key- or head_dim-contiguous (auto: QuantizedCache's choice for the format)")
     sp.add_argument("--top", type=int, default=24, help="opcodes to list")
     args = p.parse_args(argv)
     if args.cmd in (None, "info"):
@@ -133,9 +135,13 @@ def main(argv=None) -> int:
 
         if not (args.arch.isdigit() and len(args.arch) >= 2):
             p.error(f"--arch takes a compute capability such as 90 or 89, got {args.arch!r}")
+        from . import formats
+
         cc = (int(args.arch[:-1]), int(args.arch[-1]))
+        fmt = formats.get_format(args.kv_dtype, args.granularity)
+        v_keys = fmt.v_keys_contiguous if args.v_layout == "auto" else args.v_layout == "keys"
         r = aot.compile_attention(cc, args.kv_dtype, args.granularity, args.head_dim, args.group, args.q_len,
-                                  v_pin=False if args.no_v_pin else None)
+                                  v_pin=False if args.no_v_pin else None, v_keys=v_keys)
         print(r.summary(args.top))
         return 0
     return 1  # pragma: no cover

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from kvcompile import formats, reference, tiles
+from kvcompile.cache import v_codes_buffer
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -71,14 +72,36 @@ def empty_cache(kv_dtype, gran, B, H, L, D, gen):
     return c, s
 
 
-def random_cache(kv_dtype, gran, B, H, L, D, gen):
-    """Codes + scales as store_kv would leave them, from random K/V (via the reference store)."""
+def random_cache(kv_dtype, gran, B, H, L, D, gen, v_layout="head_dim"):
+    """Codes + scales as store_kv would leave them, from random K/V (via the reference store).
+
+    ``v_layout="keys"``: V codes key-contiguous, as QuantizedCache stores them for token/static
+    scales (a [B, H, D, L16] buffer, L16 = L rounded up to 16, seen as [B, H, L, D]).
+    """
     kc, ks = empty_cache(kv_dtype, gran, B, H, L, D, gen)
     vc, vs = empty_cache(kv_dtype, gran, B, H, L, D, gen)
+    if v_layout == "keys":
+        vc = v_codes_buffer((B, H, L, D), vc.dtype, DEV, keys=True)
     k = torch.randn(B, H, L, D, generator=gen).to(DEV) * 2
     v = torch.randn(B, H, L, D, generator=gen).to(DEV)
     reference.store_kv(kc, ks, vc, vs, k, v, torch.tensor(0, device=DEV), None)
     return kc, ks, vc, vs
+
+
+def poison_past(codes, kv_len):
+    """Fill the codes at positions >= kv_len (and a key-contiguous buffer's padding) with NaN codes
+    (e4m3 0x7F; int8 has none: -128) and return a copy for the oracle with zeros there instead."""
+    root = codes._base if codes._base is not None else codes
+    bits = root.view(torch.uint8) if root.dtype == torch.float8_e4m3fn else root
+    full = bits.transpose(2, 3) if codes.stride(2) == 1 else bits  # [B, H, L16, D]
+    clean = codes.clone()
+    lens = kv_len.reshape(-1).expand(codes.shape[0]).tolist()
+    for b, n in enumerate(lens):
+        full[b, :, n:] = 0x7F if bits.dtype == torch.uint8 else -128
+        clean[b, :, n:] = 0
+        if bits.dtype == torch.uint8:  # really NaN (0 * NaN = NaN in the PV dot unless the kernel clears it)
+            assert full[b, :, n:].view(torch.float8_e4m3fn).float().isnan().all()
+    return clean
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,9 +226,9 @@ def test_dequantize_matches_reference(kv_dtype, gran):
 
 def check_attention(kv_dtype, gran, *, B=2, Hkv=2, group=2, Tq=1, L=37, D=64, kv_len=None, mask=None,
                     causal=False, seed=0, q_dtype=torch.float32, tol=ATOL_REL, q_transposed=False, scale=None,
-                    q_mult=1.0):
+                    q_mult=1.0, v_layout="head_dim"):
     gen = torch.Generator().manual_seed(seed)
-    kc, ks, vc, vs = random_cache(kv_dtype, gran, B, Hkv, L, D, gen)
+    kc, ks, vc, vs = random_cache(kv_dtype, gran, B, Hkv, L, D, gen, v_layout)
     Hq = Hkv * group
     if q_transposed:  # HF: q comes as a transpose of [B, Tq, Hq, D]
         q = torch.randn(B, Tq, Hq, D, generator=gen).to(DEV).to(q_dtype).transpose(1, 2)
@@ -214,9 +237,12 @@ def check_attention(kv_dtype, gran, *, B=2, Hkv=2, group=2, Tq=1, L=37, D=64, kv
     q = q * q_mult
     if kv_len is None:
         kv_len = torch.tensor(L, device=DEV)
-    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    v_ref = vc
+    if v_layout == "keys":  # what lies past kv_len is not part of the cache: NaN codes must not leak
+        assert attn_mod.v_keys_contiguous(vc)
+        v_ref = poison_past(vc, kv_len)
     out = kernels.attention(q, kc, ks, vc, vs, kv_len, mask, causal, scale)
-    ref = reference.attention(q, kc, ks, vc, vs, kv_len, mask, causal, scale, compute_dtype=torch.float64)
+    ref = reference.attention(q, kc, ks, v_ref, vs, kv_len, mask, causal, scale, compute_dtype=torch.float64)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert not out.isnan().any()
     err = rel_err(out, ref)
@@ -227,16 +253,31 @@ def check_attention(kv_dtype, gran, *, B=2, Hkv=2, group=2, Tq=1, L=37, D=64, kv
 @pytest.mark.parametrize("kv_dtype,gran", FORMATS, ids=FMT_IDS)
 @pytest.mark.parametrize("Tq,causal", [(1, False), (5, True), (24, True), (24, False)],
                          ids=["decode", "spec5", "prefill-causal", "prefill"])
-def test_attention_formats(kv_dtype, gran, Tq, causal):
-    # per-batch lengths, neither a multiple of the block; prefill Tq fits inside the shorter one
+@pytest.mark.parametrize("v_layout", ["head_dim", "keys"], ids=["v-d", "v-keys"])
+def test_attention_formats(kv_dtype, gran, Tq, causal, v_layout):
+    # per-batch lengths, neither a multiple of the block; prefill Tq fits inside the shorter one.
+    # Key-contiguous V: L=40 pads to 48, and the 16-key chunk past each length holds NaN codes.
     kv_len = torch.tensor([37, 29], device=DEV)
-    check_attention(kv_dtype, gran, Tq=Tq, causal=causal, kv_len=kv_len, L=40)
+    check_attention(kv_dtype, gran, Tq=Tq, causal=causal, kv_len=kv_len, L=40, v_layout=v_layout)
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("Tq", [1, 3, 20])
-def test_attention_gqa(group, Tq):
-    check_attention("fp8_e4m3", "token", Hkv=2, group=group, Tq=Tq, causal=Tq > 1, L=33, B=1)
+@pytest.mark.parametrize("v_layout", ["head_dim", "keys"], ids=["v-d", "v-keys"])
+def test_attention_gqa(group, Tq, v_layout):
+    check_attention("fp8_e4m3", "token", Hkv=2, group=group, Tq=Tq, causal=Tq > 1, L=33, B=1, v_layout=v_layout)
+
+
+def test_v_keys_contiguous_needs_room_for_16_key_chunks():
+    """The kernel reads key-contiguous V in whole 16-key chunks: only storage that extends to the
+    16-rounded length qualifies; anything else takes the generic path (still correct)."""
+    padded = torch.zeros(2, 3, 64, 48, dtype=torch.int8).transpose(2, 3)
+    assert attn_mod.v_keys_contiguous(padded[:, :, :37])  # L16 = 48: the padding is there
+    assert attn_mod.v_keys_contiguous(padded[:1, :, :40])  # leading rows (a smaller live batch)
+    tight = torch.zeros(2, 3, 64, 37, dtype=torch.int8).transpose(2, 3)
+    assert not attn_mod.v_keys_contiguous(tight)  # the last row's chunk would run past the storage
+    assert not attn_mod.v_keys_contiguous(torch.zeros(2, 3, 37, 64, dtype=torch.int8))  # head_dim-contiguous
+    assert not attn_mod.v_keys_contiguous(padded[:, :, :0])
 
 
 @pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
@@ -275,7 +316,8 @@ def test_codes_to_f16_pinned_all_codes(code_dtype):
 @pytest.mark.parametrize("kv_dtype,gran", FORMATS, ids=FMT_IDS)
 @pytest.mark.parametrize("Tq", [1, 20])
 @pytest.mark.parametrize("bcast", [False, True], ids=["reshape-tile", "bcast-scale"])
-def test_attention_fp16_dot_path(kv_dtype, gran, Tq, bcast, monkeypatch):
+@pytest.mark.parametrize("v_layout", ["head_dim", "keys"], ids=["v-d", "v-keys"])
+def test_attention_fp16_dot_path(kv_dtype, gran, Tq, bcast, v_layout, monkeypatch):
     """The GPU's fp16-dot path (int8 magic conversion, P * s_v / max s_v), run by the interpreter too."""
     if gran != "block32" and bcast:
         pytest.skip("the scale layout only matters for block32")
@@ -283,7 +325,7 @@ def test_attention_fp16_dot_path(kv_dtype, gran, Tq, bcast, monkeypatch):
     monkeypatch.setattr(attn_mod, "BCAST_SCALE", bcast)
     q_dtype = torch.float32 if DEV == "cpu" else torch.float16
     check_attention(kv_dtype, gran, Tq=Tq, causal=True, L=45, kv_len=torch.tensor([45, 30], device=DEV),
-                    tol=FP16_TOL, q_dtype=q_dtype)
+                    tol=FP16_TOL, q_dtype=q_dtype, v_layout=v_layout)
 
 
 @pytest.mark.parametrize("kv_dtype,gran", [("fp8_e4m3", "token"), ("q8_0", "block32"), ("fp8_e4m3", "static")],
@@ -469,9 +511,11 @@ BF16_TOL = 1e-2  # bf16 P and output rounding (module docstring); measured ~3e-3
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kv_dtype,gran", FORMATS, ids=FMT_IDS)
 @pytest.mark.parametrize("Tq", [1, 8, 300])
-def test_gpu_bf16_attention(kv_dtype, gran, Tq):
+@pytest.mark.parametrize("v_layout", ["head_dim", "keys"], ids=["v-d", "v-keys"])
+def test_gpu_bf16_attention(kv_dtype, gran, Tq, v_layout):
     check_attention(kv_dtype, gran, B=3, Hkv=8, group=4, Tq=Tq, L=1000, D=128, causal=True,
-                    kv_len=torch.tensor([1000, 517, 301], device=DEV), q_dtype=torch.bfloat16, tol=BF16_TOL)
+                    kv_len=torch.tensor([1000, 517, 301], device=DEV), q_dtype=torch.bfloat16, tol=BF16_TOL,
+                    v_layout=v_layout)
 
 
 @pytest.mark.gpu

@@ -10,8 +10,11 @@ served by one program and each K/V tile is read once for all of them (GQA/MQA).
 Scales never enter the 8-bit tiles (per-token formats): the QK^T tile's columns are scaled by
 s_k, P by s_v before the PV dot, and the running denominator sums the unscaled p. The 8-bit
 tile is widened to 16 bits (exact for e4m3 and int8) into ``tl.dot``; accumulation is fp32.
-On the GPU the V tile is widened by pinned inline PTX before its shared-memory transpose
-(``V_PIN``; why: ``_codes.codes_to_f16_pinned``).
+V is reduced over keys in ``P @ V``. Stored key-contiguous (``V_KEYS_CONTIG``: QuantizedCache's
+layout for token scales) it feeds the dot like K feeds ``Q K^T``, widened in registers, no
+transpose; it is read in whole 16-key chunks so the loads stay 16-byte vectors. Stored
+head_dim-contiguous, the GPU widens the V tile by pinned inline PTX before its shared-memory
+transpose (``V_PIN``; why: ``_codes.codes_to_f16_pinned``).
 block32 formats dequantize the tile (codes * scale of each 32-wide slice) before the dot.
 Static scales: K scale folded into the softmax scale, V scale applied once at the end.
 """
@@ -72,6 +75,7 @@ def _attention_kernel(
     PV_DTYPE: tl.constexpr,      # operand type of the PV dot (bf16, or fp16 with P * s_v / max s_v)
     BCAST_SCALE: tl.constexpr,   # block32: broadcast the scales to the tile (else reshape the tile)
     V_PIN: tl.constexpr,         # widen V by pinned inline PTX before its smem transpose (GPU; _codes.py)
+    V_KEYS_CONTIG: tl.constexpr,  # V codes key-contiguous (stride_vn == 1; QuantizedCache's layout for token scales)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -176,7 +180,16 @@ def _attention_kernel(
         acc = acc * alpha[:, None]
 
         # ---- O += P V, s_v applied to P (token) or to the tile (block32) ----
-        vc = tl.load(v_base + n[:, None] * stride_vn + d[None, :] * stride_vd, mask=kv_ok, other=0.0)
+        v_ptrs = v_base + n[:, None] * stride_vn + d[None, :] * stride_vd
+        if V_KEYS_CONTIG:
+            # Keys are the contiguous (and the reduced) dim of this tile, as D is for K: it feeds the
+            # dot without a transpose. Mask whole 16-key chunks so the loads stay 16-byte vectors
+            # (the launcher checked the storage extends to the 16-rounded length); p is 0 past n_hi,
+            # and the V values read there are made finite below.
+            chunk_ok = tl.max_constancy((n // 16) * 16 < n_hi, 16)
+            vc = tl.load(v_ptrs, mask=chunk_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            vc = tl.load(v_ptrs, mask=kv_ok, other=0.0)
         if SCALE_KIND == SCALE_BLOCK:
             vsb = tl.load(vs_base + n[:, None] * stride_vsn + gi[None, :] * stride_vsg, mask=gs_ok, other=0.0)
             if V_PIN:
@@ -202,6 +215,13 @@ def _attention_kernel(
                     pv = (p * vs[None, :]).to(PV_DTYPE)
             else:
                 pv = p.to(PV_DTYPE)
+        if V_KEYS_CONTIG and V.dtype.element_ty != tl.int8:
+            # e4m3 codes past n_hi may be NaN, and p = 0 does not cancel NaN. max() returns its non-NaN
+            # operand: NaN becomes the lowest finite value (finite values pass) and 0 * it = 0.
+            if v.dtype == tl.float16:
+                v = tl.maximum(v, tl.full([1, 1], -65504.0, v.dtype))
+            else:
+                v = tl.maximum(v, tl.full([1, 1], -3.0e38, v.dtype))
         if PV_DTYPE == tl.float32:
             acc += tl.dot(pv, v, input_precision="ieee")
         elif SCALE_KIND == SCALE_TOKEN and PV_DTYPE == tl.float16:

@@ -8,7 +8,7 @@ shared-memory reads of V; no register spills) on a machine without a GPU.
 The compile mirrors one real launch of :func:`attention_launcher._launch`: the constexprs it
 passes, the tile :mod:`kvcompile.tiles` picks, and the launch-time specializations Triton makes
 (integer arguments equal to 1 become constants, multiples of 16 and pointers are marked
-16-divisible) for contiguous ``[B, H, L, D]`` tensors. The version of Triton installed decides
+16-divisible) for contiguous ``[B, H, L, D]`` tensors (V key-contiguous with ``v_keys``). The version of Triton installed decides
 the code: compare against the GPU machine's Triton when it matters.
 """
 
@@ -83,13 +83,15 @@ def compile_attention(
     causal: Optional[bool] = None,
     v_pin: Optional[bool] = None,
     tile: Optional[tiles.Tile] = None,
+    v_keys: bool = False,
 ) -> SassReport:
     """Compile ``_attention_kernel`` as the launcher would for this case; return its SASS report.
 
     ``q_len <= 16`` is the split-K decode launch (partial outputs), longer the fused prefill launch
     (causal). ``causal`` defaults to ``q_len > 1``. ``mask``: "none", "bool" or "add" (an explicit attention mask, as HF passes for padded
     batches). Queries bf16, fp16 dots (the GPU default). ``v_pin`` defaults to the launcher's
-    ``V_PIN``; ``tile`` to the one :mod:`kvcompile.tiles` picks.
+    ``V_PIN``; ``tile`` to the one :mod:`kvcompile.tiles` picks. ``v_keys``: V key-contiguous (the
+    cache's transposed V layout; never pinned).
     """
     import torch
     import triton
@@ -112,13 +114,13 @@ def compile_attention(
     decode = q_len <= launcher.DECODE_MAX_Q
     fp8 = fmt.code_dtype.is_floating_point
     fp8_bits = fp8 and not tiles.has_native_fp8(cc)
-    v_pin = (launcher.V_PIN if v_pin is None else v_pin) and not fp8_bits
+    v_pin = (launcher.V_PIN if v_pin is None else v_pin) and not fp8_bits and not v_keys
     # the launcher reads the scale kind off the scale tensors' shapes: give it shape-only ones
     scales = torch.empty(fmt.scale_shape(1, 1, 1, head_dim), device="meta")
     kind, group_size = launcher._scale_kind(scales, scales, head_dim)
     if tile is None:
-        tile = (tiles.decode_tile(cc, head_dim, 2, 1, 1, q_len * group) if decode
-                else tiles.prefill_tile(cc, head_dim, 2, 1, 1))
+        tile = (tiles.decode_tile(cc, head_dim, 2, 1, 1, q_len * group, v_keys) if decode
+                else tiles.prefill_tile(cc, head_dim, 2, 1, 1, v_keys))
     # code pointers as the launcher passes them: e4m3 as uint8 bits below sm_89 and for pinned V
     k_code = "*i8" if not fp8 else ("*u8" if fp8_bits else "*fp8e4nv")
     v_code = "*u8" if fp8 and v_pin else k_code
@@ -129,7 +131,7 @@ def compile_attention(
     mask_kind, mask_ptr = masks[mask]
     ptrs = {"Q": "*bf16", "K": k_code, "V": v_code, "KS": scale, "VS": scale, "KVLEN": "*i64", "MASK": mask_ptr,
             "O": "*bf16", "OP": "*fp32", "LSE": "*fp32"}
-    ones = {"stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_kvl", "stride_ls"}
+    ones = {"stride_qd", "stride_kd", "stride_vn" if v_keys else "stride_vd", "stride_od", "stride_kvl", "stride_ls"}
     if kind == launcher.SCALE_TOKEN:
         ones |= {"stride_ksn", "stride_vsn", "stride_ksg", "stride_vsg"}
     elif kind == launcher.SCALE_BLOCK:
@@ -146,7 +148,7 @@ def compile_attention(
     consts = dict(
         GROUP=group, GROUP_SIZE=group_size, SCALE_KIND=kind, MASK_KIND=mask_kind, IS_CAUSAL=q_len > 1 if causal is None else causal,
         SPLIT_OUTPUT=decode, FP8_BITS=fp8_bits, DOT_DTYPE=tl.float16, PV_DTYPE=tl.float16,
-        BCAST_SCALE=launcher.BCAST_SCALE, V_PIN=v_pin, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        BCAST_SCALE=launcher.BCAST_SCALE, V_PIN=v_pin, V_KEYS_CONTIG=v_keys, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         BLOCK_D=1 << (head_dim - 1).bit_length(),
     )
     names = _attention_kernel.arg_names

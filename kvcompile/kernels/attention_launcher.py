@@ -87,6 +87,22 @@ def decode_splits(programs: int, max_len: int, block_n: int, sms: int) -> tuple[
     return triton_cdiv(max_len, split_len), split_len
 
 
+def v_keys_contiguous(v: Tensor) -> bool:
+    """True when V's codes are key-contiguous (``stride(2) == 1``, e.g. a transposed ``[B, H, D, L]``
+    buffer seen as ``[B, H, L, D]``) AND its storage extends to the 16-rounded key length.
+
+    The kernel then loads V like K (the reduced dim contiguous: no transpose on the way to the
+    PV dot) in whole 16-key chunks, which may read up to 15 keys past ``L`` inside each
+    ``(b, h, d)`` row; they must lie in the tensor's storage (``QuantizedCache`` pads its V
+    buffer for this). A key-contiguous V without that room takes the generic path.
+    """
+    B, H, L, D = v.shape
+    if L == 0 or D < 2 or v.stride(2) != 1 or v.stride(3) < L:
+        return False
+    last = v.storage_offset() + (B - 1) * v.stride(0) + (H - 1) * v.stride(1) + (D - 1) * v.stride(3)
+    return last + triton_cdiv(L, 16) * 16 <= v.untyped_storage().nbytes() // v.element_size()
+
+
 def _scale_kind(k_scale: Tensor, v_scale: Tensor, head_dim: int) -> tuple[int, int]:
     def kind(s: Tensor) -> tuple[int, int]:
         if s.dim() == 1:
@@ -146,24 +162,26 @@ def _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale
         dot_dtype = pv_dtype = torch.float16
     else:
         dot_dtype, pv_dtype = q.dtype, torch.bfloat16  # P * s_v needs bf16's range
+    v_keys = v_keys_contiguous(vc)
     # V widened by pinned PTX (GPU, fp16 PV dot, 8-bit codes the PTX decodes: int8 or native e4m3)
-    v_pin = (V_PIN and not interpreting() and pv_dtype == torch.float16 and not fp8_bits
+    v_pin = (V_PIN and not v_keys and not interpreting() and pv_dtype == torch.float16 and not fp8_bits
              and v_q.dtype in (torch.int8, torch.float8_e4m3fn))
     if v_pin and v_q.dtype == torch.float8_e4m3fn:
         vc = v_q.view(torch.uint8)  # the PTX takes the code bits
     qb = torch.empty((), dtype=dot_dtype).element_size()
     rows = Tq * group
     if decode:
-        tile = tiles.decode_tile(cc, D, qb, kc.element_size(), vc.element_size(), rows)
+        tile = tiles.decode_tile(cc, D, qb, kc.element_size(), vc.element_size(), rows, v_keys)
     else:
-        tile = tiles.prefill_tile(cc, D, qb, kc.element_size(), vc.element_size())
+        tile = tiles.prefill_tile(cc, D, qb, kc.element_size(), vc.element_size(), v_keys)
     if interpreting():
         tile = dataclasses.replace(tile, block_m=min(tile.block_m, 32), block_n=16)
-    key = (decode, cc, D, dot_dtype, k_q.dtype, scale_kind, mask_kind, bool(is_causal), rows if decode else 0, v_pin)
+    key = (decode, cc, D, dot_dtype, k_q.dtype, scale_kind, mask_kind, bool(is_causal), rows if decode else 0, v_pin,
+           v_keys)
     tile = _SHRUNK.get(key, tile)
     out = torch.empty((B, Hq, Tq, D), dtype=q.dtype, device=dev)
     args = (q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, out, sm_scale, is_causal,
-            group, group_size, scale_kind, fp8_bits, dot_dtype, pv_dtype, decode, v_pin)
+            group, group_size, scale_kind, fp8_bits, dot_dtype, pv_dtype, decode, v_pin, v_keys)
     from triton.runtime.errors import OutOfResources
 
     while True:
@@ -192,7 +210,7 @@ def _shrink(tile: tiles.Tile):
 
 
 def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, out, sm_scale, is_causal,
-            group, group_size, scale_kind, fp8_bits, dot_dtype, pv_dtype, decode, v_pin=False):
+            group, group_size, scale_kind, fp8_bits, dot_dtype, pv_dtype, decode, v_pin=False, v_keys=False):
     B, Hq, Tq, D = q.shape
     Hkv, L = kc.shape[1], kc.shape[2]
     dev = q.device
@@ -225,7 +243,7 @@ def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, 
         GROUP=group, GROUP_SIZE=group_size, SCALE_KIND=scale_kind, MASK_KIND=mask_kind,
         IS_CAUSAL=bool(is_causal), SPLIT_OUTPUT=splits > 1, FP8_BITS=fp8_bits,
         DOT_DTYPE=_tl_dtype(dot_dtype), PV_DTYPE=_tl_dtype(pv_dtype), BCAST_SCALE=BCAST_SCALE,
-        V_PIN=v_pin,
+        V_PIN=v_pin, V_KEYS_CONTIG=v_keys,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=next_pow2(D),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
