@@ -19,7 +19,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import formats, ops
 
-__all__ = ["QuantizedCache", "QuantizedLayer"]
+__all__ = ["QuantizedCache", "QuantizedLayer", "v_codes_buffer"]
 
 _KV_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -28,11 +28,28 @@ def _is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+V_LAYOUTS = ("auto", "keys", "head_dim")
+
+
+def v_codes_buffer(shape, dtype: torch.dtype, device, keys: bool) -> torch.Tensor:
+    """Zeroed V codes ``[B, Hkv, L, D]``; ``keys=True``: key-contiguous, a view of a ``[B, Hkv, D, L16]``
+    buffer (``L16`` = ``L`` rounded up to 16: the attention kernel reads whole 16-key chunks)."""
+    B, H, L, D = shape
+    if not keys:
+        return torch.zeros((B, H, L, D), dtype=dtype, device=device)
+    return torch.zeros((B, H, D, -(-L // 16) * 16), dtype=dtype, device=device).transpose(2, 3)[:, :, :L]
+
+
 class QuantizedLayer(CacheLayerMixin):
     """One attention layer's 8-bit K/V: codes ``[B, Hkv, L, D]`` + scales, and its length.
 
     Attributes read by the compiler pass: ``k_codes``, ``k_scales``, ``v_codes``, ``v_scales``,
     ``k_offset`` (or None), ``cumulative_length``, ``fmt``.
+
+    ``v_layout``: ``"keys"`` stores V codes key-contiguous (a ``[B, Hkv, D, L16]`` buffer, ``L16``
+    = ``L`` rounded up to 16, seen through a ``[B, Hkv, L, D]`` view), the layout the attention
+    kernel reads without a transpose; ``"head_dim"`` stores them like K; ``"auto"`` takes
+    :attr:`formats.KVFormat.v_keys_contiguous`.
     """
 
     is_compileable = True
@@ -51,9 +68,13 @@ class QuantizedLayer(CacheLayerMixin):
         k_static_scale: torch.Tensor | None = None,
         v_static_scale: torch.Tensor | None = None,
         k_offset: torch.Tensor | None = None,
+        v_layout: str = "auto",
     ):
         super().__init__()
         fmt.check_head_dim(head_dim)
+        if v_layout not in V_LAYOUTS:
+            raise ValueError(f"kvcompile.QuantizedCache: v_layout={v_layout!r} is not one of {list(V_LAYOUTS)}")
+        self.v_keys = fmt.v_keys_contiguous if v_layout == "auto" else v_layout == "keys"
         self.fmt = fmt
         self.max_batch_size = max_batch_size
         self.max_cache_len = max_cache_len
@@ -75,7 +96,7 @@ class QuantizedLayer(CacheLayerMixin):
         fmt = self.fmt
         self.device = torch.device(device)
         self.k_codes = torch.zeros((B, H, L, D), dtype=fmt.code_dtype, device=device)
-        self.v_codes = torch.zeros((B, H, L, D), dtype=fmt.code_dtype, device=device)
+        self.v_codes = v_codes_buffer((B, H, L, D), fmt.code_dtype, device, self.v_keys)
         self.device = self.k_codes.device  # normalized: "cuda" -> cuda:0, so input checks compare equal
         if fmt.is_static:
             self.k_scales = self._k_static.to(device=device, dtype=torch.float32).contiguous()
@@ -227,7 +248,9 @@ class QuantizedLayer(CacheLayerMixin):
     def nbytes(self) -> int:
         if not self.is_initialized:
             return 0
-        return sum(t.numel() * t.element_size() for t in self.buffers())
+        # the V codes' padded buffer counts whole (the view shows L of its L16 keys)
+        v = self.v_codes._base if self.v_codes._base is not None else self.v_codes
+        return sum(t.numel() * t.element_size() for t in self.buffers() if t is not self.v_codes) + v.numel() * v.element_size()
 
     def __repr__(self):
         return f"QuantizedLayer({self.fmt.name}, B={self.max_batch_size}, Hkv={self.num_heads}, L={self.max_cache_len}, D={self.head_dim})"
@@ -290,6 +313,9 @@ class QuantizedCache(Cache):
         calibration: output of :func:`kvcompile.calibrate` or a safetensors path holding it:
             ``k_scale``/``v_scale`` ``[layers, Hkv]`` (static scales) and/or ``k_offset``
             ``[layers, Hkv, D]`` (K centering, usable with every format).
+        v_layout: how V codes are laid out in memory: ``"auto"`` (default: key-contiguous for
+            token scales, head_dim-contiguous otherwise, the faster layout of each on the H200, see
+            BENCHMARKS.md), ``"keys"`` or ``"head_dim"``. ``v_codes`` is ``[B, Hkv, L, D]`` either way.
     """
 
     def __init__(
@@ -302,12 +328,13 @@ class QuantizedCache(Cache):
         *,
         granularity: str | None = None,
         calibration: Mapping[str, torch.Tensor] | str | os.PathLike | None = None,
+        v_layout: str = "auto",
         **kwargs: Any,
     ):
         if kwargs:  # a misspelled option must not silently fall back to a default format
             raise TypeError(
                 f"kvcompile.QuantizedCache got unexpected arguments {sorted(kwargs)}; it takes config, "
-                "max_batch_size, max_cache_len, kv_dtype, device, granularity and calibration"
+                "max_batch_size, max_cache_len, kv_dtype, device, granularity, calibration and v_layout"
             )
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         fmt = formats.get_format(kv_dtype, granularity)
@@ -340,6 +367,7 @@ class QuantizedCache(Cache):
                 k_static_scale=calib["k_scale"][i] if fmt.is_static else None,
                 v_static_scale=calib["v_scale"][i] if fmt.is_static else None,
                 k_offset=calib["k_offset"][i] if "k_offset" in calib else None,
+                v_layout=v_layout,
             )
             for i in range(num_layers)
         ]

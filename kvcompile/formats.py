@@ -106,6 +106,18 @@ class KVFormat:
             return self.kv_dtype
         return f"{self.kv_dtype}/{self.granularity}"
 
+    @property
+    def v_keys_contiguous(self) -> bool:
+        """Whether a cache of this format stores V key-contiguous by default (``[B, Hkv, D, L]`` in
+        memory, seen as ``[B, Hkv, L, D]``).
+
+        The attention kernels reduce V over keys (``P @ V``): stored key-contiguous, an 8-bit V tile
+        feeds the dot like K does, with no transpose. Measured on the H200 (BENCHMARKS.md): token
+        scales decode 1.09-1.10x faster that way; static scales run even, and q8_0 (block32
+        scales along head_dim) slower, so those keep V head_dim-contiguous.
+        """
+        return self.granularity == "token"
+
     def check_head_dim(self, head_dim: int) -> None:
         if self.granularity == "block32" and head_dim % BLOCK != 0:
             raise ValueError(

@@ -61,7 +61,7 @@ def dequantize(
         x = x + offset.float().view(1, offset.shape[0], 1, offset.shape[1])
     B, _, L, _ = codes.shape
     x = torch.where(_valid_positions(kv_len, B, L, codes.device).transpose(-1, -2), x, torch.zeros((), device=x.device))
-    return x.to(dtype)
+    return x.to(dtype).contiguous()  # contiguous, as the fake kernel says, whatever the strides of codes
 
 
 def attention(
