@@ -36,6 +36,7 @@ __all__ = [
     "Tile",
     "smem_bytes",
     "prefill_tile",
+    "prefill_candidates",
     "decode_tile",
     "has_native_fp8",
     "check_head_dim",
@@ -93,13 +94,14 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def smem_bytes(tile: Tile, head_dim: int, q_bytes: int, k_bytes: int, v_bytes: int) -> int:
-    """Shared memory one program of this tile needs (see the module docstring)."""
+def smem_bytes(tile: Tile, head_dim: int, q_bytes: int, k_bytes: int, v_bytes: int, v_keys: bool = False) -> int:
+    """Shared memory one program of this tile needs (see the module docstring); ``v_keys``: V is
+    key-contiguous, so an 8-bit V tile is widened in registers like K and not staged."""
     d = _pow2(head_dim)
     in_flight = max(1, tile.num_stages - 1)
     total = tile.block_m * d * q_bytes
     total += in_flight * tile.block_n * (d * (k_bytes + v_bytes) + 2 * max(4, d // 16))
-    total += tile.block_n * d * 2 * (v_bytes < 2)  # the widened 8-bit V tile, transposed via smem
+    total += tile.block_n * d * 2 * (v_bytes < 2 and not v_keys)  # the widened 8-bit V tile, transposed via smem
     total += tile.block_m * tile.block_n * 2  # P
     return total
 
@@ -116,6 +118,10 @@ _PREFILL_CANDIDATES = (
     Tile(32, 32, 4, 2),
     Tile(16, 16, 4, 2),
 )
+# Measured first choices per compute capability (BENCHMARKS.md), for head_dim <= 128. H200, fp8
+# cache, D=128, 16k and 1k new tokens: 64x128, 4 warps, 2 stages runs the fused prefill 1.4x faster
+# than 128x128 / 8 warps / 3 stages (which spills on sm_90).
+_PREFILL_MEASURED = {(9, 0): Tile(64, 128, 4, 2)}
 # Decode: memory bound; M is the (padded) rows of one kv head's query group, N as large as
 # fits with deep pipelining so many bytes are in flight per SM.
 _DECODE_CANDIDATES = (
@@ -132,7 +138,7 @@ _DECODE_CANDIDATES = (
 DECODE_MIN_PROGRAMS_PER_SM = 2
 
 
-def _pick(cands, cc, head_dim, q_bytes, k_bytes, v_bytes, block_m=None, programs_per_sm=1) -> Tile:
+def _pick(cands, cc, head_dim, q_bytes, k_bytes, v_bytes, block_m=None, programs_per_sm=1, v_keys=False) -> Tile:
     # decode: M is the query rows of one kv head; when they do not fit, split them over programs
     ms = [None] if block_m is None else [m for m in (128, 64, 32, 16) if m <= max(16, min(block_m, 128))]
     # the first candidate that leaves room for programs_per_sm programs; else one program per SM
@@ -142,7 +148,7 @@ def _pick(cands, cc, head_dim, q_bytes, k_bytes, v_bytes, block_m=None, programs
             for t in cands:
                 if m is not None:
                     t = dataclasses.replace(t, block_m=m)
-                if smem_bytes(t, head_dim, q_bytes, k_bytes, v_bytes) <= limit:
+                if smem_bytes(t, head_dim, q_bytes, k_bytes, v_bytes, v_keys) <= limit:
                     return t
     raise ValueError(
         f"kvcompile: no attention tile fits sm_{cc[0]}{cc[1]} shared memory ({_smem_limit(cc)} B) for "
@@ -151,20 +157,30 @@ def _pick(cands, cc, head_dim, q_bytes, k_bytes, v_bytes, block_m=None, programs
 
 
 @functools.lru_cache(maxsize=None)
-def prefill_tile(cc: tuple[int, int], head_dim: int, q_bytes: int, k_bytes: int, v_bytes: int) -> Tile:
-    """Tile of the prefill/extend kernel. ``*_bytes`` are the real bytes per element (1 for 8-bit)."""
+def prefill_tile(cc: tuple[int, int], head_dim: int, q_bytes: int, k_bytes: int, v_bytes: int,
+                 v_keys: bool = False) -> Tile:
+    """Tile of the prefill/extend kernel. ``*_bytes`` are the real bytes per element (1 for 8-bit);
+    ``v_keys``: V is key-contiguous (see :func:`smem_bytes`)."""
     check_head_dim(head_dim)
+    return _pick(prefill_candidates(cc, head_dim), tuple(cc), head_dim, q_bytes, k_bytes, v_bytes, v_keys=v_keys)
+
+
+def prefill_candidates(cc: tuple[int, int], head_dim: int) -> tuple[Tile, ...]:
+    """Prefill tiles in order of preference for this arch and head_dim (before the smem check)."""
     cands = _PREFILL_CANDIDATES
+    if tuple(cc) in _PREFILL_MEASURED and head_dim <= 128:
+        cands = (_PREFILL_MEASURED[tuple(cc)],) + cands
     if head_dim > 128:  # register pressure of the fp32 accumulator: keep M at 64 for big heads
         cands = tuple(t for t in cands if t.block_m <= 64)
     if tuple(cc) < (8, 0):  # Volta/Turing: no async copies to pipeline; fewer warps per tile
         cands = tuple(dataclasses.replace(t, num_stages=min(t.num_stages, 2)) for t in cands)
-    return _pick(cands, tuple(cc), head_dim, q_bytes, k_bytes, v_bytes)
+    return cands
 
 
 @functools.lru_cache(maxsize=None)
 def decode_tile(
-    cc: tuple[int, int], head_dim: int, q_bytes: int, k_bytes: int, v_bytes: int, rows: int = 16
+    cc: tuple[int, int], head_dim: int, q_bytes: int, k_bytes: int, v_bytes: int, rows: int = 16,
+    v_keys: bool = False,
 ) -> Tile:
     """Tile of the split-K decode kernel; ``rows`` = query heads per kv head * query length."""
     check_head_dim(head_dim)
@@ -172,4 +188,4 @@ def decode_tile(
     if tuple(cc) < (8, 0):
         cands = tuple(dataclasses.replace(t, num_stages=min(t.num_stages, 2)) for t in cands)
     return _pick(cands, tuple(cc), head_dim, q_bytes, k_bytes, v_bytes, block_m=_pow2(max(rows, 16)),
-                 programs_per_sm=DECODE_MIN_PROGRAMS_PER_SM)
+                 programs_per_sm=DECODE_MIN_PROGRAMS_PER_SM, v_keys=v_keys)

@@ -40,9 +40,7 @@ def _pick_billing_16bit_only(cands, cc, D, qb):
 @pytest.mark.parametrize("D", [64, 128])
 def test_16bit_choices_unchanged_by_fp8_accounting(cc, D):
     # widened-operand terms only apply to 8-bit operands: the 16-bit pick equals the plain table's
-    cands = tiles._PREFILL_CANDIDATES
-    if cc < (8, 0):
-        cands = tuple(tiles.dataclasses.replace(t, num_stages=min(t.num_stages, 2)) for t in cands)
+    cands = tiles.prefill_candidates(cc, D)
     assert tiles.prefill_tile(cc, D, 2, 2, 2) == _pick_billing_16bit_only(cands, cc, D, 2)
 
 
