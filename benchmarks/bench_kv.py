@@ -25,12 +25,14 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kvcompile import formats, reference  # noqa: E402
+from kvcompile.cache import v_codes_buffer  # noqa: E402
 from kvcompile import kernels  # noqa: E402
 from kvcompile.kernels import attention_launcher as launcher  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 ROTATE_BYTES = 256 << 20
 ROWS: list[dict] = []
+VARIANTS = None  # --variants: a regex that sweep labels must match
 
 
 def bench(fn_list, n_items):
@@ -63,11 +65,12 @@ def record(subject, shape, provider, ms, nbytes, flops=0.0, base_ms=None, **extr
 
 
 def make_cache(kv_dtype, gran, B, L, gen_scale=1.0):
+    """Codes and scales as QuantizedCache holds them (V key-contiguous for token scales)."""
     fmt = formats.get_format(kv_dtype, gran)
     k = torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16) * gen_scale
     v = torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16)
     kc = torch.empty(B, HKV, L, D, dtype=fmt.code_dtype, device="cuda")
-    vc = torch.empty_like(kc)
+    vc = v_codes_buffer((B, HKV, L, D), fmt.code_dtype, "cuda", fmt.v_keys_contiguous)
     if fmt.is_static:
         ks = k.float().abs().amax(dim=(0, 2, 3)) / fmt.qmax
         vs = v.float().abs().amax(dim=(0, 2, 3)) / fmt.qmax
@@ -76,6 +79,19 @@ def make_cache(kv_dtype, gran, B, L, gen_scale=1.0):
         vs = torch.empty_like(ks)
     kernels.store_kv(kc, ks, vc, vs, k, v, torch.tensor(0, device="cuda"), None)
     return (kc, ks, vc, vs), (k, v)
+
+
+def other_v_layout(vc):
+    """The same V codes in the other layout (key-contiguous <-> head_dim-contiguous)."""
+    if launcher.v_keys_contiguous(vc):
+        return vc.contiguous()
+    out = v_codes_buffer(vc.shape, vc.dtype, vc.device, keys=True)
+    out.copy_(vc)
+    return out
+
+
+def v_layout_name(vc):
+    return "keys" if launcher.v_keys_contiguous(vc) else "head_dim"
 
 
 def cache_bytes(c):
@@ -131,9 +147,27 @@ def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False):
             variants.append((f"tile{bn}x{w}w{st}s", dict(_tile=(bn, w, st))))
         for pps in (2, 4, 8, 16):
             variants.append((f"pps{pps}", dict(DECODE_PROGRAMS_PER_SM=pps, DECODE_PROGRAMS_PER_SM_SMALL=pps)))
+    # V in the layout the cache does not use for this format (key- vs head_dim-contiguous)
+    other = "V " + ("head_dim" if v_layout_name(caches[0][2]) == "keys" else "keys")
+    variants.append((other, dict(_vswap=True)))
+    if tiles_sweep and name in ("fp8", "q8_0"):
+        for bn, w, st in ((128, 4, 3), (128, 4, 4), (64, 4, 4), (256, 4, 2)):
+            variants.append((f"{other} tile{bn}x{w}w{st}s", dict(_vswap=True, _tile=(bn, w, st))))
+    # fp16 queries: the kernel skips the bf16 -> fp16 range check (one max-reduction over the q block)
+    variants.append(("qfp16", dict(_qfp16=True)))
+    variants.append((f"{other} qfp16", dict(_vswap=True, _qfp16=True)))
+    if VARIANTS is not None:
+        variants = [(lb, ch) for lb, ch in variants if VARIANTS.search(lb)]
+    swapped = None
     for label, changes in variants:
         changes = dict(changes)
         tile = changes.pop("_tile", None)
+        use = caches
+        qv = [q.half() for q in qs] if changes.pop("_qfp16", False) else qs
+        if changes.pop("_vswap", False):
+            if swapped is None:
+                swapped = [(c[0], c[1], other_v_layout(c[2]), c[3]) for c in caches]
+            use = swapped
         saved = {k: getattr(launcher, k) for k in changes}
         saved_tile = launcher.tiles.decode_tile
         try:
@@ -143,7 +177,7 @@ def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False):
                 bn, w, st = tile
                 launcher.tiles.decode_tile = lambda *a, **kw: launcher.tiles.Tile(16, bn, w, st)
             fns = [lambda q=q, c=c: kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, False, None)
-                   for q, c in zip(qs, caches)]
+                   for q, c in zip(qv, use)]
             ms = bench(fns, len(fns))
             if launcher._SHRUNK:  # Triton refused the tile; say what ran instead
                 label += " (ran " + ",".join(f"{t.block_n}x{t.num_warps}w{t.num_stages}s" for t in launcher._SHRUNK.values()) + ")"
@@ -195,21 +229,34 @@ def prefill(args):
                 finally:
                     launcher.V_PIN = True
             if path == "fused" and args.tile_sweep:
-                # the shipped 128x128/8 warps spills on sm_90 (python -m kvcompile sass --q-len 1024)
+                # fused prefill tiles, V in the cache's layout and in the other one
+                vt = other_v_layout(c[2])
+                fnt = lambda: kernels.attention(q, c[0], c[1], vt, c[3], kv_len, None, causal, None)
                 saved_tile = launcher.tiles.prefill_tile
-                for bm, bn, w, st in ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (64, 128, 4, 2)):
-                    launcher.tiles.prefill_tile = lambda *a, t=launcher.tiles.Tile(bm, bn, w, st), **kw: t
-                    launcher._SHRUNK.clear()
-                    try:
-                        ms = bench([fn], 1)
-                        ran = ",".join(f"{t.block_m}x{t.block_n}x{t.num_warps}w{t.num_stages}s" for t in launcher._SHRUNK.values())
-                        record("sweep", shape, f"kvcompile-fp8-fused tile{bm}x{bn}x{w}w{st}s" + (f" (ran {ran})" if ran else ""),
-                               ms, 0, flops, base_ms=base)
-                    except Exception as e:
-                        print("sweep skip", bm, bn, w, st, type(e).__name__, str(e)[:120])
-                    finally:
-                        launcher.tiles.prefill_tile = saved_tile
+                for vk, f in ((" V " + v_layout_name(c[2]), fn), (" V " + v_layout_name(vt), fnt)):
+                    for t in (None, (128, 128, 8, 3), (128, 64, 8, 3), (64, 128, 4, 2), (64, 128, 4, 3), (64, 64, 4, 2),
+                              (128, 128, 8, 2), (64, 128, 8, 2), (32, 128, 4, 2)):
+                        if t is not None:
+                            launcher.tiles.prefill_tile = lambda *a, t=launcher.tiles.Tile(*t), **kw: t
                         launcher._SHRUNK.clear()
+                        label = "default" if t is None else "tile{}x{}x{}w{}s".format(*t)
+                        try:
+                            ms = bench([f], 1)
+                            ran = ",".join(f"{r.block_m}x{r.block_n}x{r.num_warps}w{r.num_stages}s" for r in launcher._SHRUNK.values())
+                            record("sweep", shape, f"kvcompile-fp8-fused{vk} {label}" + (f" (ran {ran})" if ran else ""),
+                                   ms, 0, flops, base_ms=base)
+                        except Exception as e:
+                            print("sweep skip", vk, label, type(e).__name__, str(e)[:120])
+                        finally:
+                            launcher.tiles.prefill_tile = saved_tile
+                            launcher._SHRUNK.clear()
+                os.environ["KVCOMPILE_PREFILL"] = "dense"
+                try:
+                    record("sweep", shape, "kvcompile-fp8-dense V " + v_layout_name(vt), time_eager(fnt), 0, flops,
+                           base_ms=base)
+                finally:
+                    os.environ["KVCOMPILE_PREFILL"] = "fused"
+                del vt
         os.environ.pop("KVCOMPILE_PREFILL", None)
         del q, k, v, c
         torch.cuda.empty_cache()
@@ -247,7 +294,7 @@ def store(args):
             kv_dtype, gran = FORMATS[name]
             fmt = formats.get_format(kv_dtype, gran)
             kc = torch.empty(B, HKV, L, D, dtype=fmt.code_dtype, device="cuda")
-            vc = torch.empty_like(kc)
+            vc = v_codes_buffer((B, HKV, L, D), fmt.code_dtype, "cuda", fmt.v_keys_contiguous)  # the cache's layout
             if fmt.is_static:
                 sk = torch.full((HKV,), 0.01, device="cuda")
                 sv = sk.clone()
@@ -270,11 +317,13 @@ def smoke(args):
         kv_dtype, gran = FORMATS[name]
         (kc, ks, vc, vs), _ = make_cache(kv_dtype, gran, 3, 301)
         kv_len = torch.tensor([301, 77, 5], device="cuda")
-        for Tq in (1, 7, 40):
-            q = torch.randn(3, HQ, Tq, D, device="cuda", dtype=torch.bfloat16)
-            m = torch.rand(3, 1, Tq, 301, device="cuda") > 0.2
-            kernels.attention(q, kc, ks, vc, vs, kv_len, m, True, None)
-            kernels.attention(q, kc, ks, vc, vs, kv_len, None, False, None)
+        for v in (vc, other_v_layout(vc)):  # key-contiguous V: 16-key chunk reads up to the padded 304
+            for Tq in (1, 7, 40):
+                q = torch.randn(3, HQ, Tq, D, device="cuda", dtype=torch.bfloat16)
+                m = torch.rand(3, 1, Tq, 301, device="cuda") > 0.2
+                kernels.attention(q, kc, ks, v, vs, kv_len, m, True, None)
+                kernels.attention(q, kc, ks, v, vs, kv_len, None, False, None)
+            kernels.dequantize(v, vs, None, kv_len, torch.bfloat16)
         kernels.dequantize(kc, ks, None, kv_len, torch.bfloat16)
     os.environ.pop("KVCOMPILE_PREFILL")
     torch.cuda.synchronize()
@@ -291,7 +340,13 @@ def main():
                    help="decode tiles and programs per SM (with --sweep), fused prefill tiles")
     p.add_argument("--decode-shapes", default="1x4096,1x32768,8x32768,32x8192,4x131072")
     p.add_argument("--prefill-q", default="16384,4096,1024")
+    p.add_argument("--variants", default=None, help="a regex: run only the --sweep variants whose label matches")
     args = p.parse_args()
+    global VARIANTS
+    if args.variants:
+        import re
+
+        VARIANTS = re.compile(args.variants)
     args.formats = args.formats.split(",")
     print(torch.cuda.get_device_name(0), "torch", torch.__version__)
     for subject in args.subjects.split(","):
