@@ -111,7 +111,8 @@ def run_provider(name, model, B, ctx, steps, warmup, device, dtype):
         kv_bytes = sum(l.keys.numel() * 2 * 2 for l in cache.layers)
     else:
         fmt = name.split("-")[1]
-        cache = kvcompile.QuantizedCache(cfg, max_batch_size=B, max_cache_len=max_len, kv_dtype=fmt, device=device)
+        cache = kvcompile.QuantizedCache(cfg, max_batch_size=B, max_cache_len=max_len, kv_dtype=fmt, device=device,
+                                         v_layout=V_LAYOUT)
         fill_quantized(cache, ctx)
         if name.endswith("graphs"):
             fwd = torch.compile(model.forward, backend=kvcompile.backend(fmt), mode="reduce-overhead", fullgraph=True)
@@ -138,6 +139,9 @@ def bytes_per_token(name, cfg) -> float:
     return per * fmt.bytes_per_element(cfg.head_dim)
 
 
+V_LAYOUT = "auto"  # --v-layout
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
@@ -151,7 +155,11 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--budget-gib", type=float, default=64.0)
     p.add_argument("--out", default="bench_decode_e2e.csv")
+    p.add_argument("--v-layout", default="auto", choices=("auto", "keys", "head_dim"),
+                   help="QuantizedCache(v_layout=...) for the kvcompile providers (A/B)")
     args = p.parse_args(argv)
+    global V_LAYOUT
+    V_LAYOUT = args.v_layout
     if not torch.cuda.is_available():
         sys.exit("bench_decode_e2e needs a CUDA device")
     device, dtype = torch.device("cuda"), torch.bfloat16
