@@ -306,9 +306,9 @@ class QuantizedCache(Cache):
         kv_dtype: one of :data:`kvcompile.KV_DTYPES` (``"fp8_e4m3"``, ``"q8_0"``).
         device: where to allocate now; ``None`` allocates lazily on the first update's device.
         granularity: fp8 scale granularity: ``"token"`` (default: one fp32 scale per token and kv
-            head; the fastest to read), ``"block32"`` (one per 32 values: about half the perplexity
-            cost on SmolLM2-135M, see QUALITY.md, but its decode kernel is 2.7x slower today, see
-            BENCHMARKS.md) or ``"static"`` (calibrated, per layer and kv head; needs
+            head; the fastest format without calibration), ``"block32"`` (one per 32 values: about
+            half the perplexity cost on SmolLM2-135M, see QUALITY.md, but its decode kernel is
+            15-22% slower, see BENCHMARKS.md) or ``"static"`` (calibrated, per layer and kv head; needs
             ``calibration``). q8_0 is always block32.
         calibration: output of :func:`kvcompile.calibrate` or a safetensors path holding it:
             ``k_scale``/``v_scale`` ``[layers, Hkv]`` (static scales) and/or ``k_offset``
