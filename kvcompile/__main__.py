@@ -71,10 +71,11 @@ def _tile_lines(archs) -> list[str]:
                  f"{'decode (M,N,warps,stages)':28s}")
     for cc in shown:
         for d in HEAD_DIMS:
-            for kv_bytes, label in ((1, "8-bit"), (2, "16-bit")):
+            # "8-bit Vk": V key-contiguous (QuantizedCache's layout for token scales)
+            for kv_bytes, v_keys, label in ((1, False, "8-bit"), (1, True, "8-bit Vk"), (2, False, "16-bit")):
                 try:
-                    p = tiles.prefill_tile(tuple(cc), d, Q_BYTES, kv_bytes, kv_bytes)
-                    dt = tiles.decode_tile(tuple(cc), d, Q_BYTES, kv_bytes, kv_bytes)
+                    p = tiles.prefill_tile(tuple(cc), d, Q_BYTES, kv_bytes, kv_bytes, v_keys)
+                    dt = tiles.decode_tile(tuple(cc), d, Q_BYTES, kv_bytes, kv_bytes, 16, v_keys)
                     pre = f"{p.block_m},{p.block_n},{p.num_warps},{p.num_stages}"
                     dec = f"{dt.block_m},{dt.block_n},{dt.num_warps},{dt.num_stages}"
                 except (ValueError, AttributeError, TypeError) as e:

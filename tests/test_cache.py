@@ -444,11 +444,12 @@ def test_nbytes_matches_bytes_per_element(kv_dtype, granularity):
     assert cache.nbytes - v_pad < 0.6 * cache.bf16_nbytes()
 
 
-def test_reset_crop_reorder():
+@pytest.mark.parametrize("kv_dtype", ["q8_0", "fp8_e4m3"], ids=["q8_0-v-head_dim", "fp8-v-keys"])
+def test_reset_crop_reorder(kv_dtype):
     model = tiny_model("llama")
     ids, am = left_padded_batch(pads=(0, 0))
     toks = greedy_tokens(model, ids, am, 3)
-    cache = QuantizedCache(model.config, max_batch_size=2, max_cache_len=MAX_LEN, kv_dtype="q8_0")
+    cache = QuantizedCache(model.config, max_batch_size=2, max_cache_len=MAX_LEN, kv_dtype=kv_dtype)
     first = run_steps(model, cache, ids, am, toks)
     # reset: an empty cache gives the same logits again, bit for bit
     cache.reset()
@@ -469,6 +470,29 @@ def test_reset_crop_reorder():
     assert ptrs == [t.data_ptr() for l in cache.layers for t in l.buffers()]
     swapped = run_steps_continue(model, cache, am, toks[:2] + [toks[2].flip(0)])
     torch.testing.assert_close(swapped, first[3].flip(0), atol=1e-6, rtol=1e-6)  # rows are independent
+
+
+@pytest.mark.parametrize("kv_dtype,granularity", [("fp8_e4m3", "token"), ("q8_0", None)])
+def test_v_layouts_store_the_same_values(kv_dtype, granularity):
+    """v_layout only changes where V codes live: update() returns the same K/V bit for bit, and
+    "auto" picks key-contiguous for token scales (kvcompile.formats.KVFormat.v_keys_contiguous)."""
+    B, L = 2, 21
+    k, v = _kv(B=B, T=9), _kv(B=B, T=9)
+    got = {}
+    for layout in ("auto", "keys", "head_dim"):
+        cache = QuantizedCache(tiny_config("llama"), max_batch_size=B, max_cache_len=L, kv_dtype=kv_dtype,
+                               granularity=granularity, device="cpu", v_layout=layout)
+        layer = cache.layers[0]
+        assert layer.v_codes.shape == layer.k_codes.shape
+        assert (layer.v_codes.stride(2) == 1) == layer.v_keys
+        got[layout] = (cache.update(k, v, 0), layer.v_keys)
+    assert got["auto"][1] == get_format(kv_dtype, granularity).v_keys_contiguous
+    assert got["keys"][1] and not got["head_dim"][1]
+    for layout in ("auto", "keys"):
+        for a, b in zip(got[layout][0], got["head_dim"][0]):
+            assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="v_layout='rows' is not one of"):
+        QuantizedCache(tiny_config("llama"), max_batch_size=1, max_cache_len=8, v_layout="rows")
 
 
 def test_buffers_have_static_addresses_and_dynamo_accepts_them():
