@@ -8,8 +8,9 @@ shared-memory reads of V; no register spills) on a machine without a GPU.
 The compile mirrors one real launch of :func:`attention_launcher._launch`: the constexprs it
 passes, the tile :mod:`kvcompile.tiles` picks, and the launch-time specializations Triton makes
 (integer arguments equal to 1 become constants, multiples of 16 and pointers are marked
-16-divisible) for contiguous ``[B, H, L, D]`` tensors (V key-contiguous with ``v_keys``). The version of Triton installed decides
-the code: compare against the GPU machine's Triton when it matters.
+16-divisible) for contiguous ``[B, H, L, D]`` tensors (V key-contiguous with ``v_keys``). The
+version of Triton installed decides the code: compare against the GPU machine's Triton when it
+matters.
 """
 
 from __future__ import annotations
