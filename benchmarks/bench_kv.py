@@ -143,7 +143,7 @@ def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False):
     variants.append(("vpin-off", dict(V_PIN=False)))
     if tiles_sweep and name in ("fp8", "q8_0"):
         for bn, w, st in ((128, 4, 2), (128, 4, 3), (128, 4, 4), (64, 4, 3), (64, 4, 4), (128, 8, 2), (256, 4, 2),
-                          (64, 2, 3)):
+                          (64, 2, 3), (16, 1, 3), (32, 1, 3), (32, 1, 4), (64, 1, 3)):  # 1 warp: no cross-warp reductions
             variants.append((f"tile{bn}x{w}w{st}s", dict(_tile=(bn, w, st))))
         for pps in (2, 4, 8, 16):
             variants.append((f"pps{pps}", dict(DECODE_PROGRAMS_PER_SM=pps, DECODE_PROGRAMS_PER_SM_SMALL=pps)))
