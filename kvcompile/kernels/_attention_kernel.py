@@ -186,6 +186,7 @@ def _attention_kernel(
             # dot without a transpose. Mask whole 16-key chunks so the loads stay 16-byte vectors
             # (the launcher checked the storage extends to the 16-rounded length); p is 0 past n_hi,
             # and the V values read there are made finite below.
+            tl.static_assert(BLOCK_N % 16 == 0)  # tiles start at multiples of 16: the chunks align
             chunk_ok = tl.max_constancy((n // 16) * 16 < n_hi, 16)
             vc = tl.load(v_ptrs, mask=chunk_ok[:, None] & d_ok[None, :], other=0.0)
         else:
