@@ -248,10 +248,9 @@ class QuantizedLayer(CacheLayerMixin):
     def nbytes(self) -> int:
         if not self.is_initialized:
             return 0
-        # the V codes' padded buffer counts whole (the view shows L of its L16 keys)
-        v = self.v_codes._base if self.v_codes._base is not None else self.v_codes
+        # V codes own their buffer, padding included (a key-contiguous view shows L of its L16 keys)
         rest = sum(t.numel() * t.element_size() for t in self.buffers() if t is not self.v_codes)
-        return rest + v.numel() * v.element_size()
+        return rest + self.v_codes.untyped_storage().nbytes()
 
     def __repr__(self):
         return f"QuantizedLayer({self.fmt.name}, B={self.max_batch_size}, Hkv={self.num_heads}, L={self.max_cache_len}, D={self.head_dim})"
