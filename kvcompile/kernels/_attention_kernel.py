@@ -134,6 +134,10 @@ def _attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # token scales with an fp16 PV dot: P is scaled by s_v / v_max of each tile, so acc holds O / v_max
+    # of the last tile and is rescaled by alpha * v_max_prev / v_max as the dot's accumulator input
+    FOLD_V_MAX: tl.constexpr = SCALE_KIND == SCALE_TOKEN and PV_DTYPE == tl.float16
+    v_prev = 1.0
 
     for start_n in range(n_lo, n_hi, BLOCK_N):
         n = start_n + tl.arange(0, BLOCK_N)
@@ -177,7 +181,8 @@ def _attention_kernel(
         alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
         p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)
         l_i = l_i * alpha + tl.sum(p, axis=1)  # the denominator sums the unscaled p
-        acc = acc * alpha[:, None]
+        if not FOLD_V_MAX:
+            acc = acc * alpha[:, None]
 
         # ---- O += P V, s_v applied to P (token) or to the tile (block32) ----
         v_ptrs = v_base + n[:, None] * stride_vn + d[None, :] * stride_vd
@@ -225,8 +230,9 @@ def _attention_kernel(
                 v = tl.maximum(v, tl.full([1, 1], -3.0e38, v.dtype))
         if PV_DTYPE == tl.float32:
             acc += tl.dot(pv, v, input_precision="ieee")
-        elif SCALE_KIND == SCALE_TOKEN and PV_DTYPE == tl.float16:
-            acc += tl.dot(pv, v) * v_max
+        elif FOLD_V_MAX:  # the rescale rides on the dot's accumulator input: no separate pass over acc
+            acc = tl.dot(pv, v, acc * (alpha * (v_prev / v_max))[:, None])
+            v_prev = v_max
         else:
             acc += tl.dot(pv, v)
         m_i = m_new
@@ -234,6 +240,8 @@ def _attention_kernel(
     # ---- epilogue: rows with no visible key give zeros ----
     has_key = l_i > 0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
+    if FOLD_V_MAX:
+        out = out * v_prev
     out_ok = row_ok[:, None] & d_ok[None, :]
     if SPLIT_OUTPUT:
         lse = tl.where(has_key, m_i * LOG2E + tl.math.log2(tl.where(has_key, l_i, 1.0)), float("-inf"))
