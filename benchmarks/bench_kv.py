@@ -1,4 +1,4 @@
-"""kvcompile kernel benchmarks on one GPU: decode, prefill, store (subjects), vs bf16 SDPA in the same run.
+"""kvcompile kernel benchmarks on one GPU: decode, prefill, store, read (subjects), vs bf16 SDPA in the same run.
 
 Llama-3-8B attention shape: 32 query heads, 8 kv heads, head_dim 128, one layer.
 
@@ -310,6 +310,72 @@ def store(args):
         torch.cuda.empty_cache()
 
 
+def _read_probe_kernel():
+    """A kernel that only reads K and V tile by tile (no math), on the decode launch's grid."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_kv(K, V, OUT, L, split_len, nsplits, V_LAYOUT: tl.constexpr, BT: tl.constexpr,
+                BLOCK_N: tl.constexpr, D: tl.constexpr):
+        pid_bh = tl.program_id(1)
+        split = tl.program_id(2)
+        k_base = K + pid_bh.to(tl.int64) * L * D
+        v_base = V + pid_bh.to(tl.int64) * L * D
+        n_lo = split * split_len
+        n_hi = tl.minimum(L, n_lo + split_len)
+        d = tl.arange(0, D)
+        acc = tl.zeros([BLOCK_N, D], tl.uint8)
+        for start in range(n_lo, n_hi, BLOCK_N):  # L and split_len are multiples of BLOCK_N: no masks
+            n = start + tl.arange(0, BLOCK_N)
+            kc = tl.load(k_base + n[:, None] * D + d[None, :])
+            if V_LAYOUT == 0:  # [L, D]: head_dim-contiguous, each tile one 16 KB run (as K)
+                vp = v_base + n[:, None] * D + d[None, :]
+            elif V_LAYOUT == 1:  # [D, L]: key-contiguous rows (the cache's layout for token scales)
+                vp = v_base + n[:, None] + d[None, :] * L
+            else:  # [L / BT, D, BT]: key-contiguous blocks of BT keys
+                vp = v_base + ((n // BT) * BT * D + n % BT)[:, None] + d[None, :] * BT
+            acc = acc ^ kc ^ tl.load(vp)
+        tl.store(OUT + pid_bh * nsplits + split, tl.sum(acc.to(tl.int32)))
+
+    return read_kv
+
+
+def read(args):
+    """How fast can the decode grid read an 8-bit K + V at all? The same bytes and splits as the fp8
+    decode launch, V in three layouts, no math: the ceiling each layout leaves the attention kernel."""
+    read_kv = _read_probe_kernel()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for sh in args.decode_shapes.split(","):
+        B, L = (int(x) for x in sh.split("x"))
+        if L % 256:
+            continue
+        shape = f"B={B} L={L}"
+        nb = 2 * B * HKV * L * D
+        n = copies_for(2 * nb)
+        qs = [torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
+        kvs = [(torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16),
+                torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16)) for _ in range(n)]
+        base = bench([lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                      for q, (k, v) in zip(qs, kvs)], n)
+        record("read", shape, "sdpa-bf16", base, 2 * nb)
+        del kvs
+        n = copies_for(nb)
+        kv = [(torch.randint(0, 255, (B * HKV * L * D,), dtype=torch.uint8, device="cuda"),
+               torch.randint(0, 255, (B * HKV * L * D,), dtype=torch.uint8, device="cuda")) for _ in range(n)]
+        splits, split_len = launcher.decode_splits(B * HKV, L, 128, sms)
+        out = torch.empty(B * HKV * splits, dtype=torch.int32, device="cuda")
+        for layout, bt, label in ((0, 1, "V [L, D]"), (1, 1, "V [D, L] (cache)"), (2, 16, "V [L/16, D, 16]"),
+                                  (2, 128, "V [L/128, D, 128]"), (2, 256, "V [L/256, D, 256]")):
+            for warps in (4, 8):
+                fns = [lambda k=k, v=v: read_kv[(1, B * HKV, splits)](
+                           k, v, out, L, split_len, splits, V_LAYOUT=layout, BT=bt, BLOCK_N=128, D=D,
+                           num_warps=warps, num_stages=3) for k, v in kv]
+                record("read", shape, f"read K + {label} {warps}w", bench(fns, len(fns)), nb, base_ms=base)
+        del kv
+        torch.cuda.empty_cache()
+
+
 def smoke(args):
     """Every kernel once on small odd shapes (for compute-sanitizer memcheck)."""
     os.environ["KVCOMPILE_PREFILL"] = "fused"
@@ -350,7 +416,7 @@ def main():
     args.formats = args.formats.split(",")
     print(torch.cuda.get_device_name(0), "torch", torch.__version__)
     for subject in args.subjects.split(","):
-        {"decode": decode, "prefill": prefill, "store": store, "smoke": smoke}[subject](args)
+        {"decode": decode, "prefill": prefill, "store": store, "smoke": smoke, "read": read}[subject](args)
     keys = sorted({k for r in ROWS for k in r})
     with open(args.out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
