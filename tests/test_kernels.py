@@ -32,6 +32,7 @@ import triton.language as tl  # noqa: E402
 
 from kvcompile import kernels  # noqa: E402
 from kvcompile.kernels import attention_launcher as attn_mod  # noqa: E402
+from kvcompile.kernels import store as store_mod  # noqa: E402
 from kvcompile.kernels._codes import codes_to_f16_pinned  # noqa: E402
 from kvcompile.kernels.store import dequantize as dequantize_launcher  # noqa: E402
 
@@ -128,9 +129,20 @@ def special_values(x):
     return x
 
 
+# e4m3 encoders: "bits" (integer arithmetic: the interpreter, archs below sm_89) everywhere, and on a
+# GPU with native fp8 also "cvt" (cvt.rn.satfinite.e4m3x2.f32, the GPU default)
+ENCODERS = ["bits", "cvt"] if DEV == "cuda" and tiles.has_native_fp8(torch.cuda.get_device_capability()) else ["bits"]
+
+
+@pytest.fixture(params=ENCODERS)
+def e4m3_encoder(request, monkeypatch):
+    monkeypatch.setattr(store_mod, "HW_E4M3", request.param == "cvt")
+    return request.param
+
+
 @pytest.mark.parametrize("kv_dtype,gran", FORMATS, ids=FMT_IDS)
 @pytest.mark.parametrize("with_offset", [False, True], ids=["plain", "k_offset"])
-def test_store_bit_exact(kv_dtype, gran, with_offset):
+def test_store_bit_exact(kv_dtype, gran, with_offset, e4m3_encoder):
     gen = torch.Generator().manual_seed(1)
     B, H, L = 2, 2, 24
     dims = (64, 96) if gran == "block32" else (64, 80)
@@ -152,7 +164,7 @@ def test_store_bit_exact(kv_dtype, gran, with_offset):
             assert not as_bits(kc)[:, :, :5].any() and not as_bits(kc)[:, :, 5 + T:].any()
 
 
-def test_store_rounding_sweep():
+def test_store_rounding_sweep(e4m3_encoder):
     """Dense sweep over e4m3 / q8_0 rounding boundaries: every midpoint, both sides, both signs."""
     e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     e4m3 = e4m3[torch.isfinite(e4m3)].unique()

@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from ._codes import FP8_MAX, Q8_MAX, codes_to_float, div_rn_by_row, e4m3_encode, to_store_dtype
+from ._codes import FP8_MAX, Q8_MAX, codes_to_float, div_rn_by_row, e4m3_encode, e4m3_encode_hw, to_store_dtype
 
 
 @triton.jit
@@ -17,6 +17,7 @@ def _quantize_rows(
     INT8: tl.constexpr,
     STATIC_SCALE: tl.constexpr,
     EXACT_DIV: tl.constexpr,   # per-element div_rn (interpreter) instead of reciprocal + fix-up
+    HW_E4M3: tl.constexpr,     # encode e4m3 by the sm_89+ convert instruction (else integer arithmetic)
     GROUPS_P2: tl.constexpr,   # scale groups per token, padded to a power of two (1 for token/static)
     GROUP_SIZE: tl.constexpr,  # values per scale group (32 for block32; padded head_dim otherwise)
     BLOCK_T: tl.constexpr,
@@ -75,8 +76,11 @@ def _quantize_rows(
         code = tl.where(is_nan, 0.0, r).to(tl.int8)  # int8 has no NaN code (the scale carries it)
     else:
         y = tl.where(is_nan, x, y)  # a NaN input stays NaN (also in an otherwise all-zero group)
-        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
-        code = e4m3_encode(y)  # uint8; C is the cache viewed as uint8
+        if HW_E4M3:
+            code = e4m3_encode_hw(y)  # saturates to +-448 itself
+        else:
+            y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
+            code = e4m3_encode(y)  # uint8; C is the cache viewed as uint8
     tl.store(C + b * stride_cb + h * stride_ch + (start + t[:, None]) * stride_ct + d * stride_cd, code, mask=ok)
 
 
@@ -94,6 +98,7 @@ def _store_kv_kernel(
     INT8: tl.constexpr,
     STATIC_SCALE: tl.constexpr,
     EXACT_DIV: tl.constexpr,
+    HW_E4M3: tl.constexpr,
     GROUPS_P2: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -111,7 +116,7 @@ def _store_kv_kernel(
             KS, stride_ksb, stride_ksh, stride_kst, stride_ksg,
             OFF, stride_oh, stride_od,
             b, h, t0, start, T, D,
-            HAS_OFFSET, INT8, STATIC_SCALE, EXACT_DIV, GROUPS_P2, GROUP_SIZE, BLOCK_T,
+            HAS_OFFSET, INT8, STATIC_SCALE, EXACT_DIV, HW_E4M3, GROUPS_P2, GROUP_SIZE, BLOCK_T,
         )
     else:
         _quantize_rows(
@@ -120,7 +125,7 @@ def _store_kv_kernel(
             VS, stride_vsb, stride_vsh, stride_vst, stride_vsg,
             OFF, stride_oh, stride_od,
             b, h, t0, start, T, D,
-            False, INT8, STATIC_SCALE, EXACT_DIV, GROUPS_P2, GROUP_SIZE, BLOCK_T,
+            False, INT8, STATIC_SCALE, EXACT_DIV, HW_E4M3, GROUPS_P2, GROUP_SIZE, BLOCK_T,
         )
 
 

@@ -16,6 +16,10 @@ from .common import device_cc, interpreting, kv_len_arg, next_pow2
 # (some quotient off by an ulp next to an e4m3 rounding boundary): kept off, for the A/B only.
 EXACT_DIV = True
 
+# e4m3 codes by the sm_89+ convert (cvt.rn.satfinite.e4m3x2.f32) on the GPU; False: integer
+# arithmetic (what archs below sm_89 and the interpreter run). Both are bit-exact with formats.py.
+HW_E4M3 = True
+
 # Exact rounding must not be contracted into FMAs (x * s + o must round twice, as torch does).
 _EXACT = {} if interpreting() else {"enable_fp_fusion": False}
 
@@ -68,6 +72,7 @@ def store_kv(
         off, *off_strides,
         start, H, T, D,
         HAS_OFFSET=k_offset is not None, INT8=int8, STATIC_SCALE=static, EXACT_DIV=interpreting() or EXACT_DIV,
+        HW_E4M3=HW_E4M3 and not int8 and not interpreting() and tiles.has_native_fp8(device_cc(k.device)),
         GROUPS_P2=groups_p2, GROUP_SIZE=group_size, BLOCK_T=block_t,
         num_warps=4, **_EXACT,
     )
