@@ -28,11 +28,23 @@ from kvcompile import formats, reference  # noqa: E402
 from kvcompile.cache import v_codes_buffer  # noqa: E402
 from kvcompile import kernels  # noqa: E402
 from kvcompile.kernels import attention_launcher as launcher  # noqa: E402
+from kvcompile.kernels import store as store_launcher  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 ROTATE_BYTES = 256 << 20
 ROWS: list[dict] = []
 VARIANTS = None  # --variants: a regex that sweep labels must match
+AB_KERNEL = None  # --ab-kernel: another _attention_kernel.py (e.g. from git show), timed as a sweep variant
+
+
+def load_kernel_file(path):
+    """The ``_attention_kernel`` of another version of kvcompile/kernels/_attention_kernel.py."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kvcompile.kernels._attention_kernel_ab", path)
+    mod = importlib.util.module_from_spec(spec)  # package kvcompile.kernels: its relative imports resolve
+    spec.loader.exec_module(mod)
+    return mod._attention_kernel
 
 
 def bench(fn_list, n_items):
@@ -156,12 +168,15 @@ def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False):
     # fp16 queries: the kernel skips the bf16 -> fp16 range check (one max-reduction over the q block)
     variants.append(("qfp16", dict(_qfp16=True)))
     variants.append((f"{other} qfp16", dict(_vswap=True, _qfp16=True)))
+    if AB_KERNEL is not None:
+        variants.append((f"kernel {os.path.basename(AB_KERNEL)}", dict(_kernel=AB_KERNEL)))
     if VARIANTS is not None:
         variants = [(lb, ch) for lb, ch in variants if VARIANTS.search(lb)]
     swapped = None
     for label, changes in variants:
         changes = dict(changes)
         tile = changes.pop("_tile", None)
+        kernel_file = changes.pop("_kernel", None)
         use = caches
         qv = [q.half() for q in qs] if changes.pop("_qfp16", False) else qs
         if changes.pop("_vswap", False):
@@ -170,9 +185,12 @@ def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False):
             use = swapped
         saved = {k: getattr(launcher, k) for k in changes}
         saved_tile = launcher.tiles.decode_tile
+        saved_kernel = launcher._attention_kernel
         try:
             for k, v in changes.items():
                 setattr(launcher, k, v)
+            if kernel_file is not None:
+                launcher._attention_kernel = load_kernel_file(kernel_file)
             if tile is not None:
                 bn, w, st = tile
                 launcher.tiles.decode_tile = lambda *a, **kw: launcher.tiles.Tile(16, bn, w, st)
@@ -188,6 +206,7 @@ def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False):
             for k, v in saved.items():
                 setattr(launcher, k, v)
             launcher.tiles.decode_tile = saved_tile
+            launcher._attention_kernel = saved_kernel
             launcher._SHRUNK.clear()
 
 
@@ -302,10 +321,15 @@ def store(args):
                 sk = torch.empty(fmt.scale_shape(B, HKV, L, D), dtype=fmt.scale_dtype, device="cuda")
                 sv = torch.empty_like(sk)
             fns = [lambda k=k, v=v: kernels.store_kv(kc, sk, vc, sv, k, v, start, None) for k, v in zip(ks, vs)]
-            ms = bench(fns, len(fns))
             g = fmt.groups(D)
             nb = 2 * nel * (2 + 1) + 2 * B * HKV * T * g * (2 if kv_dtype == "q8_0" else 4)
-            record("store", shape, f"kvcompile-{name}", ms, nb, base_ms=base)
+            record("store", shape, f"kvcompile-{name}", bench(fns, len(fns)), nb, base_ms=base)
+            if args.sweep and kv_dtype == "fp8_e4m3":  # A/B: e4m3 encoded by integer arithmetic, not cvt
+                store_launcher.HW_E4M3 = False
+                try:
+                    record("sweep", shape, f"store-{name} e4m3 bits", bench(fns, len(fns)), nb, base_ms=base)
+                finally:
+                    store_launcher.HW_E4M3 = True
         del ks, vs, kb, vb
         torch.cuda.empty_cache()
 
@@ -407,8 +431,12 @@ def main():
     p.add_argument("--decode-shapes", default="1x4096,1x32768,8x32768,32x8192,4x131072")
     p.add_argument("--prefill-q", default="16384,4096,1024")
     p.add_argument("--variants", default=None, help="a regex: run only the --sweep variants whose label matches")
+    p.add_argument("--ab-kernel", default=None,
+                   help="another _attention_kernel.py (e.g. `git show REV:kvcompile/kernels/_attention_kernel.py`), "
+                        "timed as a --sweep variant beside the current one")
     args = p.parse_args()
-    global VARIANTS
+    global VARIANTS, AB_KERNEL
+    AB_KERNEL = args.ab_kernel
     if args.variants:
         import re
 
