@@ -44,7 +44,14 @@ def load_kernel_file(path):
     spec = importlib.util.spec_from_file_location("kvcompile.kernels._attention_kernel_ab", path)
     mod = importlib.util.module_from_spec(spec)  # package kvcompile.kernels: its relative imports resolve
     spec.loader.exec_module(mod)
-    return mod._attention_kernel
+    kernel = mod._attention_kernel
+
+    class OlderArgs:  # the launcher passes today's keyword arguments: drop those the other version lacks
+        def __getitem__(self, grid):
+            return lambda *a, **kw: kernel[grid](*a, **{k: v for k, v in kw.items()
+                                                         if k in kernel.arg_names or k.startswith("num_")})
+
+    return OlderArgs()
 
 
 def bench(fn_list, n_items):
