@@ -1,7 +1,7 @@
 """``python -m kvcompile info``: the GPU, the attention tiles chosen for it, and the KV formats.
 
-``python -m kvcompile sass``: compile the attention kernel for an arch (no GPU needed) and print
-its registers, shared memory and SASS opcode counts (:mod:`kvcompile.kernels.aot`).
+``python -m kvcompile sass``: compile the attention kernel (``--kernel store``: the store kernel)
+for an arch (no GPU needed) and print its registers, shared memory and SASS opcode counts (:mod:`kvcompile.kernels.aot`).
 
 Prints the detected CUDA device and compute capability (or "no CUDA device"), the prefill and
 decode tiles :mod:`kvcompile.tiles` picks for common head dims per format on that arch (on a
@@ -116,7 +116,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvcompile", description="kvcompile utilities")
     sub = p.add_subparsers(dest="cmd")
     sub.add_parser("info", help="GPU/arch, attention tiles per head dim and format, KV formats")
-    sp = sub.add_parser("sass", help="compile the attention kernel for an arch (no GPU) and summarize its SASS")
+    sp = sub.add_parser("sass", help="compile the attention (or store) kernel for an arch (no GPU) and summarize its SASS")
+    sp.add_argument("--kernel", choices=("attention", "store"), default="attention",
+                    help="store: quantize-on-store of a --tokens-long write (default attention)")
+    sp.add_argument("--tokens", type=int, default=16384, help="store: tokens written by the launch")
     sp.add_argument("--arch", default="90", help="compute capability, e.g. 90 or 89 (default 90)")
     sp.add_argument("--kv-dtype", default="fp8_e4m3")
     sp.add_argument("--granularity", default=None, help="token / block32 / static (default: the format's)")
@@ -141,8 +144,11 @@ def main(argv=None) -> int:
         cc = (int(args.arch[:-1]), int(args.arch[-1]))
         fmt = formats.get_format(args.kv_dtype, args.granularity)
         v_keys = fmt.v_keys_contiguous if args.v_layout == "auto" else args.v_layout == "keys"
-        r = aot.compile_attention(cc, args.kv_dtype, args.granularity, args.head_dim, args.group, args.q_len,
-                                  v_pin=False if args.no_v_pin else None, v_keys=v_keys)
+        if args.kernel == "store":
+            r = aot.compile_store(cc, args.kv_dtype, args.granularity, args.head_dim, args.tokens, v_keys)
+        else:
+            r = aot.compile_attention(cc, args.kv_dtype, args.granularity, args.head_dim, args.group, args.q_len,
+                                      v_pin=False if args.no_v_pin else None, v_keys=v_keys)
         print(r.summary(args.top))
         return 0
     return 1  # pragma: no cover

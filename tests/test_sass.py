@@ -1,4 +1,4 @@
-"""The compiled decode loop's code shape, checked in CI without a GPU (kvcompile.kernels.aot).
+"""The compiled decode loop's code shape (and the store kernel's e4m3 encoder), checked in CI without a GPU.
 
 The attention kernel is compiled for sm_90 exactly as the launcher would launch it on an H200
 (Triton's bundled ptxas; cuobjdump reads the SASS). What is pinned here was measured to matter on
@@ -95,6 +95,37 @@ def test_cli_prints_a_summary_and_refuses_a_bad_arch():
                         capture_output=True, text=True, env=env, timeout=600)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "sm_90 tile 16x128" in ok.stdout and "registers" in ok.stdout and "HMMA" in ok.stdout
+    store = subprocess.run([sys.executable, "-m", "kvcompile", "sass", "--kernel", "store", "--arch", "89", "--top", "200"],
+                           capture_output=True, text=True, env=env, timeout=600)
+    assert store.returncode == 0, store.stderr[-2000:]
+    assert "sm_89 store_kv" in store.stdout and "F2FP.SATFINITE.E4M3" in store.stdout
     bad = subprocess.run([sys.executable, "-m", "kvcompile", "sass", "--arch", "sm90"], capture_output=True, text=True,
                          env=env, timeout=120)
     assert bad.returncode == 2 and "compute capability such as 90" in bad.stderr
+
+
+# the store kernel, per arch and format, as store.store_kv launches it for a 16k-token prefill
+STORE_ARCHS = [(8, 0), (8, 9), (9, 0)]
+STORE_FORMATS = [("fp8_e4m3", "token"), ("fp8_e4m3", "block32"), ("fp8_e4m3", "static"), ("q8_0", "block32")]
+
+
+@pytest.fixture(scope="module")
+def store_reports():
+    cases = [dict(kernel="store", cc=cc, kv_dtype=kv, granularity=g) for cc in STORE_ARCHS for kv, g in STORE_FORMATS]
+    got = aot.compile_attention_isolated(cases)
+    return {(c["cc"], c["kv_dtype"], c["granularity"]): r for c, r in zip(cases, got)}
+
+
+@pytest.mark.parametrize("cc", STORE_ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
+@pytest.mark.parametrize("fmt", STORE_FORMATS, ids=lambda f: "/".join(f))
+def test_store_rounds_e4m3_by_the_convert_instruction_from_sm_89(store_reports, cc, fmt):
+    """From sm_89 the store encodes e4m3 with cvt.rn.satfinite.e4m3x2.f32 (one rounding from fp32;
+    on the H200 it made a 16k-token block32 store 1.5x faster, BENCHMARKS.md session 4); below
+    sm_89 (no such instruction) and for q8_0, integer arithmetic. Every path compiles, none spills."""
+    r = store_reports[(cc, *fmt)]
+    assert r.stack_bytes == 0, r.summary()
+    cvt = r.count("F2FP.SATFINITE.E4M3")
+    if fmt[0] == "fp8_e4m3" and cc >= (8, 9):
+        assert cvt > 0, r.summary()
+    else:
+        assert cvt == 0, r.summary()

@@ -27,7 +27,7 @@ from typing import Optional
 
 from .. import formats, tiles
 
-__all__ = ["SassReport", "compile_attention", "compile_attention_isolated", "tool_path"]
+__all__ = ["SassReport", "compile_attention", "compile_attention_isolated", "compile_store", "tool_path"]
 
 
 @dataclasses.dataclass
@@ -180,6 +180,76 @@ def compile_attention(
     return _report(compiled, f"sm_{cc[0]}{cc[1]}", tile)
 
 
+def compile_store(
+    cc: tuple[int, int] = (9, 0),
+    kv_dtype: str = "fp8_e4m3",
+    granularity: Optional[str] = None,
+    head_dim: int = 128,
+    tokens: int = 16384,
+    v_keys: Optional[bool] = None,
+) -> SassReport:
+    """Compile ``_store_kv_kernel`` as :func:`store.store_kv` launches it for ``tokens`` new tokens of
+    bf16 K/V (contiguous ``[B, H, T, D]``) into a cache of this format; return its SASS report.
+    ``v_keys`` (the V codes key-contiguous) defaults to the format's ``v_keys_contiguous``, as
+    ``QuantizedCache`` lays V out. The report's tile is ``(block_t, 1, 4 warps, 1)``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from . import store as launcher
+    from ._store_kernel import _store_kv_kernel
+    from .common import interpreting, next_pow2
+
+    if interpreting():
+        raise RuntimeError("kvcompile.kernels.aot: cannot compile with TRITON_INTERPRET=1; use compile_attention_isolated")
+    fmt = formats.get_format(kv_dtype, granularity)
+    v_keys = fmt.v_keys_contiguous if v_keys is None else v_keys
+    int8 = not fmt.code_dtype.is_floating_point
+    static = fmt.is_static
+    groups = 1 if static else fmt.groups(head_dim)
+    groups_p2 = next_pow2(groups)
+    group_size = next_pow2(head_dim) if groups == 1 else head_dim // groups
+    block_t = max(1, min(next_pow2(tokens), 4096 // (groups_p2 * group_size)))
+    consts = dict(HAS_OFFSET=False, INT8=int8, STATIC_SCALE=static, EXACT_DIV=launcher.EXACT_DIV,
+                  HW_E4M3=launcher.HW_E4M3 and not int8 and tiles.has_native_fp8(cc),
+                  GROUPS_P2=groups_p2, GROUP_SIZE=group_size, BLOCK_T=block_t)
+    scale = "*fp16" if fmt.scale_dtype.itemsize == 2 else "*fp32"
+    code = "*i8" if int8 else "*u8"  # e4m3 codes go in as uint8 bits
+    ptrs = {"K": "*bf16", "V": "*bf16", "KC": code, "VC": code, "KS": scale, "VS": scale, "OFF": scale, "START": "*i64"}
+    ones = {"stride_kd", "stride_vd", "stride_kcd", "stride_vct" if v_keys else "stride_vcd"}
+    if static:  # [Hkv] viewed as [1, Hkv, 1, 1]
+        ones |= {"stride_ksh", "stride_vsh", "stride_kst", "stride_vst", "stride_ksg", "stride_vsg"}
+    elif groups == 1:  # [B, Hkv, L, 1]
+        ones |= {"stride_kst", "stride_vst", "stride_ksg", "stride_vsg"}
+    else:
+        ones |= {"stride_ksg", "stride_vsg"}
+    zeros = {"stride_oh", "stride_od"}  # no offset: the launcher passes 0 strides
+    names = _store_kv_kernel.arg_names
+    declared = {names[i] for i in _store_kv_kernel.constexprs}
+    if declared != set(consts):
+        raise RuntimeError(
+            f"kvcompile.kernels.aot: _store_kv_kernel's constexprs {sorted(declared)} differ from the ones compiled "
+            f"here {sorted(consts)}; update compile_store to match store.store_kv"
+        )
+    signature, constexprs, attrs = {}, {}, {}
+    for i, a in enumerate(names):
+        if a in consts:
+            signature[a], constexprs[(i,)] = "constexpr", consts[a]
+        elif a in ptrs:
+            signature[a] = ptrs[a]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif a in ones:
+            signature[a], constexprs[(i,)] = "constexpr", 1
+        else:
+            signature[a] = "i32"
+            if a not in zeros and a not in ("H", "T"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=_store_kv_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    target = GPUTarget("cuda", cc[0] * 10 + cc[1], 32)
+    compiled = triton.compile(src, target=target, options=dict(num_warps=4, **launcher._EXACT))
+    return _report(compiled, f"sm_{cc[0]}{cc[1]} store_kv", tiles.Tile(block_t, 1, 4, 1))
+
+
 def _report(compiled, arch: str, tile: tiles.Tile) -> SassReport:
     with tempfile.TemporaryDirectory() as d:
         cubin = os.path.join(d, "k.cubin")
@@ -200,7 +270,8 @@ def _report(compiled, arch: str, tile: tiles.Tile) -> SassReport:
 
 
 def compile_attention_isolated(cases: list[dict], timeout: float = 600.0) -> list[SassReport]:
-    """:func:`compile_attention` for each dict of keyword arguments, in a fresh Python process
+    """:func:`compile_attention` (or, with ``kernel="store"`` in a case, :func:`compile_store`) for
+    each dict of keyword arguments, in a fresh Python process
     with the Triton interpreter off (a process that imported Triton with ``TRITON_INTERPRET=1``,
     as the CPU test session does, cannot compile kernels)."""
     env = dict(os.environ)
@@ -222,7 +293,8 @@ def _main() -> None:  # the isolated process: JSON cases on stdin, JSON reports 
             c["tile"] = tiles.Tile(**c["tile"])
         if "cc" in c:
             c["cc"] = tuple(c["cc"])
-        out.append(compile_attention(**c).to_json())
+        kernel = c.pop("kernel", "attention")
+        out.append((compile_store if kernel == "store" else compile_attention)(**c).to_json())
     print(json.dumps(out))
 
 
