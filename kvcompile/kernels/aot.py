@@ -95,10 +95,7 @@ def compile_attention(
     cache's transposed V layout; never pinned).
     """
     import torch
-    import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from . import attention_launcher as launcher
     from ._attention_kernel import _attention_kernel
@@ -152,31 +149,8 @@ def compile_attention(
         BCAST_SCALE=launcher.BCAST_SCALE, V_PIN=v_pin, V_KEYS_CONTIG=v_keys, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         BLOCK_D=1 << (head_dim - 1).bit_length(),
     )
-    names = _attention_kernel.arg_names
-    signature, constexprs, attrs = {}, {}, {}
-    for i, a in enumerate(names):
-        if a in consts:
-            signature[a], constexprs[(i,)] = "constexpr", consts[a]
-        elif a in ptrs:
-            signature[a] = ptrs[a]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif a in ones:
-            signature[a], constexprs[(i,)] = "constexpr", 1
-        elif a == "sm_scale":
-            signature[a] = "fp32"
-        else:
-            signature[a] = "i32"
-            if a not in zeros and a not in not16:
-                attrs[(i,)] = [["tt.divisibility", 16]]  # strides, D, split_len: multiples of 16 here
-    declared = {names[i] for i in _attention_kernel.constexprs}
-    if declared != set(consts):  # the kernel and this mirror of the launcher drifted apart
-        raise RuntimeError(
-            f"kvcompile.kernels.aot: _attention_kernel's constexprs {sorted(declared)} differ from the ones "
-            f"compiled here {sorted(consts)}; update compile_attention to match attention_launcher._launch"
-        )
-    src = ASTSource(fn=_attention_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    target = GPUTarget("cuda", cc[0] * 10 + cc[1], 32)
-    compiled = triton.compile(src, target=target, options=dict(num_warps=tile.num_warps, num_stages=tile.num_stages))
+    compiled = _compile(_attention_kernel, cc, consts, ptrs, ones, zeros | not16, "compile_attention",
+                        "attention_launcher._launch", num_warps=tile.num_warps, num_stages=tile.num_stages)
     return _report(compiled, f"sm_{cc[0]}{cc[1]}", tile)
 
 
@@ -192,10 +166,6 @@ def compile_store(
     bf16 K/V (contiguous ``[B, H, T, D]``) into a cache of this format; return its SASS report.
     ``v_keys`` (the V codes key-contiguous) defaults to the format's ``v_keys_contiguous``, as
     ``QuantizedCache`` lays V out. The report's tile is ``(block_t, 1, 4 warps, 1)``."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from . import store as launcher
     from ._store_kernel import _store_kv_kernel
     from .common import interpreting, next_pow2
@@ -224,12 +194,25 @@ def compile_store(
     else:
         ones |= {"stride_ksg", "stride_vsg"}
     zeros = {"stride_oh", "stride_od"}  # no offset: the launcher passes 0 strides
-    names = _store_kv_kernel.arg_names
-    declared = {names[i] for i in _store_kv_kernel.constexprs}
-    if declared != set(consts):
+    compiled = _compile(_store_kv_kernel, cc, consts, ptrs, ones, zeros | {"H", "T"}, "compile_store",
+                        "store.store_kv", num_warps=4, **launcher._EXACT)
+    return _report(compiled, f"sm_{cc[0]}{cc[1]} store_kv", tiles.Tile(block_t, 1, 4, 1))
+
+
+def _compile(kernel, cc, consts: dict, ptrs: dict, ones: set, not16: set, mirror: str, launch: str, **options):
+    """``triton.compile`` of ``kernel`` for ``cc`` with the launch-time specializations Triton makes:
+    ``consts`` the constexprs, ``ptrs`` pointer types (16-byte aligned), ``ones`` integer arguments
+    equal to 1 (constants), every other integer 16-divisible unless in ``not16``; ``sm_scale`` fp32."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    declared = {names[i] for i in kernel.constexprs}
+    if declared != set(consts):  # the kernel and this mirror of its launcher drifted apart
         raise RuntimeError(
-            f"kvcompile.kernels.aot: _store_kv_kernel's constexprs {sorted(declared)} differ from the ones compiled "
-            f"here {sorted(consts)}; update compile_store to match store.store_kv"
+            f"kvcompile.kernels.aot: {kernel.__name__}'s constexprs {sorted(declared)} differ from the ones "
+            f"compiled here {sorted(consts)}; update {mirror} to match {launch}"
         )
     signature, constexprs, attrs = {}, {}, {}
     for i, a in enumerate(names):
@@ -240,14 +223,14 @@ def compile_store(
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif a in ones:
             signature[a], constexprs[(i,)] = "constexpr", 1
+        elif a == "sm_scale":
+            signature[a] = "fp32"
         else:
             signature[a] = "i32"
-            if a not in zeros and a not in ("H", "T"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=_store_kv_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    target = GPUTarget("cuda", cc[0] * 10 + cc[1], 32)
-    compiled = triton.compile(src, target=target, options=dict(num_warps=4, **launcher._EXACT))
-    return _report(compiled, f"sm_{cc[0]}{cc[1]} store_kv", tiles.Tile(block_t, 1, 4, 1))
+            if a not in not16:
+                attrs[(i,)] = [["tt.divisibility", 16]]  # strides, D, split_len: multiples of 16 here
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", cc[0] * 10 + cc[1], 32), options=options)
 
 
 def _report(compiled, arch: str, tile: tiles.Tile) -> SassReport:
