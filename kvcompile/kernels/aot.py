@@ -150,7 +150,8 @@ def compile_attention(
         BLOCK_D=1 << (head_dim - 1).bit_length(),
     )
     compiled = _compile(_attention_kernel, cc, consts, ptrs, ones, zeros | not16, "compile_attention",
-                        "attention_launcher._launch", num_warps=tile.num_warps, num_stages=tile.num_stages)
+                        "attention_launcher._launch", num_warps=tile.num_warps, num_stages=tile.num_stages,
+                        **launcher._FP_FUSION)
     return _report(compiled, f"sm_{cc[0]}{cc[1]}", tile)
 
 

@@ -44,6 +44,9 @@ BCAST_SCALE = True  # block32 scales: broadcast to the tile (True: 1.9x faster q
 V_PIN = True
 INTERPRET_FP16 = False  # tests: run the interpreter's dots in fp16 to exercise the fp16 path
 _PATHS = ("auto", "fused", "dense")
+# FMA contraction on, explicitly: Triton 3.9 warns that its default turns off in 3.10 (the store
+# and dequantize kernels turn it off themselves for exact rounding; attention wants the FMAs)
+_FP_FUSION = {} if interpreting() else {"enable_fp_fusion": True}
 
 
 def _tl_dtype(dtype: torch.dtype):
@@ -245,14 +248,14 @@ def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, 
         DOT_DTYPE=_tl_dtype(dot_dtype), PV_DTYPE=_tl_dtype(pv_dtype), BCAST_SCALE=BCAST_SCALE,
         V_PIN=v_pin, V_KEYS_CONTIG=v_keys,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=next_pow2(D),
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **_FP_FUSION,
     )
     if splits > 1:
         _merge_kernel[(B * Hq * Tq,)](
             op, *op.stride()[:4], lse, *lse.stride(), out, *out.stride(), kvl, kvl_stride,
             vs, vs.stride(1), Hq, Tq, D, split_len, splits,
             GROUP=group, STATIC_SCALE=scale_kind == SCALE_STATIC, SPLITS_P2=next_pow2(splits),
-            BLOCK_D=next_pow2(D), num_warps=4,
+            BLOCK_D=next_pow2(D), num_warps=4, **_FP_FUSION,
         )
 
 
