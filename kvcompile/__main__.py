@@ -1,7 +1,8 @@
 """``python -m kvcompile info``: the GPU, the attention tiles chosen for it, and the KV formats.
 
 ``python -m kvcompile sass``: compile the attention kernel (``--kernel store``: the store kernel)
-for an arch (no GPU needed) and print its registers, shared memory and SASS opcode counts (:mod:`kvcompile.kernels.aot`).
+for an arch (no GPU needed) and print its registers, shared memory and SASS opcode counts
+(:mod:`kvcompile.kernels.aot`).
 
 Prints the detected CUDA device and compute capability (or "no CUDA device"), the prefill and
 decode tiles :mod:`kvcompile.tiles` picks for common head dims per format on that arch (on a
@@ -116,7 +117,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvcompile", description="kvcompile utilities")
     sub = p.add_subparsers(dest="cmd")
     sub.add_parser("info", help="GPU/arch, attention tiles per head dim and format, KV formats")
-    sp = sub.add_parser("sass", help="compile the attention (or store) kernel for an arch (no GPU) and summarize its SASS")
+    sp = sub.add_parser("sass", help="compile the attention (or store) kernel for an arch (no GPU) and summarize "
+                                     "its SASS")
     sp.add_argument("--kernel", choices=("attention", "store"), default="attention",
                     help="store: quantize-on-store of a --tokens-long write (default attention)")
     sp.add_argument("--tokens", type=int, default=16384, help="store: tokens written by the launch")

@@ -60,6 +60,7 @@ def e4m3_encode_hw(y):
     return tl.inline_asm_elementwise(asm=_F32_TO_E4M3X4, constraints="=r,r,r,r,r", args=[y], dtype=tl.uint8,
                                      is_pure=True, pack=4)
 
+
 @triton.jit
 def e4m3_decode_bits(b):
     """e4m3fn code (uint8) -> fp32 by bit manipulation (archs without tl.float8e4nv)."""
