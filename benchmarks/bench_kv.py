@@ -121,21 +121,25 @@ FORMATS = {"fp8": ("fp8_e4m3", "token"), "fp8/block32": ("fp8_e4m3", "block32"),
            "fp8/static": ("fp8_e4m3", "static"), "q8_0": ("q8_0", "block32")}
 
 
+def sdpa_decode_baseline(B, L):
+    """(the rotated bf16 queries, ms per call) of bf16 SDPA decode over a bf16 K/V of length L (GQA by
+    enable_gqa, no mask: its fastest decode configuration)."""
+    n = copies_for(4 * B * HKV * L * D)
+    qs = [torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
+    kvs = [(torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16),
+            torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16)) for _ in range(n)]
+    base = bench([lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                  for q, (k, v) in zip(qs, kvs)], n)
+    return qs, base
+
+
 def decode(args):
     shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.decode_shapes.split(",")]
     for B, L in shapes:
         shape = f"B={B} L={L}"
         kv_len = torch.full((B,), L, device="cuda", dtype=torch.long)
-        # bf16 SDPA baseline (GQA by enable_gqa, no mask: its fastest decode configuration)
-        n = copies_for(4 * B * HKV * L * D)
-        qs = [torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
-        kvs = [(torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16),
-                torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16)) for _ in range(n)]
-        fns = [lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-               for q, (k, v) in zip(qs, kvs)]
-        base = bench(fns, n)
+        qs, base = sdpa_decode_baseline(B, L)
         record("decode", shape, "sdpa-bf16", base, 4 * B * HKV * L * D + 4 * B * HQ * D)
-        del kvs, fns
         for name in args.formats:
             kv_dtype, gran = FORMATS[name]
             c0, _ = make_cache(kv_dtype, gran, B, L)
@@ -332,11 +336,11 @@ def store(args):
             nb = 2 * nel * (2 + 1) + 2 * B * HKV * T * g * (2 if kv_dtype == "q8_0" else 4)
             record("store", shape, f"kvcompile-{name}", bench(fns, len(fns)), nb, base_ms=base)
             if args.sweep and kv_dtype == "fp8_e4m3":  # A/B: e4m3 encoded by integer arithmetic, not cvt
-                store_launcher.HW_E4M3 = False
+                hw, store_launcher.HW_E4M3 = store_launcher.HW_E4M3, False
                 try:
                     record("sweep", shape, f"store-{name} e4m3 bits", bench(fns, len(fns)), nb, base_ms=base)
                 finally:
-                    store_launcher.HW_E4M3 = True
+                    store_launcher.HW_E4M3 = hw
         del ks, vs, kb, vb
         torch.cuda.empty_cache()
 
@@ -374,7 +378,7 @@ def _read_probe_kernel():
 
 def read(args):
     """How fast can the decode grid read an 8-bit K + V at all? The same bytes and splits as the fp8
-    decode launch, V in three layouts, no math: the ceiling each layout leaves the attention kernel."""
+    decode launch, V in five layouts, no math: the ceiling each layout leaves the attention kernel."""
     read_kv = _read_probe_kernel()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for sh in args.decode_shapes.split(","):
@@ -383,14 +387,8 @@ def read(args):
             continue
         shape = f"B={B} L={L}"
         nb = 2 * B * HKV * L * D
-        n = copies_for(2 * nb)
-        qs = [torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
-        kvs = [(torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16),
-                torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16)) for _ in range(n)]
-        base = bench([lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-                      for q, (k, v) in zip(qs, kvs)], n)
+        _, base = sdpa_decode_baseline(B, L)
         record("read", shape, "sdpa-bf16", base, 2 * nb)
-        del kvs
         n = copies_for(nb)
         kv = [(torch.randint(0, 255, (B * HKV * L * D,), dtype=torch.uint8, device="cuda"),
                torch.randint(0, 255, (B * HKV * L * D,), dtype=torch.uint8, device="cuda")) for _ in range(n)]
