@@ -164,6 +164,8 @@ def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False):
     if name in ("q8_0", "fp8/block32"):
         variants.append(("reshape-tile", dict(BCAST_SCALE=False)))
     variants.append(("vpin-off", dict(V_PIN=False)))
+    if name == "q8_0":
+        variants.append(("int8ptx-off", dict(INT8_PTX=False)))
     if tiles_sweep and name in ("fp8", "q8_0"):
         for bn, w, st in ((128, 4, 2), (128, 4, 3), (128, 4, 4), (64, 4, 3), (64, 4, 4), (128, 8, 2), (256, 4, 2),
                           (64, 2, 3), (16, 1, 3), (32, 1, 3), (32, 1, 4), (64, 1, 3)):  # 1 warp: no cross-warp reductions

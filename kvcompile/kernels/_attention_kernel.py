@@ -14,7 +14,8 @@ V is reduced over keys in ``P @ V``. Stored key-contiguous (``V_KEYS_CONTIG``: Q
 layout for token scales) it feeds the dot like K feeds ``Q K^T``, widened in registers, no
 transpose; it is read in whole 16-key chunks so the loads stay 16-byte vectors. Stored
 head_dim-contiguous, the GPU widens the V tile by pinned inline PTX before its shared-memory
-transpose (``V_PIN``; why: ``_codes.codes_to_f16_pinned``).
+transpose (``V_PIN``; why: ``_codes.codes_to_f16_pinned``). Other int8 tiles (q8_0's K) are
+widened by the same PTX unpinned (``INT8_PTX``), four codes at a time.
 block32 formats dequantize the tile (codes * scale of each 32-wide slice) before the dot.
 Static scales: K scale folded into the softmax scale, V scale applied once at the end.
 """
@@ -76,6 +77,7 @@ def _attention_kernel(
     BCAST_SCALE: tl.constexpr,   # block32: broadcast the scales to the tile (else reshape the tile)
     V_PIN: tl.constexpr,         # widen V by pinned inline PTX before its smem transpose (GPU; _codes.py)
     V_KEYS_CONTIG: tl.constexpr,  # V codes key-contiguous (stride_vn == 1; QuantizedCache's layout for token scales)
+    INT8_PTX: tl.constexpr,      # widen int8 tiles to fp16 by inline PTX, four at a time (GPU; _codes.codes_to)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -150,10 +152,10 @@ def _attention_kernel(
         kc = tl.load(k_base + n[:, None] * stride_kn + d[None, :] * stride_kd, mask=kv_ok, other=0.0)
         if SCALE_KIND == SCALE_BLOCK:
             ksb = tl.load(ks_base + n[:, None] * stride_ksn + gi[None, :] * stride_ksg, mask=gs_ok, other=0.0)
-            k = codes_to(kc, DOT_DTYPE, FP8_BITS).to(tl.float32)
+            k = codes_to(kc, DOT_DTYPE, FP8_BITS, INT8_PTX).to(tl.float32)
             k = _scale_groups(k, ksb.to(tl.float32), BLOCK_N, BLOCK_D, GROUP_SIZE, BCAST_SCALE).to(DOT_DTYPE)
         else:
-            k = codes_to(kc, DOT_DTYPE, FP8_BITS)  # e4m3 / int8 -> 16 bits is exact
+            k = codes_to(kc, DOT_DTYPE, FP8_BITS, INT8_PTX)  # e4m3 / int8 -> 16 bits is exact
         if DOT_DTYPE == tl.float32:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -201,14 +203,14 @@ def _attention_kernel(
             if V_PIN:
                 v = codes_to_f16_pinned(vc).to(tl.float32)
             else:
-                v = codes_to(vc, PV_DTYPE, FP8_BITS).to(tl.float32)
+                v = codes_to(vc, PV_DTYPE, FP8_BITS, INT8_PTX).to(tl.float32)
             v = _scale_groups(v, vsb.to(tl.float32), BLOCK_N, BLOCK_D, GROUP_SIZE, BCAST_SCALE).to(PV_DTYPE)
             pv = p.to(PV_DTYPE)
         else:
             if V_PIN:
                 v = codes_to_f16_pinned(vc)
             else:
-                v = codes_to(vc, PV_DTYPE, FP8_BITS)
+                v = codes_to(vc, PV_DTYPE, FP8_BITS, INT8_PTX)
             if SCALE_KIND == SCALE_TOKEN:
                 vs = tl.load(vs_base + n * stride_vsn, mask=n_ok, other=0.0).to(tl.float32)
                 if PV_DTYPE == tl.float16:

@@ -140,12 +140,21 @@ def to_store_dtype(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def codes_to(c, DTYPE: tl.constexpr, FP8_BITS: tl.constexpr):
+def codes_to(c, DTYPE: tl.constexpr, FP8_BITS: tl.constexpr, INT8_PTX: tl.constexpr = False):
     """Loaded codes -> DTYPE, exactly. int8 -> fp16 by the magic-number trick (integer add +
     one fp16 subtract instead of a quarter-rate int->float convert): fp16 bits 0x6400 | (c + 128)
-    is 1024 + 128 + c, exact since fp16 steps by 1 in [1024, 2048)."""
+    is 1024 + 128 + c, exact since fp16 steps by 1 in [1024, 2048).
+
+    ``INT8_PTX`` (GPU only): the same trick four codes at a time in inline PTX (one ``prmt`` pair
+    and two ``sub.f16x2`` per four codes, where Triton emits a ``prmt`` and a 16-bit add per code).
+    Unpinned (``is_pure=True``): Triton may still sink it below the shared-memory read into the
+    dot-operand layout, which is where a K tile (reduced over its contiguous dim) wants it.
+    """
     if FP8_BITS:
         return e4m3_decode_bits(c).to(DTYPE)
+    elif INT8_PTX and c.dtype == tl.int8 and DTYPE == tl.float16:
+        return tl.inline_asm_elementwise(asm=_INT8_TO_F16X2, constraints="=r,=r,r", args=[c], dtype=tl.float16,
+                                         is_pure=True, pack=4)
     elif c.dtype == tl.int8 and DTYPE == tl.float16:
         u = (c.to(tl.int16) + 0x6480).to(tl.uint16)  # 0x6400 = 1024.0, + 128 shifts [-128, 127] to [0, 255]
         return u.to(tl.float16, bitcast=True) - 1152.0

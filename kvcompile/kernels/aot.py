@@ -146,7 +146,8 @@ def compile_attention(
     consts = dict(
         GROUP=group, GROUP_SIZE=group_size, SCALE_KIND=kind, MASK_KIND=mask_kind, IS_CAUSAL=q_len > 1 if causal is None else causal,
         SPLIT_OUTPUT=decode, FP8_BITS=fp8_bits, DOT_DTYPE=tl.float16, PV_DTYPE=tl.float16,
-        BCAST_SCALE=launcher.BCAST_SCALE, V_PIN=v_pin, V_KEYS_CONTIG=v_keys, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        BCAST_SCALE=launcher.BCAST_SCALE, V_PIN=v_pin, V_KEYS_CONTIG=v_keys,
+        INT8_PTX=launcher.int8_ptx(fmt.code_dtype, torch.float16), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         BLOCK_D=1 << (head_dim - 1).bit_length(),
     )
     compiled = _compile(_attention_kernel, cc, consts, ptrs, ones, zeros | not16, "compile_attention",

@@ -42,6 +42,9 @@ BCAST_SCALE = True  # block32 scales: broadcast to the tile (True: 1.9x faster q
 # V widened to fp16 by pinned inline PTX before its shared-memory transpose (see
 # _codes.codes_to_f16_pinned); off: Triton places the convert (8-bit transposed reads)
 V_PIN = True
+# int8 tiles (q8_0) widened to fp16 by inline PTX four codes at a time, unpinned (_codes.codes_to);
+# off: Triton's per-code arithmetic (same values)
+INT8_PTX = True
 INTERPRET_FP16 = False  # tests: run the interpreter's dots in fp16 to exercise the fp16 path
 _PATHS = ("auto", "fused", "dense")
 # FMA contraction on, explicitly: Triton 3.9 warns that its default turns off in 3.10 (the store
@@ -88,6 +91,11 @@ def decode_splits(programs: int, max_len: int, block_n: int, sms: int) -> tuple[
     splits = max(1, min(want, triton_cdiv(max_len, block_n)))
     split_len = triton_cdiv(triton_cdiv(max_len, splits), block_n) * block_n
     return triton_cdiv(max_len, split_len), split_len
+
+
+def int8_ptx(code_dtype: torch.dtype, dot_dtype: torch.dtype) -> bool:
+    """Whether int8 tiles are widened by inline PTX (GPU, fp16 dots; see ``INT8_PTX``)."""
+    return INT8_PTX and code_dtype == torch.int8 and dot_dtype == torch.float16 and not interpreting()
 
 
 def v_keys_contiguous(v: Tensor) -> bool:
@@ -184,7 +192,8 @@ def _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale
     tile = _SHRUNK.get(key, tile)
     out = torch.empty((B, Hq, Tq, D), dtype=q.dtype, device=dev)
     args = (q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, out, sm_scale, is_causal,
-            group, group_size, scale_kind, fp8_bits, dot_dtype, pv_dtype, decode, v_pin, v_keys)
+            group, group_size, scale_kind, fp8_bits, dot_dtype, pv_dtype, decode, v_pin, v_keys,
+            int8_ptx(kc.dtype, dot_dtype))
     from triton.runtime.errors import OutOfResources
 
     while True:
@@ -213,7 +222,8 @@ def _shrink(tile: tiles.Tile):
 
 
 def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, out, sm_scale, is_causal,
-            group, group_size, scale_kind, fp8_bits, dot_dtype, pv_dtype, decode, v_pin=False, v_keys=False):
+            group, group_size, scale_kind, fp8_bits, dot_dtype, pv_dtype, decode, v_pin=False, v_keys=False,
+            int8_ptx=False):
     B, Hq, Tq, D = q.shape
     Hkv, L = kc.shape[1], kc.shape[2]
     dev = q.device
@@ -246,7 +256,7 @@ def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, 
         GROUP=group, GROUP_SIZE=group_size, SCALE_KIND=scale_kind, MASK_KIND=mask_kind,
         IS_CAUSAL=bool(is_causal), SPLIT_OUTPUT=splits > 1, FP8_BITS=fp8_bits,
         DOT_DTYPE=_tl_dtype(dot_dtype), PV_DTYPE=_tl_dtype(pv_dtype), BCAST_SCALE=BCAST_SCALE,
-        V_PIN=v_pin, V_KEYS_CONTIG=v_keys,
+        V_PIN=v_pin, V_KEYS_CONTIG=v_keys, INT8_PTX=int8_ptx,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=next_pow2(D),
         num_warps=tile.num_warps, num_stages=tile.num_stages, **_FP_FUSION,
     )
