@@ -152,7 +152,7 @@ def decode(args):
             splits, _ = launcher.decode_splits(B * HKV, L, 128, torch.cuda.get_device_properties(0).multi_processor_count)
             record("decode", shape, f"kvcompile-{name}", ms, nb + 4 * B * HQ * D, base_ms=base, splits=splits)
             if args.sweep and (B, L) in ((8, 32768), (1, 32768), (4, 131072)):
-                sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=args.tile_sweep and L <= 32768)
+                sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=args.tile_sweep)
             del caches, fns
         torch.cuda.empty_cache()
 
@@ -170,6 +170,12 @@ def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False):
         for bn, w, st in ((128, 4, 2), (128, 4, 3), (128, 4, 4), (64, 4, 3), (64, 4, 4), (128, 8, 2), (256, 4, 2),
                           (64, 2, 3), (16, 1, 3), (32, 1, 3), (32, 1, 4), (64, 1, 3)):  # 1 warp: no cross-warp reductions
             variants.append((f"tile{bn}x{w}w{st}s", dict(_tile=(bn, w, st))))
+        # a register cap so that 3 (168 registers) or 4 (128) programs of 4 warps fit one SM, and
+        # the split count aimed at that many resident programs
+        for bn, w, st, r in ((128, 4, 3, 168), (128, 4, 2, 168), (128, 4, 2, 128), (64, 4, 3, 168), (64, 4, 3, 128),
+                             (64, 4, 4, 168)):
+            variants.append((f"tile{bn}x{w}w{st}s r{r}", dict(_tile=(bn, w, st, r))))
+            variants.append((f"tile{bn}x{w}w{st}s r{r} pps12", dict(_tile=(bn, w, st, r), DECODE_PROGRAMS_PER_SM=12)))
         for pps in (2, 4, 8, 16):
             variants.append((f"pps{pps}", dict(DECODE_PROGRAMS_PER_SM=pps, DECODE_PROGRAMS_PER_SM_SMALL=pps)))
     # V in the layout the cache does not use for this format (key- vs head_dim-contiguous)
@@ -205,8 +211,7 @@ def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False):
             if kernel_file is not None:
                 launcher._attention_kernel = load_kernel_file(kernel_file)
             if tile is not None:
-                bn, w, st = tile
-                launcher.tiles.decode_tile = lambda *a, **kw: launcher.tiles.Tile(16, bn, w, st)
+                launcher.tiles.decode_tile = lambda *a, t=launcher.tiles.Tile(16, *tile), **kw: t
             fns = [lambda q=q, c=c: kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, False, None)
                    for q, c in zip(qv, use)]
             ms = bench(fns, len(fns))

@@ -11,15 +11,20 @@ sm_90, checked against the compiled kernels' metadata, e.g. 108,544 B for the fp
 
 * the Q tile, ``BLOCK_M * D * q_bytes`` (kept resident);
 * ``num_stages - 1`` pipelined K and V tiles in flight at their real size,
-  ``BLOCK_N * D * (k_bytes + v_bytes)``, and their scales (at most ``max(4, D / 16)`` bytes per
-  key for K and for V: one fp32 per token, or one fp16 per 32 values);
+  ``BLOCK_N * D * (k_bytes + v_bytes)``, and their scales (``scale_bytes`` per key for K and for
+  V: 4 for an fp32 token scale, D / 8 for fp32 block32 scales, D / 16 for q8_0's fp16 ones, 0 for
+  static scales; callers that do not say are billed ``max(4, D / 16)``);
 * an 8-bit V tile widened to fp16 before the P @ V dot goes through shared memory for its
   transpose (``ldmatrix.trans``): ``BLOCK_N * D * 2``. An 8-bit K tile is widened in registers;
 * the 16-bit P tile, ``BLOCK_M * BLOCK_N * 2``.
 
-Decode is bound by memory latency: a tile must leave room for ``DECODE_MIN_PROGRAMS_PER_SM``
-programs on one SM (one program of 4 warps cannot keep enough loads in flight; measured on the
-H200: 16x128 with 4 stages runs one program per SM and is 1.37x slower than 3 stages).
+Decode is bound by memory latency, so what counts is how many programs one SM holds: its shared
+memory (``SMEM_PER_SM``, less 1 KB the hardware reserves per block from sm_80 on) and its 64K
+registers. Each decode candidate names the programs per SM it is meant to run at, and is taken
+only where that many fit; a candidate may cap its registers (``Tile.maxnreg``) to make room.
+Measured on the H200 (BENCHMARKS.md): the fp8 tile 16x128 with 4 stages at one program per SM
+is 1.37x slower than 3 stages at two; with V key-contiguous, 3 stages capped at 168 registers
+run three programs per SM and are 1.10-1.14x faster than two at B*L >= 256k.
 
 Nothing here imports triton or touches a GPU; the launchers call :func:`prefill_tile` /
 :func:`decode_tile` with the device's capability.
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional
 
 __all__ = [
     "SMEM_BYTES",
@@ -39,6 +45,7 @@ __all__ = [
     "prefill_candidates",
     "decode_tile",
     "has_native_fp8",
+    "programs_per_sm",
     "check_head_dim",
 ]
 
@@ -56,6 +63,20 @@ SMEM_BYTES: dict[tuple[int, int], int] = {
     (12, 0): 99 * 1024,
 }
 
+# Shared memory per SM (same source). From sm_80 on, each resident block also takes 1 KB of it.
+SMEM_PER_SM: dict[tuple[int, int], int] = {
+    (7, 0): 96 * 1024,
+    (7, 5): 64 * 1024,
+    (8, 0): 164 * 1024,
+    (8, 6): 100 * 1024,
+    (8, 7): 164 * 1024,
+    (8, 9): 100 * 1024,
+    (9, 0): 228 * 1024,
+    (10, 0): 228 * 1024,
+    (12, 0): 100 * 1024,
+}
+REGISTERS_PER_SM = 64 * 1024  # 32-bit registers, every arch here
+
 # head_dim values the fused kernels serve (padded to the next power of two inside the kernel).
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 160, 192, 256)
 
@@ -66,6 +87,8 @@ class Tile:
     block_n: int
     num_warps: int
     num_stages: int
+    # register cap per thread (ptxas ``.maxnreg``), so more programs fit one SM; None: ptxas decides
+    maxnreg: Optional[int] = None
 
 
 def check_head_dim(head_dim: int) -> None:
@@ -81,26 +104,47 @@ def has_native_fp8(cc: tuple[int, int]) -> bool:
     return tuple(cc) >= (8, 9)
 
 
-def _smem_limit(cc: tuple[int, int]) -> int:
+def _closest_known(cc: tuple[int, int]) -> tuple[int, int]:
+    # unknown arch: the closest known one at or below it (newer archs never have less)
     cc = tuple(cc)
     if cc in SMEM_BYTES:
-        return SMEM_BYTES[cc]
-    # unknown arch: the closest known one at or below it (newer archs never have less)
+        return cc
     known = [c for c in SMEM_BYTES if c <= cc]
-    return SMEM_BYTES[max(known)] if known else min(SMEM_BYTES.values())
+    return max(known) if known else min(SMEM_BYTES)
+
+
+def _smem_limit(cc: tuple[int, int]) -> int:
+    return SMEM_BYTES[_closest_known(cc)]
+
+
+def programs_per_sm(tile: Tile, cc: tuple[int, int], smem: int) -> int:
+    """How many programs of this tile one SM holds, by shared memory (``smem`` bytes each) and, for
+    a tile with a register cap, by registers (without one the compiler decides: not modelled)."""
+    cc = _closest_known(cc)
+    if smem > SMEM_BYTES[cc]:
+        return 0
+    reserve = 1024 if cc >= (8, 0) else 0
+    n = SMEM_PER_SM[cc] // (smem + reserve)
+    if tile.maxnreg is not None:
+        n = min(n, REGISTERS_PER_SM // (tile.maxnreg * 32 * tile.num_warps))
+    return n
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def smem_bytes(tile: Tile, head_dim: int, q_bytes: int, k_bytes: int, v_bytes: int, v_keys: bool = False) -> int:
+def smem_bytes(tile: Tile, head_dim: int, q_bytes: int, k_bytes: int, v_bytes: int, v_keys: bool = False,
+               scale_bytes: Optional[int] = None) -> int:
     """Shared memory one program of this tile needs (see the module docstring); ``v_keys``: V is
-    key-contiguous, so an 8-bit V tile is widened in registers like K and not staged."""
+    key-contiguous, so an 8-bit V tile is widened in registers like K and not staged;
+    ``scale_bytes``: bytes of scales per key, for K and for V each."""
     d = _pow2(head_dim)
+    if scale_bytes is None:
+        scale_bytes = max(4, d // 16)
     in_flight = max(1, tile.num_stages - 1)
     total = tile.block_m * d * q_bytes
-    total += in_flight * tile.block_n * (d * (k_bytes + v_bytes) + 2 * max(4, d // 16))
+    total += in_flight * tile.block_n * (d * (k_bytes + v_bytes) + 2 * scale_bytes)
     total += tile.block_n * d * 2 * (v_bytes < 2 and not v_keys)  # the widened 8-bit V tile, transposed via smem
     total += tile.block_m * tile.block_n * 2  # P
     return total
@@ -123,33 +167,27 @@ _PREFILL_CANDIDATES = (
 # than 128x128 / 8 warps / 3 stages (which spills on sm_90).
 _PREFILL_MEASURED = {(9, 0): Tile(64, 128, 4, 2)}
 # Decode: memory bound; M is the (padded) rows of one kv head's query group, N as large as
-# fits with deep pipelining so many bytes are in flight per SM.
+# fits with deep pipelining so many bytes are in flight per SM. Each tile with the programs per
+# SM it needs (the first whose programs fit is taken; else the first that fits one per SM).
 _DECODE_CANDIDATES = (
-    Tile(16, 128, 4, 4),
-    Tile(16, 128, 4, 3),
-    Tile(16, 64, 4, 4),
-    Tile(16, 64, 4, 3),
-    Tile(16, 64, 4, 2),
-    Tile(16, 32, 4, 2),
-    Tile(16, 16, 4, 2),
+    # three per SM where an 8-bit V tile needs no staging (V key-contiguous): 168 registers x 128
+    # threads x 3 <= 64K. Uncapped the compiler takes 184 and two fit (Triton 3.6, sm_90, fp8)
+    (Tile(16, 128, 4, 3, maxnreg=168), 3),
+    (Tile(16, 128, 4, 4), 2),
+    (Tile(16, 128, 4, 3), 2),
+    (Tile(16, 64, 4, 4), 2),
+    (Tile(16, 64, 4, 3), 2),
+    (Tile(16, 64, 4, 2), 2),
+    (Tile(16, 32, 4, 2), 2),
+    (Tile(16, 16, 4, 2), 2),
 )
 
 
-DECODE_MIN_PROGRAMS_PER_SM = 2
-
-
-def _pick(cands, cc, head_dim, q_bytes, k_bytes, v_bytes, block_m=None, programs_per_sm=1, v_keys=False) -> Tile:
-    # decode: M is the query rows of one kv head; when they do not fit, split them over programs
-    ms = [None] if block_m is None else [m for m in (128, 64, 32, 16) if m <= max(16, min(block_m, 128))]
-    # the first candidate that leaves room for programs_per_sm programs; else one program per SM
-    for per_sm in sorted({programs_per_sm, 1}, reverse=True):
-        limit = _smem_limit(cc) // per_sm
-        for m in ms:
-            for t in cands:
-                if m is not None:
-                    t = dataclasses.replace(t, block_m=m)
-                if smem_bytes(t, head_dim, q_bytes, k_bytes, v_bytes, v_keys) <= limit:
-                    return t
+def _pick(cands, cc, head_dim, q_bytes, k_bytes, v_bytes, v_keys=False, scale_bytes=None) -> Tile:
+    """Prefill: the first candidate that fits one program per SM."""
+    for t in cands:
+        if programs_per_sm(t, cc, smem_bytes(t, head_dim, q_bytes, k_bytes, v_bytes, v_keys, scale_bytes)) >= 1:
+            return t
     raise ValueError(
         f"kvcompile: no attention tile fits sm_{cc[0]}{cc[1]} shared memory ({_smem_limit(cc)} B) for "
         f"head_dim={head_dim}"
@@ -158,11 +196,12 @@ def _pick(cands, cc, head_dim, q_bytes, k_bytes, v_bytes, block_m=None, programs
 
 @functools.lru_cache(maxsize=None)
 def prefill_tile(cc: tuple[int, int], head_dim: int, q_bytes: int, k_bytes: int, v_bytes: int,
-                 v_keys: bool = False) -> Tile:
+                 v_keys: bool = False, scale_bytes: Optional[int] = None) -> Tile:
     """Tile of the prefill/extend kernel. ``*_bytes`` are the real bytes per element (1 for 8-bit);
-    ``v_keys``: V is key-contiguous (see :func:`smem_bytes`)."""
+    ``v_keys``: V is key-contiguous; ``scale_bytes``: per key, for K and V each (see :func:`smem_bytes`)."""
     check_head_dim(head_dim)
-    return _pick(prefill_candidates(cc, head_dim), tuple(cc), head_dim, q_bytes, k_bytes, v_bytes, v_keys=v_keys)
+    return _pick(prefill_candidates(cc, head_dim), tuple(cc), head_dim, q_bytes, k_bytes, v_bytes, v_keys,
+                 scale_bytes)
 
 
 def prefill_candidates(cc: tuple[int, int], head_dim: int) -> tuple[Tile, ...]:
@@ -180,12 +219,33 @@ def prefill_candidates(cc: tuple[int, int], head_dim: int) -> tuple[Tile, ...]:
 @functools.lru_cache(maxsize=None)
 def decode_tile(
     cc: tuple[int, int], head_dim: int, q_bytes: int, k_bytes: int, v_bytes: int, rows: int = 16,
-    v_keys: bool = False,
+    v_keys: bool = False, scale_bytes: Optional[int] = None,
 ) -> Tile:
-    """Tile of the split-K decode kernel; ``rows`` = query heads per kv head * query length."""
+    """Tile of the split-K decode kernel; ``rows`` = query heads per kv head * query length (M is
+    padded to a power of two >= 16; when the rows do not fit, they are split over programs)."""
     check_head_dim(head_dim)
+    cc = tuple(cc)
     cands = _DECODE_CANDIDATES
-    if tuple(cc) < (8, 0):
-        cands = tuple(dataclasses.replace(t, num_stages=min(t.num_stages, 2)) for t in cands)
-    return _pick(cands, tuple(cc), head_dim, q_bytes, k_bytes, v_bytes, block_m=_pow2(max(rows, 16)),
-                 programs_per_sm=DECODE_MIN_PROGRAMS_PER_SM, v_keys=v_keys)
+    if cc < (8, 0):
+        cands = tuple((dataclasses.replace(t, num_stages=min(t.num_stages, 2)), n) for t, n in cands)
+
+    def smem(t):
+        return smem_bytes(t, head_dim, q_bytes, k_bytes, v_bytes, v_keys, scale_bytes)
+
+    ms = [m for m in (128, 64, 32, 16) if m <= max(16, min(_pow2(max(rows, 16)), 128))]
+    for m in ms:
+        for t, want in cands:
+            if t.maxnreg is not None and m != t.block_m:
+                continue  # a register cap holds for the M it was measured at only
+            t = dataclasses.replace(t, block_m=m)
+            if programs_per_sm(t, cc, smem(t)) >= want:
+                return t
+    for m in ms:  # nothing leaves room for its programs: one program per SM
+        for t, _ in cands:
+            t = dataclasses.replace(t, block_m=m, maxnreg=None)
+            if programs_per_sm(t, cc, smem(t)) >= 1:
+                return t
+    raise ValueError(
+        f"kvcompile: no attention tile fits sm_{cc[0]}{cc[1]} shared memory ({_smem_limit(cc)} B) for "
+        f"head_dim={head_dim}"
+    )

@@ -49,11 +49,16 @@ def test_decode_reads_v_without_byte_loads_or_spills(reports, case):
 
 
 @pytest.mark.parametrize("case", CASES + KEYS_CASES, ids=lambda c: "/".join(c))
-def test_two_decode_programs_fit_one_h200_sm(reports, case):
+def test_decode_programs_per_h200_sm_as_planned(reports, case):
+    """Two programs per SM (three for V key-contiguous, with the register cap), by the compiled
+    kernel's own shared memory and registers, not the model's."""
     r = reports[case]
-    assert r.tile == tiles.decode_tile(H200, 128, 2, 1, 1, 4, len(case) == 3)
-    assert 2 * r.shared_bytes <= tiles.SMEM_BYTES[H200], r.summary()
-    assert 2 * r.registers * 32 * r.tile.num_warps <= 65536, r.summary()  # 64K registers per SM
+    want = 3 if len(case) == 3 else 2
+    assert tiles.programs_per_sm(r.tile, H200, r.shared_bytes) >= want, r.summary()
+    assert want * r.registers * 32 * r.tile.num_warps <= tiles.REGISTERS_PER_SM, r.summary()
+    # the model in tiles.py (which picks the tiles) never bills less than Triton allocates
+    scale = {"token": 4, "static": 0, "block32": 8 if case[0] == "q8_0" else 16}[case[1]]
+    assert tiles.smem_bytes(r.tile, 128, 2, 1, 1, len(case) == 3, scale) >= r.shared_bytes, r.summary()
 
 
 def test_q8_0_tiles_widened_four_codes_at_a_time(reports):

@@ -53,17 +53,43 @@ def test_one_byte_cache_gets_the_larger_tile_where_16bit_does_not_fit():
 
 @pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
 @pytest.mark.parametrize("D", HEAD_DIMS)
-def test_decode_tile_leaves_room_for_two_programs_per_sm(cc, D):
-    t = tiles.decode_tile(cc, D, 2, 1, 1, 4)
-    fits_two = any(tiles.smem_bytes(c, D, 2, 1, 1) * 2 <= tiles.SMEM_BYTES[cc] for c in tiles._DECODE_CANDIDATES)
+@pytest.mark.parametrize("v_keys", [False, True])
+def test_decode_tile_leaves_room_for_the_programs_it_is_meant_for(cc, D, v_keys):
+    t = tiles.decode_tile(cc, D, 2, 1, 1, 4, v_keys)
+    smem = tiles.smem_bytes(t, D, 2, 1, 1, v_keys)
+    fits_two = any(tiles.programs_per_sm(c, cc, tiles.smem_bytes(c, D, 2, 1, 1, v_keys)) >= 2
+                   for c, _ in tiles._DECODE_CANDIDATES)
     if fits_two:  # else the fallback: one program per SM
-        assert tiles.smem_bytes(t, D, 2, 1, 1) * tiles.DECODE_MIN_PROGRAMS_PER_SM <= tiles.SMEM_BYTES[cc], t
+        assert tiles.programs_per_sm(t, cc, smem) >= 2, t
+    if t.maxnreg is not None:  # a capped tile is only taken where its three programs fit
+        assert tiles.programs_per_sm(t, cc, smem) >= 3, t
+        assert 3 * t.maxnreg * 32 * t.num_warps <= tiles.REGISTERS_PER_SM
 
 
 def test_h200_fp8_decode_tile_is_the_measured_best():
     # BENCHMARKS.md (decode tile sweep, pinned V): 16x128, 4 warps, 3 stages; 4 stages runs one
     # program per SM and is 1.37x slower at B=8, L=32k
     assert tiles.decode_tile((9, 0), 128, 2, 1, 1, 4) == tiles.Tile(16, 128, 4, 3)
+    # V key-contiguous, fp32 token scales (4 B per key): no widened V tile in shared memory, so
+    # 3 stages fit three programs per SM at 168 registers (BENCHMARKS.md, session 5: 1.10-1.14x
+    # faster than two programs at B*L >= 256k)
+    t = tiles.decode_tile((9, 0), 128, 2, 1, 1, 4, True, 4)
+    assert t == tiles.Tile(16, 128, 4, 3, maxnreg=168)
+    # what Triton 3.6 allocates for it on sm_90 (the compiled kernel's metadata): 75,776 B
+    assert tiles.smem_bytes(t, 128, 2, 1, 1, True, 4) == 75776
+    assert tiles.programs_per_sm(t, (9, 0), 75776) == 3
+    # the cap is only taken at M = 16 (it was measured there): 8 query heads x 4 queries
+    assert tiles.decode_tile((9, 0), 128, 2, 1, 1, 32, True, 4).maxnreg is None
+
+
+def test_programs_per_sm_counts_the_per_block_reserve_and_registers():
+    t = tiles.Tile(16, 128, 4, 3)
+    # sm_90: 228 KB per SM, 1 KB reserved per block
+    assert tiles.programs_per_sm(t, (9, 0), 76 * 1024 - 1024) == 3
+    assert tiles.programs_per_sm(t, (9, 0), 76 * 1024 - 1023) == 2
+    assert tiles.programs_per_sm(t, (9, 0), tiles.SMEM_BYTES[(9, 0)] + 1) == 0  # over the per-block limit
+    assert tiles.programs_per_sm(tiles.Tile(16, 128, 4, 3, maxnreg=255), (9, 0), 1024) == 2  # 255 x 128 x 2 <= 64K
+    assert tiles.programs_per_sm(t, (7, 5), 32 * 1024) == 2  # no reserve before sm_80
 
 
 def test_native_fp8_from_sm89():

@@ -117,8 +117,9 @@ def compile_attention(
     scales = torch.empty(fmt.scale_shape(1, 1, 1, head_dim), device="meta")
     kind, group_size = launcher._scale_kind(scales, scales, head_dim)
     if tile is None:
-        tile = (tiles.decode_tile(cc, head_dim, 2, 1, 1, q_len * group, v_keys) if decode
-                else tiles.prefill_tile(cc, head_dim, 2, 1, 1, v_keys))
+        sb = launcher.scale_bytes(scales)
+        tile = (tiles.decode_tile(cc, head_dim, 2, 1, 1, q_len * group, v_keys, sb) if decode
+                else tiles.prefill_tile(cc, head_dim, 2, 1, 1, v_keys, sb))
     # code pointers as the launcher passes them: e4m3 as uint8 bits below sm_89 and for pinned V
     k_code = "*i8" if not fp8 else ("*u8" if fp8_bits else "*fp8e4nv")
     v_code = "*u8" if fp8 and v_pin else k_code
@@ -152,7 +153,7 @@ def compile_attention(
     )
     compiled = _compile(_attention_kernel, cc, consts, ptrs, ones, zeros | not16, "compile_attention",
                         "attention_launcher._launch", num_warps=tile.num_warps, num_stages=tile.num_stages,
-                        **launcher._FP_FUSION)
+                        **launcher._FP_FUSION, **launcher._maxnreg(tile))
     return _report(compiled, f"sm_{cc[0]}{cc[1]}", tile)
 
 

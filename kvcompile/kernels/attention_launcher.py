@@ -114,6 +114,11 @@ def v_keys_contiguous(v: Tensor) -> bool:
     return last + triton_cdiv(L, 16) * 16 <= v.untyped_storage().nbytes() // v.element_size()
 
 
+def scale_bytes(scale: Tensor) -> int:
+    """Bytes of scales the kernel loads per key (for K or for V): 0 for static scales."""
+    return 0 if scale.dim() == 1 else scale.element_size() * scale.shape[-1]
+
+
 def _scale_kind(k_scale: Tensor, v_scale: Tensor, head_dim: int) -> tuple[int, int]:
     def kind(s: Tensor) -> tuple[int, int]:
         if s.dim() == 1:
@@ -181,10 +186,11 @@ def _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale
         vc = v_q.view(torch.uint8)  # the PTX takes the code bits
     qb = torch.empty((), dtype=dot_dtype).element_size()
     rows = Tq * group
+    sb = scale_bytes(k_scale)
     if decode:
-        tile = tiles.decode_tile(cc, D, qb, kc.element_size(), vc.element_size(), rows, v_keys)
+        tile = tiles.decode_tile(cc, D, qb, kc.element_size(), vc.element_size(), rows, v_keys, sb)
     else:
-        tile = tiles.prefill_tile(cc, D, qb, kc.element_size(), vc.element_size(), v_keys)
+        tile = tiles.prefill_tile(cc, D, qb, kc.element_size(), vc.element_size(), v_keys, sb)
     if interpreting():
         tile = dataclasses.replace(tile, block_m=min(tile.block_m, 32), block_n=16)
     key = (decode, cc, D, dot_dtype, k_q.dtype, scale_kind, mask_kind, bool(is_causal), rows if decode else 0, v_pin,
@@ -219,6 +225,10 @@ def _shrink(tile: tiles.Tile):
     if tile.block_m > 16:
         return dataclasses.replace(tile, block_m=tile.block_m // 2)
     return None
+
+
+def _maxnreg(tile: tiles.Tile) -> dict:
+    return {} if tile.maxnreg is None or interpreting() else {"maxnreg": tile.maxnreg}
 
 
 def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, out, sm_scale, is_causal,
@@ -258,7 +268,7 @@ def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, 
         DOT_DTYPE=_tl_dtype(dot_dtype), PV_DTYPE=_tl_dtype(pv_dtype), BCAST_SCALE=BCAST_SCALE,
         V_PIN=v_pin, V_KEYS_CONTIG=v_keys, INT8_PTX=int8_ptx,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=next_pow2(D),
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **_FP_FUSION,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **_FP_FUSION, **_maxnreg(tile),
     )
     if splits > 1:
         _merge_kernel[(B * Hq * Tq,)](
