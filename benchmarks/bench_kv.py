@@ -37,6 +37,9 @@ VARIANTS = None  # --variants: a regex that sweep labels must match
 AB_KERNEL = None  # --ab-kernel: another _attention_kernel.py (e.g. from git show), timed as a sweep variant
 
 
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg", "enable_fp_fusion")  # kept for --ab-kernel launches
+
+
 def load_kernel_file(path):
     """The ``_attention_kernel`` of another version of kvcompile/kernels/_attention_kernel.py."""
     import importlib.util
@@ -49,7 +52,7 @@ def load_kernel_file(path):
     class OlderArgs:  # the launcher passes today's keyword arguments: drop those the other version lacks
         def __getitem__(self, grid):
             return lambda *a, **kw: kernel[grid](*a, **{k: v for k, v in kw.items()
-                                                         if k in kernel.arg_names or k.startswith("num_")})
+                                                         if k in kernel.arg_names or k in LAUNCH_OPTIONS})
 
     return OlderArgs()
 
@@ -259,6 +262,14 @@ def prefill(args):
                 print("prefill skip", path, type(e).__name__, str(e)[:200])
                 continue
             record("prefill", shape, f"kvcompile-fp8-{path}", ms, 0, flops, base_ms=base)
+            if path == "fused" and AB_KERNEL is not None:
+                saved_kernel = launcher._attention_kernel
+                launcher._attention_kernel = load_kernel_file(AB_KERNEL)
+                try:
+                    record("sweep", shape, f"kvcompile-fp8-fused kernel {os.path.basename(AB_KERNEL)}", bench([fn], 1), 0,
+                           flops, base_ms=base)
+                finally:
+                    launcher._attention_kernel = saved_kernel
             if path == "fused" and args.sweep:
                 launcher.V_PIN = False
                 try:
@@ -425,6 +436,7 @@ def smoke(args):
                 m = torch.rand(3, 1, Tq, 301, device="cuda") > 0.2
                 kernels.attention(q, kc, ks, v, vs, kv_len, m, True, None)
                 kernels.attention(q, kc, ks, v, vs, kv_len, None, False, None)
+                kernels.attention(q, kc, ks, v, vs, kv_len, None, True, None)  # unmasked tiles + diagonal
             kernels.dequantize(v, vs, None, kv_len, torch.bfloat16)
         kernels.dequantize(kc, ks, None, kv_len, torch.bfloat16)
     os.environ.pop("KVCOMPILE_PREFILL")

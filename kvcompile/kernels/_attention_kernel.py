@@ -17,6 +17,9 @@ head_dim-contiguous, the GPU widens the V tile by pinned inline PTX before its s
 transpose (``V_PIN``; why: ``_codes.codes_to_f16_pinned``). Other int8 tiles (q8_0's K) are
 widened by the same PTX unpinned (``INT8_PTX``), four codes at a time.
 block32 formats dequantize the tile (codes * scale of each 32-wide slice) before the dot.
+Keys are walked in two loops over one tile step (``_attend_tile``): first the tiles every row of the
+program sees in full, with no masking at all, then (not pipelined) the at most two tiles that need
+the length / causal / user mask.
 Static scales: K scale folded into the softmax scale, V scale applied once at the end.
 """
 
@@ -50,6 +53,134 @@ def _scale_groups(x, s, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_SIZE
     else:
         x3 = tl.reshape(x, (BLOCK_N, BLOCK_D // GROUP_SIZE, GROUP_SIZE))
         return tl.reshape(x3 * s[:, :, None], (BLOCK_N, BLOCK_D))
+
+
+@triton.jit
+def _attend_tile(
+    acc, l_i, m_i, v_prev, start_n, n_hi, q, qk_scale, row_ok, q_pos, d, d_ok, D,
+    k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd, ks_base, stride_ksn, stride_ksg,
+    vs_base, stride_vsn, stride_vsg, m_base, stride_mn,
+    GROUP_SIZE: tl.constexpr, SCALE_KIND: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    FP8_BITS: tl.constexpr, DOT_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, BCAST_SCALE: tl.constexpr,
+    V_PIN: tl.constexpr, V_KEYS_CONTIG: tl.constexpr, INT8_PTX: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every key of the tile is visible to every row (see the caller)
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One BLOCK_N-key tile of the online softmax: returns the updated (acc, l_i, m_i, v_prev)."""
+    FOLD_V_MAX: tl.constexpr = SCALE_KIND == SCALE_TOKEN and PV_DTYPE == tl.float16
+    n = start_n + tl.arange(0, BLOCK_N)
+    if MASKED:
+        n_ok = n < n_hi
+        kv_ok = n_ok[:, None] & d_ok[None, :]
+    else:
+        kv_ok = d_ok[None, :]
+    if SCALE_KIND == SCALE_BLOCK:  # [BLOCK_N, groups] scales, broadcast over each group's columns
+        gi = tl.arange(0, BLOCK_D // GROUP_SIZE)
+        gs_ok = (gi * GROUP_SIZE < D)[None, :]
+        if MASKED:
+            gs_ok = n_ok[:, None] & gs_ok
+    # ---- S = Q K^T, the scale kept out of the K tile (token) or folded in (static) ----
+    kc = tl.load(k_base + n[:, None] * stride_kn + d[None, :] * stride_kd, mask=kv_ok, other=0.0)
+    if SCALE_KIND == SCALE_BLOCK:
+        ksb = tl.load(ks_base + n[:, None] * stride_ksn + gi[None, :] * stride_ksg, mask=gs_ok, other=0.0)
+        k = codes_to(kc, DOT_DTYPE, FP8_BITS, INT8_PTX).to(tl.float32)
+        k = _scale_groups(k, ksb.to(tl.float32), BLOCK_N, BLOCK_D, GROUP_SIZE, BCAST_SCALE).to(DOT_DTYPE)
+    else:
+        k = codes_to(kc, DOT_DTYPE, FP8_BITS, INT8_PTX)  # e4m3 / int8 -> 16 bits is exact
+    if DOT_DTYPE == tl.float32:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    if SCALE_KIND == SCALE_TOKEN:
+        if MASKED:
+            ks = tl.load(ks_base + n * stride_ksn, mask=n_ok, other=0.0).to(tl.float32)
+        else:
+            ks = tl.load(ks_base + n * stride_ksn).to(tl.float32)
+        s = s * (ks * qk_scale)[None, :]
+    else:
+        s = s * qk_scale
+
+    # ---- visibility: length, causal, mask ----
+    if MASKED:
+        valid = row_ok[:, None] & n_ok[None, :]
+        if IS_CAUSAL:
+            valid = valid & (n[None, :] <= q_pos[:, None])
+        if MASK_KIND == MASK_BOOL:
+            mv = tl.load(m_base + n[None, :] * stride_mn, mask=valid, other=0)
+            valid = valid & (mv != 0)
+        if MASK_KIND == MASK_ADD:
+            s = s + tl.load(m_base + n[None, :] * stride_mn, mask=valid, other=0.0).to(tl.float32)
+        s = tl.where(valid, s, float("-inf"))
+
+    # ---- online softmax (natural-log units; exp via exp2) ----
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # an all-masked row so far
+    alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
+    p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)
+    l_i = l_i * alpha + tl.sum(p, axis=1)  # the denominator sums the unscaled p
+    if not FOLD_V_MAX:
+        acc = acc * alpha[:, None]
+
+    # ---- O += P V, s_v applied to P (token) or to the tile (block32) ----
+    v_ptrs = v_base + n[:, None] * stride_vn + d[None, :] * stride_vd
+    if V_KEYS_CONTIG:
+        # Keys are the contiguous (and the reduced) dim of this tile, as D is for K: it feeds the
+        # dot without a transpose. Mask whole 16-key chunks so the loads stay 16-byte vectors
+        # (the launcher checked the storage extends to the 16-rounded length); p is 0 past n_hi,
+        # and the V values read there are made finite below.
+        tl.static_assert(BLOCK_N % 16 == 0)  # tiles start at multiples of 16: the chunks align
+        if MASKED:
+            chunk_ok = tl.max_constancy((n // 16) * 16 < n_hi, 16)
+            vc = tl.load(v_ptrs, mask=chunk_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            vc = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    else:
+        vc = tl.load(v_ptrs, mask=kv_ok, other=0.0)
+    if SCALE_KIND == SCALE_BLOCK:
+        vsb = tl.load(vs_base + n[:, None] * stride_vsn + gi[None, :] * stride_vsg, mask=gs_ok, other=0.0)
+        if V_PIN:
+            v = codes_to_f16_pinned(vc).to(tl.float32)
+        else:
+            v = codes_to(vc, PV_DTYPE, FP8_BITS, INT8_PTX).to(tl.float32)
+        v = _scale_groups(v, vsb.to(tl.float32), BLOCK_N, BLOCK_D, GROUP_SIZE, BCAST_SCALE).to(PV_DTYPE)
+        pv = p.to(PV_DTYPE)
+    else:
+        if V_PIN:
+            v = codes_to_f16_pinned(vc)
+        else:
+            v = codes_to(vc, PV_DTYPE, FP8_BITS, INT8_PTX)
+        if SCALE_KIND == SCALE_TOKEN:
+            if MASKED:
+                vs = tl.load(vs_base + n * stride_vsn, mask=n_ok, other=0.0).to(tl.float32)
+            else:
+                vs = tl.load(vs_base + n * stride_vsn).to(tl.float32)
+            if PV_DTYPE == tl.float16:
+                # fp16 has no room for p * s_v (s_v ~ amax / 448 underflows): scale P by s_v / max(s_v)
+                # of this tile (<= 1), and the tile's PV product by max(s_v) in fp32
+                v_max = tl.max(vs, axis=0)
+                v_max = tl.where(v_max > 0, v_max, 1.0)
+                pv = (p * (vs * (1.0 / v_max))[None, :]).to(PV_DTYPE)
+            else:
+                pv = (p * vs[None, :]).to(PV_DTYPE)
+        else:
+            pv = p.to(PV_DTYPE)
+    if MASKED and V_KEYS_CONTIG and v_base.dtype.element_ty != tl.int8:
+        # e4m3 codes past n_hi may be NaN, and p = 0 does not cancel NaN. max() returns its non-NaN
+        # operand: NaN becomes the lowest finite value (finite values pass) and 0 * it = 0. (An
+        # unmasked tile reads no codes past n_hi: a NaN there is the data's, as in the reference.)
+        if v.dtype == tl.float16:
+            v = tl.maximum(v, tl.full([1, 1], -65504.0, v.dtype))
+        else:
+            v = tl.maximum(v, tl.full([1, 1], -3.0e38, v.dtype))
+    if PV_DTYPE == tl.float32:
+        acc += tl.dot(pv, v, input_precision="ieee")
+    elif FOLD_V_MAX:  # the rescale rides on the dot's accumulator input: no separate pass over acc
+        acc = tl.dot(pv, v, acc * (alpha * (v_prev / v_max))[:, None])
+        v_prev = v_max
+    else:
+        acc += tl.dot(pv, v)
+    m_i = m_new
+    return acc, l_i, m_i, v_prev
 
 
 @triton.jit
@@ -141,103 +272,30 @@ def _attention_kernel(
     FOLD_V_MAX: tl.constexpr = SCALE_KIND == SCALE_TOKEN and PV_DTYPE == tl.float16
     v_prev = 1.0
 
-    for start_n in range(n_lo, n_hi, BLOCK_N):
-        n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = n < n_hi
-        kv_ok = n_ok[:, None] & d_ok[None, :]
-        if SCALE_KIND == SCALE_BLOCK:  # [BLOCK_N, groups] scales, broadcast over each group's columns
-            gi = tl.arange(0, BLOCK_D // GROUP_SIZE)
-            gs_ok = n_ok[:, None] & (gi * GROUP_SIZE < D)[None, :]
-        # ---- S = Q K^T, the scale kept out of the K tile (token) or folded in (static) ----
-        kc = tl.load(k_base + n[:, None] * stride_kn + d[None, :] * stride_kd, mask=kv_ok, other=0.0)
-        if SCALE_KIND == SCALE_BLOCK:
-            ksb = tl.load(ks_base + n[:, None] * stride_ksn + gi[None, :] * stride_ksg, mask=gs_ok, other=0.0)
-            k = codes_to(kc, DOT_DTYPE, FP8_BITS, INT8_PTX).to(tl.float32)
-            k = _scale_groups(k, ksb.to(tl.float32), BLOCK_N, BLOCK_D, GROUP_SIZE, BCAST_SCALE).to(DOT_DTYPE)
-        else:
-            k = codes_to(kc, DOT_DTYPE, FP8_BITS, INT8_PTX)  # e4m3 / int8 -> 16 bits is exact
-        if DOT_DTYPE == tl.float32:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        if SCALE_KIND == SCALE_TOKEN:
-            ks = tl.load(ks_base + n * stride_ksn, mask=n_ok, other=0.0).to(tl.float32)
-            s = s * (ks * qk_scale)[None, :]
-        else:
-            s = s * qk_scale
-
-        # ---- visibility: length, causal, mask ----
-        valid = row_ok[:, None] & n_ok[None, :]
+    # Tiles every row sees in full (below the first query's causal limit, no user mask) skip all
+    # masking: no length / causal / mask test, whole-tile loads, no NaN clearing of V (it only
+    # guards codes past the length). The rest, at most the last tile of a split or the diagonal
+    # tiles of a causal query block, go through the masked step.
+    n_full = n_lo
+    if MASK_KIND == MASK_NONE:
+        n_vis = n_hi
         if IS_CAUSAL:
-            valid = valid & (n[None, :] <= q_pos[:, None])
-        if MASK_KIND == MASK_BOOL:
-            mv = tl.load(m_base + n[None, :] * stride_mn, mask=valid, other=0)
-            valid = valid & (mv != 0)
-        if MASK_KIND == MASK_ADD:
-            s = s + tl.load(m_base + n[None, :] * stride_mn, mask=valid, other=0.0).to(tl.float32)
-        s = tl.where(valid, s, float("-inf"))
-
-        # ---- online softmax (natural-log units; exp via exp2) ----
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # an all-masked row so far
-        alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
-        p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)
-        l_i = l_i * alpha + tl.sum(p, axis=1)  # the denominator sums the unscaled p
-        if not FOLD_V_MAX:
-            acc = acc * alpha[:, None]
-
-        # ---- O += P V, s_v applied to P (token) or to the tile (block32) ----
-        v_ptrs = v_base + n[:, None] * stride_vn + d[None, :] * stride_vd
-        if V_KEYS_CONTIG:
-            # Keys are the contiguous (and the reduced) dim of this tile, as D is for K: it feeds the
-            # dot without a transpose. Mask whole 16-key chunks so the loads stay 16-byte vectors
-            # (the launcher checked the storage extends to the 16-rounded length); p is 0 past n_hi,
-            # and the V values read there are made finite below.
-            tl.static_assert(BLOCK_N % 16 == 0)  # tiles start at multiples of 16: the chunks align
-            chunk_ok = tl.max_constancy((n // 16) * 16 < n_hi, 16)
-            vc = tl.load(v_ptrs, mask=chunk_ok[:, None] & d_ok[None, :], other=0.0)
-        else:
-            vc = tl.load(v_ptrs, mask=kv_ok, other=0.0)
-        if SCALE_KIND == SCALE_BLOCK:
-            vsb = tl.load(vs_base + n[:, None] * stride_vsn + gi[None, :] * stride_vsg, mask=gs_ok, other=0.0)
-            if V_PIN:
-                v = codes_to_f16_pinned(vc).to(tl.float32)
-            else:
-                v = codes_to(vc, PV_DTYPE, FP8_BITS, INT8_PTX).to(tl.float32)
-            v = _scale_groups(v, vsb.to(tl.float32), BLOCK_N, BLOCK_D, GROUP_SIZE, BCAST_SCALE).to(PV_DTYPE)
-            pv = p.to(PV_DTYPE)
-        else:
-            if V_PIN:
-                v = codes_to_f16_pinned(vc)
-            else:
-                v = codes_to(vc, PV_DTYPE, FP8_BITS, INT8_PTX)
-            if SCALE_KIND == SCALE_TOKEN:
-                vs = tl.load(vs_base + n * stride_vsn, mask=n_ok, other=0.0).to(tl.float32)
-                if PV_DTYPE == tl.float16:
-                    # fp16 has no room for p * s_v (s_v ~ amax / 448 underflows): scale P by s_v / max(s_v)
-                    # of this tile (<= 1), and the tile's PV product by max(s_v) in fp32
-                    v_max = tl.max(vs, axis=0)
-                    v_max = tl.where(v_max > 0, v_max, 1.0)
-                    pv = (p * (vs * (1.0 / v_max))[None, :]).to(PV_DTYPE)
-                else:
-                    pv = (p * vs[None, :]).to(PV_DTYPE)
-            else:
-                pv = p.to(PV_DTYPE)
-        if V_KEYS_CONTIG and V.dtype.element_ty != tl.int8:
-            # e4m3 codes past n_hi may be NaN, and p = 0 does not cancel NaN. max() returns its non-NaN
-            # operand: NaN becomes the lowest finite value (finite values pass) and 0 * it = 0.
-            if v.dtype == tl.float16:
-                v = tl.maximum(v, tl.full([1, 1], -65504.0, v.dtype))
-            else:
-                v = tl.maximum(v, tl.full([1, 1], -3.0e38, v.dtype))
-        if PV_DTYPE == tl.float32:
-            acc += tl.dot(pv, v, input_precision="ieee")
-        elif FOLD_V_MAX:  # the rescale rides on the dot's accumulator input: no separate pass over acc
-            acc = tl.dot(pv, v, acc * (alpha * (v_prev / v_max))[:, None])
-            v_prev = v_max
-        else:
-            acc += tl.dot(pv, v)
-        m_i = m_new
+            n_vis = tl.minimum(n_vis, kv_len - Tq + (pid_m * BLOCK_M) // GROUP + 1)
+        n_full = n_lo + tl.maximum(n_vis - n_lo, 0) // BLOCK_N * BLOCK_N
+        for start_n in range(n_lo, n_full, BLOCK_N):
+            acc, l_i, m_i, v_prev = _attend_tile(
+                acc, l_i, m_i, v_prev, start_n, n_hi, q, qk_scale, row_ok, q_pos, d, d_ok, D,
+                k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd, ks_base, stride_ksn, stride_ksg,
+                vs_base, stride_vsn, stride_vsg, m_base, stride_mn,
+                GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, FP8_BITS, DOT_DTYPE, PV_DTYPE, BCAST_SCALE, V_PIN,
+                V_KEYS_CONTIG, INT8_PTX, False, BLOCK_N, BLOCK_D)
+    for start_n in tl.range(n_full, n_hi, BLOCK_N, num_stages=1):  # at most 2 tiles: not pipelined
+        acc, l_i, m_i, v_prev = _attend_tile(
+            acc, l_i, m_i, v_prev, start_n, n_hi, q, qk_scale, row_ok, q_pos, d, d_ok, D,
+            k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd, ks_base, stride_ksn, stride_ksg,
+            vs_base, stride_vsn, stride_vsg, m_base, stride_mn,
+            GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, FP8_BITS, DOT_DTYPE, PV_DTYPE, BCAST_SCALE, V_PIN,
+            V_KEYS_CONTIG, INT8_PTX, True, BLOCK_N, BLOCK_D)
 
     # ---- epilogue: rows with no visible key give zeros ----
     has_key = l_i > 0
