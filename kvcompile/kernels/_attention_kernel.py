@@ -29,6 +29,10 @@ import triton.language as tl
 from ._codes import codes_to, codes_to_f16_pinned, to_store_dtype
 
 LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): exp(x) = exp2(x * LOG2E)
+# fp16 P * s_v / max(s_v) is <= 1: times 2^14 (exact) it stays <= 16384 < 65504, and a key whose
+# scale is 1e-6 of the tile's largest keeps fp16's full precision instead of going subnormal
+# (below 2^-14) and losing it, e.g. when the large-scale keys are masked for this row
+PV_HEADROOM = tl.constexpr(16384.0)
 
 SCALE_TOKEN = tl.constexpr(0)
 SCALE_BLOCK = tl.constexpr(1)
@@ -156,10 +160,10 @@ def _attend_tile(
                 vs = tl.load(vs_base + n * stride_vsn).to(tl.float32)
             if PV_DTYPE == tl.float16:
                 # fp16 has no room for p * s_v (s_v ~ amax / 448 underflows): scale P by s_v / max(s_v)
-                # of this tile (<= 1), and the tile's PV product by max(s_v) in fp32
+                # of this tile (<= 1) times PV_HEADROOM, and the tile's PV product by max(s_v) in fp32
                 v_max = tl.max(vs, axis=0)
                 v_max = tl.where(v_max > 0, v_max, 1.0)
-                pv = (p * (vs * (1.0 / v_max))[None, :]).to(PV_DTYPE)
+                pv = (p * (vs * (PV_HEADROOM / v_max))[None, :]).to(PV_DTYPE)
             else:
                 pv = (p * vs[None, :]).to(PV_DTYPE)
         else:
@@ -267,8 +271,9 @@ def _attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # token scales with an fp16 PV dot: P is scaled by s_v / v_max of each tile, so acc holds O / v_max
-    # of the last tile and is rescaled by alpha * v_max_prev / v_max as the dot's accumulator input
+    # token scales with an fp16 PV dot: P is scaled by s_v / v_max of each tile (x PV_HEADROOM), so acc
+    # holds O * PV_HEADROOM / v_max of the last tile and is rescaled by alpha * v_max_prev / v_max as
+    # the dot's accumulator input
     FOLD_V_MAX: tl.constexpr = SCALE_KIND == SCALE_TOKEN and PV_DTYPE == tl.float16
     v_prev = 1.0
 
@@ -301,7 +306,7 @@ def _attention_kernel(
     has_key = l_i > 0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
     if FOLD_V_MAX:
-        out = out * v_prev
+        out = out * (v_prev / PV_HEADROOM)
     out_ok = row_ok[:, None] & d_ok[None, :]
     if SPLIT_OUTPUT:
         lse = tl.where(has_key, m_i * LOG2E + tl.math.log2(tl.where(has_key, l_i, 1.0)), float("-inf"))
