@@ -72,7 +72,7 @@ def _tile_lines(archs) -> list[str]:
                  f"{'decode (M,N,warps,stages)':28s}")
     for cc in shown:
         for d in HEAD_DIMS:
-            # "8-bit Vk": V key-contiguous (QuantizedCache's layout for token scales)
+            # "8-bit Vk": V key-contiguous (QuantizedCache's layout for token and static scales)
             for kv_bytes, v_keys, label in ((1, False, "8-bit"), (1, True, "8-bit Vk"), (2, False, "16-bit")):
                 try:
                     p = tiles.prefill_tile(tuple(cc), d, Q_BYTES, kv_bytes, kv_bytes, v_keys)

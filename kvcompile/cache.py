@@ -314,7 +314,7 @@ class QuantizedCache(Cache):
             ``k_scale``/``v_scale`` ``[layers, Hkv]`` (static scales) and/or ``k_offset``
             ``[layers, Hkv, D]`` (K centering, usable with every format).
         v_layout: how V codes are laid out in memory: ``"auto"`` (default: key-contiguous for
-            token scales, head_dim-contiguous otherwise, the faster layout of each on the H200, see
+            token and static scales, head_dim-contiguous otherwise, the faster layout of each on the H200, see
             BENCHMARKS.md), ``"keys"`` or ``"head_dim"``. ``v_codes`` is ``[B, Hkv, L, D]`` either way.
     """
 

@@ -112,11 +112,13 @@ class KVFormat:
         memory, seen as ``[B, Hkv, L, D]``).
 
         The attention kernels reduce V over keys (``P @ V``): stored key-contiguous, an 8-bit V tile
-        feeds the dot like K does, with no transpose. Measured on the H200 (BENCHMARKS.md): token
-        scales decode 1.09-1.10x faster that way; static scales run even, and q8_0 (block32
-        scales along head_dim) slower, so those keep V head_dim-contiguous.
+        feeds the dot like K does, with no transpose, and the decode tile fits three programs per
+        SM instead of two (nothing staged for a transpose). Measured on the H200 (BENCHMARKS.md):
+        token scales decode 1.09-1.10x faster that way, static scales 1.09-1.11x (session 5); q8_0
+        and fp8/block32 (scales along head_dim, applied to the tile) run slower, so those keep V
+        head_dim-contiguous.
         """
-        return self.granularity == "token"
+        return self.granularity in ("token", "static")
 
     def check_head_dim(self, head_dim: int) -> None:
         if self.granularity == "block32" and head_dim % BLOCK != 0:

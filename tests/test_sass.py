@@ -18,7 +18,7 @@ from kvcompile.kernels import aot  # noqa: E402
 H200 = (9, 0)
 CASES = [("fp8_e4m3", "token"), ("fp8_e4m3", "static"), ("fp8_e4m3", "block32"), ("q8_0", "block32")]
 # V key-contiguous (QuantizedCache's layout for token and static scales): read like K, no transpose
-KEYS_CASES = [("fp8_e4m3", "token", "v-keys")]
+KEYS_CASES = [("fp8_e4m3", "token", "v-keys"), ("fp8_e4m3", "static", "v-keys")]
 
 
 def _byte_loads(r: aot.SassReport) -> int:

@@ -11,7 +11,7 @@ Scales never enter the 8-bit tiles (per-token formats): the QK^T tile's columns 
 s_k, P by s_v before the PV dot, and the running denominator sums the unscaled p. The 8-bit
 tile is widened to 16 bits (exact for e4m3 and int8) into ``tl.dot``; accumulation is fp32.
 V is reduced over keys in ``P @ V``. Stored key-contiguous (``V_KEYS_CONTIG``: QuantizedCache's
-layout for token scales) it feeds the dot like K feeds ``Q K^T``, widened in registers, no
+layout for token and static scales) it feeds the dot like K feeds ``Q K^T``, widened in registers, no
 transpose; it is read in whole 16-key chunks so the loads stay 16-byte vectors. Stored
 head_dim-contiguous, the GPU widens the V tile by pinned inline PTX before its shared-memory
 transpose (``V_PIN``; why: ``_codes.codes_to_f16_pinned``). Other int8 tiles (q8_0's K) are
@@ -211,7 +211,7 @@ def _attention_kernel(
     PV_DTYPE: tl.constexpr,      # operand type of the PV dot (bf16, or fp16 with P * s_v / max s_v)
     BCAST_SCALE: tl.constexpr,   # block32: broadcast the scales to the tile (else reshape the tile)
     V_PIN: tl.constexpr,         # widen V by pinned inline PTX before its smem transpose (GPU; _codes.py)
-    V_KEYS_CONTIG: tl.constexpr,  # V codes key-contiguous (stride_vn == 1; QuantizedCache's layout for token scales)
+    V_KEYS_CONTIG: tl.constexpr,  # V codes key-contiguous (stride_vn == 1; QuantizedCache's token / static layout)
     INT8_PTX: tl.constexpr,      # widen int8 tiles to fp16 by inline PTX, four at a time (GPU; _codes.codes_to)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
