@@ -497,11 +497,13 @@ def test_decode_many_splits_match():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["equal-causal", "ragged-mask", "extend-additive"])
+@pytest.mark.parametrize("case", ["equal-causal", "extend-causal", "ragged-mask", "extend-additive"])
 def test_dense_path(case, monkeypatch):
     monkeypatch.setenv("KVCOMPILE_PREFILL", "dense")
     if case == "equal-causal":
         check_attention("fp8_e4m3", "token", Tq=20, L=20, causal=True, group=4)
+    elif case == "extend-causal":  # one length, no mask: SDPA's lower-right causal variant
+        check_attention("fp8_e4m3", "token", Tq=20, L=30, causal=True, group=4)
     elif case == "ragged-mask":
         m = torch.ones(2, 1, 20, 30, dtype=torch.bool)
         m[1, :, :, :4] = False
@@ -599,6 +601,9 @@ def test_gpu_prefill_paths_bf16(path, monkeypatch):
                     q_dtype=torch.bfloat16, tol=BF16_TOL)
     check_attention("q8_0", "block32", B=2, Hkv=2, group=2, Tq=700, L=1500, D=128, causal=True,
                     kv_len=torch.tensor([1500, 900], device=DEV), q_dtype=torch.float16, tol=BF16_TOL)
+    # an extend over one prefix length: the dense path takes SDPA's lower-right causal kernel
+    check_attention("fp8_e4m3", "static", B=2, Hkv=8, group=4, Tq=300, L=1500, D=128, causal=True,
+                    q_dtype=torch.bfloat16, tol=BF16_TOL)
 
 
 @pytest.mark.gpu

@@ -34,7 +34,10 @@ MASK_NONE, MASK_BOOL, MASK_ADD = (int(c.value) for c in (_k.MASK_NONE, _k.MASK_B
 __all__ = ["attention", "decode_splits", "prefill_path", "DECODE_MAX_Q", "DENSE_MIN_Q", "DECODE_PROGRAMS_PER_SM"]
 
 DECODE_MAX_Q = 16  # query blocks up to this length go to the split-K decode kernel
-DENSE_MIN_Q = 512  # auto: prefills at least this long use the dense-dequant path (H200: fused wins at 256, dense at 1024)
+# auto: prefills of at least this many new tokens use the dense-dequant path. H200, 16k prefix
+# (BENCHMARKS.md, session 5): the fused kernel is faster up to 2048 (1933 vs 2072 us), dense from
+# 4096 (3192 vs 3593 us); 3072 lies between the two measured points.
+DENSE_MIN_Q = 3072
 DECODE_PROGRAMS_PER_SM = 8  # split-K target: programs per SM in one decode launch (measured: BENCHMARKS.md)
 DECODE_PROGRAMS_PER_SM_SMALL = 2  # ... when batch * kv heads is small (<= 16): fewer splits, less merge
 FP16_DOTS = True  # 16-bit q: both dots in fp16 (a query block beyond fp16 range is scaled by a power of two)
@@ -304,9 +307,16 @@ def _dense(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale
         k = dequantize(k_q[:, :, :n], prefix(k_scale), None, kv_len, ws_dtype)
         v = dequantize(v_q[:, :, :n], prefix(v_scale), None, kv_len, ws_dtype)
         qq = q if q.dtype == ws_dtype else q.to(ws_dtype)
-        if attn_mask is None and lo == hi and (not is_causal or Tq == n):
-            # every row sees the same prefix: the fastest SDPA kernels (plain / top-left causal)
-            out = _sdpa(qq, k, v, None, bool(is_causal), sm_scale, Hq != Hkv)
+        if attn_mask is None and lo == hi and (not is_causal or Tq <= n):
+            # every row sees the same prefix: the fastest SDPA kernels (plain, causal, or causal
+            # aligned to the last key for an extend: flash attention's own lower-right variant
+            # instead of a materialized mask)
+            if is_causal and Tq < n:
+                from torch.nn.attention.bias import causal_lower_right
+
+                out = _sdpa(qq, k, v, causal_lower_right(Tq, n), False, sm_scale, Hq != Hkv)
+            else:
+                out = _sdpa(qq, k, v, None, bool(is_causal), sm_scale, Hq != Hkv)
             return out.to(q.dtype)
         pos = torch.arange(n, device=q.device)
         valid = (pos.view(1, 1, 1, n) < kvl.view(B, 1, 1, 1))
