@@ -39,6 +39,9 @@ class SassReport:
     shared_bytes: int
     instructions: int
     opcodes: collections.Counter  # SASS opcode (with modifiers) -> count, whole kernel
+    # the kernel's loops (a backward branch and the code it jumps back over, 100+ instructions), in
+    # program order: opcode -> count in each
+    loops: list = dataclasses.field(default_factory=list)
 
     def count(self, prefix: str) -> int:
         """Instructions whose opcode starts with ``prefix`` (e.g. "LDS.U8", "HMMA")."""
@@ -47,6 +50,7 @@ class SassReport:
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["opcodes"] = dict(self.opcodes)
+        d["loops"] = [dict(c) for c in self.loops]
         return d
 
     @classmethod
@@ -54,13 +58,16 @@ class SassReport:
         d = dict(d)
         d["tile"] = tiles.Tile(**d["tile"])
         d["opcodes"] = collections.Counter(d["opcodes"])
+        d["loops"] = [collections.Counter(c) for c in d.get("loops", [])]
         return cls(**d)
 
     def summary(self, top: int = 16) -> str:
         ops = "  ".join(f"{op}:{n}" for op, n in self.opcodes.most_common(top))
         t = self.tile
+        loops = " / ".join(str(sum(c.values())) for c in self.loops) or "none"
         return (f"{self.arch} tile {t.block_m}x{t.block_n} {t.num_warps}w {t.num_stages}s: {self.registers} registers, "
-                f"{self.stack_bytes} B stack, {self.shared_bytes} B shared, {self.instructions} instructions\n  {ops}")
+                f"{self.stack_bytes} B stack, {self.shared_bytes} B shared, {self.instructions} instructions "
+                f"(loops: {loops})\n  {ops}")
 
 
 def tool_path(name: str) -> str:
@@ -247,12 +254,27 @@ def _report(compiled, arch: str, tile: tiles.Tile) -> SassReport:
     regs = re.search(r"REG:(\d+)", res)
     stack = re.search(r"STACK:(\d+)", res)
     # SASS lines: "        /*0150*/                   LDS.U8 R5, [R2+0x10] ;" (optionally predicated "@P0 ")
-    ops = collections.Counter(
-        m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
-    )
+    ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in
+           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", sass)]
+    ops = collections.Counter(op for _, op, _ in ins)
     return SassReport(arch=arch, tile=tile, registers=int(regs.group(1)) if regs else -1,
                       stack_bytes=int(stack.group(1)) if stack else -1,
-                      shared_bytes=int(compiled.metadata.shared), instructions=sum(ops.values()), opcodes=ops)
+                      shared_bytes=int(compiled.metadata.shared), instructions=sum(ops.values()), opcodes=ops,
+                      loops=_loops(ins))
+
+
+def _loops(ins: list) -> list:
+    """Opcode counts of each loop: a ``BRA`` to a lower address spans the loop body (100+
+    instructions, so the short spin loops of barriers and the like are left out)."""
+    loops = []
+    for addr, op, args in ins:
+        target = re.search(r"0x([0-9a-f]+)", args) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            lo = int(target.group(1), 16)
+            body = collections.Counter(o for a, o, _ in ins if lo <= a <= addr)
+            if sum(body.values()) >= 100:
+                loops.append(body)
+    return loops
 
 
 def compile_attention_isolated(cases: list[dict], timeout: float = 600.0) -> list[SassReport]:
