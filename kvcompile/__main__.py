@@ -68,20 +68,25 @@ def _tile_lines(archs) -> list[str]:
     lines = []
     if not archs:
         lines.append("(no GPU: tiles shown for reference archs " + ", ".join(f"sm_{a}{b}" for a, b in shown) + ")")
-    lines.append(f"{'arch':8s} {'head_dim':>8s} {'K/V bytes':>9s}  {'prefill (M,N,warps,stages)':28s} "
-                 f"{'decode (M,N,warps,stages)':28s}")
+    lines.append(f"{'arch':8s} {'head_dim':>8s} {'cache':>11s}  {'prefill (M,N,warps,stages)':28s} "
+                 f"{'decode (M,N,warps,stages[,registers])':28s}")
+
+    def fmt(t):
+        return f"{t.block_m},{t.block_n},{t.num_warps},{t.num_stages}" + (f",{t.maxnreg}" if t.maxnreg else "")
+
     for cc in shown:
         for d in HEAD_DIMS:
-            # "8-bit Vk": V key-contiguous (QuantizedCache's layout for token and static scales)
-            for kv_bytes, v_keys, label in ((1, False, "8-bit"), (1, True, "8-bit Vk"), (2, False, "16-bit")):
+            # each format in QuantizedCache's V layout (key-contiguous for token and static scales),
+            # its scale bytes per key; "16-bit" bills 2-byte K/V for comparison
+            for label, kv_bytes, v_keys, sb in (("fp8 token", 1, True, 4), ("fp8 static", 1, True, 0),
+                                                ("fp8 block32", 1, False, d // 8), ("q8_0", 1, False, d // 16),
+                                                ("16-bit", 2, False, None)):
                 try:
-                    p = tiles.prefill_tile(tuple(cc), d, Q_BYTES, kv_bytes, kv_bytes, v_keys)
-                    dt = tiles.decode_tile(tuple(cc), d, Q_BYTES, kv_bytes, kv_bytes, 16, v_keys)
-                    pre = f"{p.block_m},{p.block_n},{p.num_warps},{p.num_stages}"
-                    dec = f"{dt.block_m},{dt.block_n},{dt.num_warps},{dt.num_stages}"
+                    pre = fmt(tiles.prefill_tile(tuple(cc), d, Q_BYTES, kv_bytes, kv_bytes, v_keys, sb))
+                    dec = fmt(tiles.decode_tile(tuple(cc), d, Q_BYTES, kv_bytes, kv_bytes, 16, v_keys, sb))
                 except (ValueError, AttributeError, TypeError) as e:
                     pre, dec = f"n/a ({e})"[:28], ""
-                lines.append(f"sm_{cc[0]}{cc[1]:<5d} {d:8d} {label:>9s}  {pre:28s} {dec:28s}")
+                lines.append(f"sm_{cc[0]}{cc[1]:<5d} {d:8d} {label:>11s}  {pre:28s} {dec:28s}")
     if hasattr(tiles, "has_native_fp8"):
         for cc in shown:
             native = tiles.has_native_fp8(tuple(cc))
