@@ -18,9 +18,9 @@ sm_90, checked against the compiled kernels' metadata, e.g. 108,544 B for the fp
   transpose (``ldmatrix.trans``): ``BLOCK_N * D * 2``. An 8-bit K tile is widened in registers;
 * the 16-bit P tile, ``BLOCK_M * BLOCK_N * 2``.
 
-Decode is bound by memory latency, so what counts is how many programs one SM holds: its shared
-memory (``SMEM_PER_SM``, less 1 KB the hardware reserves per block from sm_80 on) and its 64K
-registers. Each decode candidate names the programs per SM it is meant to run at, and is taken
+Decode is bound by memory latency, so what counts is how many programs one SM holds: by shared
+memory (from sm_80 on an SM has ``SMEM_BYTES`` + 1 KB, and each resident block takes 1 KB of it
+besides its own allocation) and by its 64K registers. Each decode candidate names the programs per SM it is meant to run at, and is taken
 only where that many fit; a candidate may cap its registers (``Tile.maxnreg``) to make room.
 Measured on the H200 (BENCHMARKS.md): the fp8 tile 16x128 with 4 stages at one program per SM
 is 1.37x slower than 3 stages at two; with V key-contiguous, 3 stages capped at 168 registers
@@ -63,18 +63,9 @@ SMEM_BYTES: dict[tuple[int, int], int] = {
     (12, 0): 99 * 1024,
 }
 
-# Shared memory per SM (same source). From sm_80 on, each resident block also takes 1 KB of it.
-SMEM_PER_SM: dict[tuple[int, int], int] = {
-    (7, 0): 96 * 1024,
-    (7, 5): 64 * 1024,
-    (8, 0): 164 * 1024,
-    (8, 6): 100 * 1024,
-    (8, 7): 164 * 1024,
-    (8, 9): 100 * 1024,
-    (9, 0): 228 * 1024,
-    (10, 0): 228 * 1024,
-    (12, 0): 100 * 1024,
-}
+# An SM's shared memory is the per-block maximum plus, from sm_80 on, 1 KB that the hardware
+# reserves for each resident block (same source: 228 KB per SM and 227 KB per block on sm_90).
+SMEM_BLOCK_RESERVE = 1024
 REGISTERS_PER_SM = 64 * 1024  # 32-bit registers, every arch here
 
 # head_dim values the fused kernels serve (padded to the next power of two inside the kernel).
@@ -123,8 +114,8 @@ def programs_per_sm(tile: Tile, cc: tuple[int, int], smem: int) -> int:
     cc = _closest_known(cc)
     if smem > SMEM_BYTES[cc]:
         return 0
-    reserve = 1024 if cc >= (8, 0) else 0
-    n = SMEM_PER_SM[cc] // (smem + reserve)
+    reserve = SMEM_BLOCK_RESERVE if cc >= (8, 0) else 0
+    n = (SMEM_BYTES[cc] + reserve) // (smem + reserve)
     if tile.maxnreg is not None:
         n = min(n, REGISTERS_PER_SM // (tile.maxnreg * 32 * tile.num_warps))
     return n
