@@ -340,6 +340,28 @@ def test_attention_fp16_dot_path(kv_dtype, gran, Tq, bcast, v_layout, monkeypatc
                     tol=FP16_TOL, q_dtype=q_dtype, v_layout=v_layout)
 
 
+def _fp8_token_cache_with_v_magnitudes(mag, B, v_layout, seed, Hkv=2, group=4, D=64):
+    """fp8 token-scale codes of random K and of random V times ``mag`` (one magnitude per key),
+    and fp16 queries on the GPU (fp32 in the interpreter) small enough for a flat softmax."""
+    gen = torch.Generator().manual_seed(seed)
+    L = mag.numel()
+    kc, ks = empty_cache("fp8_e4m3", "token", B, Hkv, L, D, gen)
+    vc, vs = empty_cache("fp8_e4m3", "token", B, Hkv, L, D, gen)
+    if v_layout == "keys":
+        vc = v_codes_buffer((B, Hkv, L, D), vc.dtype, DEV, keys=True)
+    k = torch.randn(B, Hkv, L, D, generator=gen).to(DEV)
+    v = (torch.randn(B, Hkv, L, D, generator=gen) * mag.view(1, 1, L, 1)).to(DEV)
+    reference.store_kv(kc, ks, vc, vs, k, v, torch.tensor(0, device=DEV), None)
+    q = torch.randn(B, Hkv * group, 1, D, generator=gen).to(DEV) * 0.2  # flat softmax: every tile counts
+    return (q if DEV == "cpu" else q.half()), (kc, ks, vc, vs)
+
+
+def _fp16_path_err(q, cache, kv_len, mask):
+    out = kernels.attention(q, *cache, kv_len, mask, False, None)
+    ref = reference.attention(q, *cache, kv_len, mask, False, None, compute_dtype=torch.float64)
+    return rel_err(out, ref)
+
+
 @pytest.mark.parametrize("v_layout", ["head_dim", "keys"], ids=["v-d", "v-keys"])
 def test_attention_fp16_path_v_scales_six_orders_apart(v_layout, monkeypatch):
     """fp8 token scales on the fp16 PV path: P is scaled by s_v / max s_v of each tile and the
@@ -347,30 +369,17 @@ def test_attention_fp16_path_v_scales_six_orders_apart(v_layout, monkeypatch):
     V magnitudes 1, 1e-3, 1e3, 1 by 16-key block (the interpreter's tile) make those ratios 1e3-1e6
     up and down; the result must match float64 as closely as with ordinary V (FP16_TOL)."""
     monkeypatch.setattr(attn_mod, "INTERPRET_FP16", True)
-    gen = torch.Generator().manual_seed(3)
-    B, Hkv, group, L, D = 2, 2, 4, 64, 64
-    kc, ks = empty_cache("fp8_e4m3", "token", B, Hkv, L, D, gen)
-    vc, vs = empty_cache("fp8_e4m3", "token", B, Hkv, L, D, gen)
-    if v_layout == "keys":
-        vc = v_codes_buffer((B, Hkv, L, D), vc.dtype, DEV, keys=True)
-    mag = torch.tensor([1.0, 1e-3, 1e3, 1.0]).repeat_interleave(16).view(1, 1, L, 1)
-    k = torch.randn(B, Hkv, L, D, generator=gen).to(DEV)
-    v = (torch.randn(B, Hkv, L, D, generator=gen) * mag).to(DEV)
-    reference.store_kv(kc, ks, vc, vs, k, v, torch.tensor(0, device=DEV), None)
+    L = 64
+    mag = torch.tensor([1.0, 1e-3, 1e3, 1.0]).repeat_interleave(16)
+    q, cache = _fp8_token_cache_with_v_magnitudes(mag, 2, v_layout, seed=3)
+    vs = cache[3]
     assert vs.max() / vs.min() > 1e5  # the scales really span the range
-    q = torch.randn(B, Hkv * group, 1, D, generator=gen).to(DEV) * 0.2  # flat softmax: every tile counts
-    q = q if DEV == "cpu" else q.half()
     kv_len = torch.tensor([64, 57], device=DEV)
-    out = kernels.attention(q, kc, ks, vc, vs, kv_len, None, False, None)
-    ref = reference.attention(q, kc, ks, vc, vs, kv_len, None, False, None, compute_dtype=torch.float64)
-    assert rel_err(out, ref) < FP16_TOL
+    assert _fp16_path_err(q, cache, kv_len, None) < FP16_TOL
     # the 1e-3 block is a visible part of the answer only relative to itself: check it alone too
     small = torch.zeros(L, dtype=torch.bool)
     small[16:32] = True
-    mask = small.view(1, 1, 1, L).to(DEV)
-    out_s = kernels.attention(q, kc, ks, vc, vs, kv_len, mask, False, None)
-    ref_s = reference.attention(q, kc, ks, vc, vs, kv_len, mask, False, None, compute_dtype=torch.float64)
-    assert rel_err(out_s, ref_s) < FP16_TOL
+    assert _fp16_path_err(q, cache, kv_len, small.view(1, 1, 1, L).to(DEV)) < FP16_TOL
 
 
 @pytest.mark.parametrize("v_layout", ["head_dim", "keys"], ids=["v-d", "v-keys"])
@@ -380,24 +389,10 @@ def test_attention_fp16_path_v_scales_six_orders_apart_in_one_tile(v_layout, mon
     for every visible key. Without the kernel's PV_HEADROOM that is subnormal in fp16 (measured on
     the H200 and here: 3% error); with it, ordinary fp16 precision (FP16_TOL)."""
     monkeypatch.setattr(attn_mod, "INTERPRET_FP16", True)
-    gen = torch.Generator().manual_seed(4)
-    B, Hkv, group, L, D = 1, 2, 4, 64, 64
-    kc, ks = empty_cache("fp8_e4m3", "token", B, Hkv, L, D, gen)
-    vc, vs = empty_cache("fp8_e4m3", "token", B, Hkv, L, D, gen)
-    if v_layout == "keys":
-        vc = v_codes_buffer((B, Hkv, L, D), vc.dtype, DEV, keys=True)
+    L = 64
     small = (torch.arange(L) % 2).bool()
-    mag = torch.where(small, 1e-3, 1e3).view(1, 1, L, 1)
-    k = torch.randn(B, Hkv, L, D, generator=gen).to(DEV)
-    v = (torch.randn(B, Hkv, L, D, generator=gen) * mag).to(DEV)
-    reference.store_kv(kc, ks, vc, vs, k, v, torch.tensor(0, device=DEV), None)
-    q = torch.randn(B, Hkv * group, 1, D, generator=gen).to(DEV) * 0.2
-    q = q if DEV == "cpu" else q.half()
-    kv_len = torch.tensor([L], device=DEV)
-    mask = small.view(1, 1, 1, L).to(DEV)
-    out = kernels.attention(q, kc, ks, vc, vs, kv_len, mask, False, None)
-    ref = reference.attention(q, kc, ks, vc, vs, kv_len, mask, False, None, compute_dtype=torch.float64)
-    assert rel_err(out, ref) < FP16_TOL
+    q, cache = _fp8_token_cache_with_v_magnitudes(torch.where(small, 1e-3, 1e3), 1, v_layout, seed=4)
+    assert _fp16_path_err(q, cache, torch.tensor([L], device=DEV), small.view(1, 1, 1, L).to(DEV)) < FP16_TOL
 
 
 @pytest.mark.parametrize("kv_dtype,gran", [("fp8_e4m3", "token"), ("q8_0", "block32"), ("fp8_e4m3", "static")],
