@@ -179,7 +179,7 @@ def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False):
                              (64, 4, 4, 168)):
             variants.append((f"tile{bn}x{w}w{st}s r{r}", dict(_tile=(bn, w, st, r))))
             variants.append((f"tile{bn}x{w}w{st}s r{r} pps12", dict(_tile=(bn, w, st, r), DECODE_PROGRAMS_PER_SM=12)))
-        for pps in (2, 4, 8, 16):
+        for pps in (2, 3, 4, 8, 16):  # at B*Hkv <= 16 only the _SMALL target counts
             variants.append((f"pps{pps}", dict(DECODE_PROGRAMS_PER_SM=pps, DECODE_PROGRAMS_PER_SM_SMALL=pps)))
     # V in the layout the cache does not use for this format (key- vs head_dim-contiguous)
     other = "V " + ("head_dim" if v_layout_name(caches[0][2]) == "keys" else "keys")
