@@ -20,8 +20,9 @@ sm_90, checked against the compiled kernels' metadata, e.g. 108,544 B for the fp
 
 Decode is bound by memory latency, so what counts is how many programs one SM holds: by shared
 memory (from sm_80 on an SM has ``SMEM_BYTES`` + 1 KB, and each resident block takes 1 KB of it
-besides its own allocation) and by its 64K registers. Each decode candidate names the programs per SM it is meant to run at, and is taken
-only where that many fit; a candidate may cap its registers (``Tile.maxnreg``) to make room.
+besides its own allocation) and by its 64K registers. Each decode candidate names the programs
+per SM it is meant to run at, and is taken only where that many fit; a candidate may cap its
+registers (``Tile.maxnreg``) to make room.
 Measured on the H200 (BENCHMARKS.md): the fp8 tile 16x128 with 4 stages at one program per SM
 is 1.37x slower than 3 stages at two; with V key-contiguous, 3 stages capped at 168 registers
 run three programs per SM and are 1.10-1.14x faster than two at B*L >= 256k.
@@ -174,8 +175,8 @@ _DECODE_CANDIDATES = (
 )
 
 
-def _pick(cands, cc, head_dim, q_bytes, k_bytes, v_bytes, v_keys=False, scale_bytes=None) -> Tile:
-    """Prefill: the first candidate that fits one program per SM."""
+def _pick_prefill(cands, cc, head_dim, q_bytes, k_bytes, v_bytes, v_keys=False, scale_bytes=None) -> Tile:
+    """The first candidate that fits one program per SM."""
     for t in cands:
         if programs_per_sm(t, cc, smem_bytes(t, head_dim, q_bytes, k_bytes, v_bytes, v_keys, scale_bytes)) >= 1:
             return t
@@ -191,7 +192,7 @@ def prefill_tile(cc: tuple[int, int], head_dim: int, q_bytes: int, k_bytes: int,
     """Tile of the prefill/extend kernel. ``*_bytes`` are the real bytes per element (1 for 8-bit);
     ``v_keys``: V is key-contiguous; ``scale_bytes``: per key, for K and V each (see :func:`smem_bytes`)."""
     check_head_dim(head_dim)
-    return _pick(prefill_candidates(cc, head_dim), tuple(cc), head_dim, q_bytes, k_bytes, v_bytes, v_keys,
+    return _pick_prefill(prefill_candidates(cc, head_dim), tuple(cc), head_dim, q_bytes, k_bytes, v_bytes, v_keys,
                  scale_bytes)
 
 
