@@ -231,6 +231,27 @@ def test_dequantize_matches_reference(kv_dtype, gran):
                 assert torch.equal(got, want), (kv_len, dtype, o is None)
 
 
+@pytest.mark.parametrize("kv_dtype,gran", FORMATS, ids=FMT_IDS)
+def test_dequantize_kv_matches_reference(kv_dtype, gran):
+    """The dense prefill's one-launch K + V workspace: bit-exact with the reference on the first n
+    positions, K and V each in its own layout (V key-contiguous where the cache stores it so)."""
+    gen = torch.Generator().manual_seed(3)
+    B, H, L, D = 2, 3, 45, 64
+    v_layout = "head_dim" if gran == "block32" else "keys"
+    kc, ks, vc, vs = random_cache(kv_dtype, gran, B, H, L, D, gen, v_layout=v_layout)
+    assert (vc.stride(2) == 1) == (v_layout == "keys")
+    for kv_len, n in ((torch.tensor([45, 9], device=DEV), 45), (torch.tensor([30, 17], device=DEV), 30),
+                      (torch.tensor(20, device=DEV), 20)):
+        for dtype in (torch.float32, torch.bfloat16):
+            k, v = store_mod.dequantize_kv(kc, ks, vc, vs, kv_len, n, dtype)
+            assert k.shape == v.shape == (B, H, n, D) and k.is_contiguous() and v.is_contiguous()
+            sl = (lambda s: s) if ks.dim() == 1 else (lambda s: s[:, :, :n])
+            assert torch.equal(k, reference.dequantize(kc[:, :, :n], sl(ks), None, kv_len, dtype)), (kv_len, dtype)
+            assert torch.equal(v, reference.dequantize(vc[:, :, :n], sl(vs), None, kv_len, dtype)), (kv_len, dtype)
+    with pytest.raises(ValueError, match="n=46"):
+        store_mod.dequantize_kv(kc, ks, vc, vs, torch.tensor(45, device=DEV), L + 1, torch.float32)
+
+
 # ---------------------------------------------------------------------------------------------
 # attention vs the float64 oracle
 # ---------------------------------------------------------------------------------------------

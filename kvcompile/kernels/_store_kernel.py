@@ -130,26 +130,21 @@ def _store_kv_kernel(
 
 
 @triton.jit
-def _dequantize_kernel(
+def _dequantize_rows(
     C, stride_cb, stride_ch, stride_cl, stride_cd,
     S, stride_sb, stride_sh, stride_sl, stride_sg,
     OFF, stride_oh, stride_od,
-    KVLEN, stride_kvl,
     OUT, stride_ob, stride_oh2, stride_ol, stride_od2,
-    H, L, D, G,
+    b, h, l0, kv_len, L, D, G,
     HAS_OFFSET: tl.constexpr,
     STATIC_SCALE: tl.constexpr,
     FP8_BITS: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """grid (cdiv(L, BLOCK_L), B * H): codes * scale (+ offset); zeros at positions >= kv_len[b]."""
-    l = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    """Rows l0 .. l0 + BLOCK_L of (b, h): codes * scale (+ offset); zeros at positions >= kv_len."""
+    l = l0 + tl.arange(0, BLOCK_L)
     d = tl.arange(0, BLOCK_D)
-    kv_len = tl.load(KVLEN + b * stride_kvl)
     in_range = (l[:, None] < L) & (d[None, :] < D)
     live = l < kv_len
     c = tl.load(C + b * stride_cb + h * stride_ch + l[:, None] * stride_cl + d[None, :] * stride_cd, mask=in_range, other=0.0)
@@ -164,3 +159,74 @@ def _dequantize_kernel(
         x = x + tl.load(OFF + h * stride_oh + d * stride_od, mask=d < D, other=0.0).to(tl.float32)[None, :]
     x = tl.where(live[:, None], x, 0.0)
     tl.store(OUT + b * stride_ob + h * stride_oh2 + l[:, None] * stride_ol + d[None, :] * stride_od2, to_store_dtype(x, OUT.dtype.element_ty), mask=in_range)
+
+
+@triton.jit
+def _dequantize_kernel(
+    C, stride_cb, stride_ch, stride_cl, stride_cd,
+    S, stride_sb, stride_sh, stride_sl, stride_sg,
+    OFF, stride_oh, stride_od,
+    KVLEN, stride_kvl,
+    OUT, stride_ob, stride_oh2, stride_ol, stride_od2,
+    H, L, D, G,
+    HAS_OFFSET: tl.constexpr,
+    STATIC_SCALE: tl.constexpr,
+    FP8_BITS: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """grid (cdiv(L, BLOCK_L), B * H): codes * scale (+ offset); zeros at positions >= kv_len[b]."""
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    kv_len = tl.load(KVLEN + b * stride_kvl)
+    _dequantize_rows(
+        C, stride_cb, stride_ch, stride_cl, stride_cd,
+        S, stride_sb, stride_sh, stride_sl, stride_sg,
+        OFF, stride_oh, stride_od,
+        OUT, stride_ob, stride_oh2, stride_ol, stride_od2,
+        b, h, tl.program_id(0) * BLOCK_L, kv_len, L, D, G,
+        HAS_OFFSET, STATIC_SCALE, FP8_BITS, BLOCK_L, BLOCK_D,
+    )
+
+
+@triton.jit
+def _dequantize_kv_kernel(
+    KC, stride_kcb, stride_kch, stride_kcl, stride_kcd,
+    KS, stride_ksb, stride_ksh, stride_ksl, stride_ksg,
+    VC, stride_vcb, stride_vch, stride_vcl, stride_vcd,
+    VS, stride_vsb, stride_vsh, stride_vsl, stride_vsg,
+    KVLEN, stride_kvl,
+    KO, stride_kob, stride_koh, stride_kol, stride_kod,
+    VO, stride_vob, stride_voh, stride_vol, stride_vod,
+    H, L, D, G,
+    STATIC_SCALE: tl.constexpr,
+    FP8_BITS: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """grid (cdiv(L, BLOCK_L), B * H, 2): axis 2 picks K (0) or V (1), each in its own layout: the
+    dense prefill's workspace in one launch (no offset: softmax does not see K's centering)."""
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    l0 = tl.program_id(0) * BLOCK_L
+    kv_len = tl.load(KVLEN + b * stride_kvl)
+    if tl.program_id(2) == 0:
+        _dequantize_rows(
+            KC, stride_kcb, stride_kch, stride_kcl, stride_kcd,
+            KS, stride_ksb, stride_ksh, stride_ksl, stride_ksg,
+            KS, 0, 0,
+            KO, stride_kob, stride_koh, stride_kol, stride_kod,
+            b, h, l0, kv_len, L, D, G,
+            False, STATIC_SCALE, FP8_BITS, BLOCK_L, BLOCK_D,
+        )
+    else:
+        _dequantize_rows(
+            VC, stride_vcb, stride_vch, stride_vcl, stride_vcd,
+            VS, stride_vsb, stride_vsh, stride_vsl, stride_vsg,
+            VS, 0, 0,
+            VO, stride_vob, stride_voh, stride_vol, stride_vod,
+            b, h, l0, kv_len, L, D, G,
+            False, STATIC_SCALE, FP8_BITS, BLOCK_L, BLOCK_D,
+        )

@@ -25,7 +25,7 @@ from .. import tiles
 from . import _attention_kernel as _k
 from ._attention_kernel import _attention_kernel, _merge_kernel
 from .common import device_cc, interpreting, kv_len_arg, next_pow2, sm_count
-from .store import dequantize, triton_cdiv
+from .store import dequantize_kv, triton_cdiv
 
 # the kernel's mode constants (tl.constexpr there) as plain ints here
 SCALE_TOKEN, SCALE_BLOCK, SCALE_STATIC = (int(c.value) for c in (_k.SCALE_TOKEN, _k.SCALE_BLOCK, _k.SCALE_STATIC))
@@ -294,18 +294,18 @@ def _dense(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale
     B, Hq, Tq, D = q.shape
     Hkv, L = k_q.shape[1], k_q.shape[2]
     kvl = kv_len.to(q.device).reshape(-1).expand(B)
-    lo, hi = (int(x) for x in torch.stack([kvl.min(), kvl.max()]).tolist())  # the one host sync
-    n = max(hi, 1)
+    # the one host sync: the live prefix length (one scalar copy when every row has one length)
+    if kv_len.numel() == 1:
+        lo = hi = int(kv_len.reshape(()).item())
+    else:
+        lo, hi = (int(x) for x in torch.stack([kvl.min(), kvl.max()]).tolist())
+    n = min(max(hi, 1), L)
     ws_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float32
-
-    def prefix(s: Tensor) -> Tensor:
-        return s if s.dim() == 1 else s[:, :, :n]
 
     k = v = mask = None
     try:
-        # K centering offsets are left out: softmax does not see them.
-        k = dequantize(k_q[:, :, :n], prefix(k_scale), None, kv_len, ws_dtype)
-        v = dequantize(v_q[:, :, :n], prefix(v_scale), None, kv_len, ws_dtype)
+        # K and V in one launch; K centering offsets are left out: softmax does not see them.
+        k, v = dequantize_kv(k_q, k_scale, v_q, v_scale, kv_len, n, ws_dtype)
         qq = q if q.dtype == ws_dtype else q.to(ws_dtype)
         if attn_mask is None and lo == hi and (not is_causal or Tq <= n):
             # every row sees the same prefix: the fastest SDPA kernels (plain, causal, or causal

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from .. import tiles
-from ._store_kernel import _dequantize_kernel, _store_kv_kernel
+from ._store_kernel import _dequantize_kernel, _dequantize_kv_kernel, _store_kv_kernel
 from .common import device_cc, interpreting, kv_len_arg, next_pow2
 
 # x / s per element with div_rn (bit-exact, verified on the H200). False: one reciprocal per row +
@@ -109,3 +109,30 @@ def dequantize(codes: Tensor, scale: Tensor, offset: Optional[Tensor], kv_len: T
         BLOCK_L=block_l, BLOCK_D=block_d, num_warps=4, **_EXACT,
     )
     return out
+
+
+def dequantize_kv(k_codes: Tensor, k_scale: Tensor, v_codes: Tensor, v_scale: Tensor, kv_len: Tensor, n: int,
+                  dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The first ``n`` positions of K and V codes ``[B, H, L, D]`` (each in its own layout) -> two
+    contiguous ``[B, H, n, D]`` tensors in ``dtype``, in one launch; zeros at positions >= kv_len[b].
+    K's centering offset is not added (the dense prefill's workspace: softmax does not see it)."""
+    B, H, L, D = k_codes.shape
+    if not 0 <= n <= L or v_codes.shape != k_codes.shape:
+        raise ValueError(f"kvcompile.dequantize_kv: n={n} for codes {tuple(k_codes.shape)} / {tuple(v_codes.shape)}")
+    k = torch.empty((B, H, n, D), dtype=dtype, device=k_codes.device)
+    v = torch.empty_like(k)
+    if n == 0:
+        return k, v
+    fp8_bits = k_codes.dtype == torch.float8_e4m3fn and not tiles.has_native_fp8(device_cc(k_codes.device))
+    kc, vc = (k_codes.view(torch.uint8), v_codes.view(torch.uint8)) if fp8_bits else (k_codes, v_codes)
+    static = k_scale.dim() == 1
+    ks, vs = (k_scale.view(1, -1, 1, 1), v_scale.view(1, -1, 1, 1)) if static else (k_scale, v_scale)
+    kvl, kvl_stride = kv_len_arg(kv_len, B, k_codes.device)
+    block_d = next_pow2(D)
+    block_l = max(1, min(next_pow2(n), 4096 // block_d))
+    _dequantize_kv_kernel[(triton_cdiv(n, block_l), B * H, 2)](
+        kc, *kc.stride(), ks, *ks.stride(), vc, *vc.stride(), vs, *vs.stride(), kvl, kvl_stride,
+        k, *k.stride(), v, *v.stride(), H, n, D, 1 if static else k_scale.shape[-1],
+        STATIC_SCALE=static, FP8_BITS=fp8_bits, BLOCK_L=block_l, BLOCK_D=block_d, num_warps=4, **_EXACT,
+    )
+    return k, v
