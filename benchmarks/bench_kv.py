@@ -34,6 +34,7 @@ HQ, HKV, D = 32, 8, 128
 ROTATE_BYTES = 256 << 20
 ROWS: list[dict] = []
 VARIANTS = None  # --variants: a regex that sweep labels must match
+SPLITS = {}  # --splits: shape label -> explicit split counts timed as sweep variants
 AB_KERNEL = None  # --ab-kernel: another _attention_kernel.py (e.g. from git show), timed as a sweep variant
 
 
@@ -152,12 +153,23 @@ def decode(args):
             fns = [lambda q=q, c=c: kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, False, None)
                    for q, c in zip(qs, caches)]
             ms = bench(fns, len(fns))
-            splits, _ = launcher.decode_splits(B * HKV, L, 128, torch.cuda.get_device_properties(0).multi_processor_count)
+            splits = splits_used(fns[0])
             record("decode", shape, f"kvcompile-{name}", ms, nb + 4 * B * HQ * D, base_ms=base, splits=splits)
-            if args.sweep and (B, L) in ((8, 32768), (1, 32768), (4, 131072)):
+            if args.sweep and (B, L) in ((8, 32768), (1, 32768), (4, 131072), (32, 8192), (32, 32768)):
                 sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=args.tile_sweep)
             del caches, fns
         torch.cuda.empty_cache()
+
+
+def splits_used(fn) -> int:
+    """The split count the launcher picks for this call (its decode_splits, observed)."""
+    seen, orig = [], launcher.decode_splits
+    launcher.decode_splits = lambda *a, **kw: seen.append(orig(*a, **kw)) or seen[-1]
+    try:
+        fn()
+    finally:
+        launcher.decode_splits = orig
+    return seen[-1][0] if seen else 1
 
 
 def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False):
@@ -178,9 +190,12 @@ def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False):
         for bn, w, st, r in ((128, 4, 3, 168), (128, 4, 2, 168), (128, 4, 2, 128), (64, 4, 3, 168), (64, 4, 3, 128),
                              (64, 4, 4, 168)):
             variants.append((f"tile{bn}x{w}w{st}s r{r}", dict(_tile=(bn, w, st, r))))
-            variants.append((f"tile{bn}x{w}w{st}s r{r} pps12", dict(_tile=(bn, w, st, r), DECODE_PROGRAMS_PER_SM=12)))
-        for pps in (2, 3, 4, 8, 16):  # at B*Hkv <= 16 only the _SMALL target counts
-            variants.append((f"pps{pps}", dict(DECODE_PROGRAMS_PER_SM=pps, DECODE_PROGRAMS_PER_SM_SMALL=pps)))
+        for pps in (2, 3, 4):  # at B*Hkv <= 16 only
+            variants.append((f"pps{pps}", dict(DECODE_PROGRAMS_PER_SM_SMALL=pps)))
+        for waves in (1, 2, 3, 4, 6):
+            variants.append((f"waves{waves}", dict(DECODE_WAVES=waves)))
+    for want in SPLITS.get(shape, ()):  # explicit split counts (what decode_splits would pick instead: see its model)
+        variants.append((f"splits{want}", dict(_splits=want)))
     # V in the layout the cache does not use for this format (key- vs head_dim-contiguous)
     other = "V " + ("head_dim" if v_layout_name(caches[0][2]) == "keys" else "keys")
     variants.append((other, dict(_vswap=True)))
@@ -199,6 +214,7 @@ def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False):
         changes = dict(changes)
         tile = changes.pop("_tile", None)
         kernel_file = changes.pop("_kernel", None)
+        want = changes.pop("_splits", None)
         use = caches
         qv = [q.half() for q in qs] if changes.pop("_qfp16", False) else qs
         if changes.pop("_vswap", False):
@@ -208,7 +224,13 @@ def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False):
         saved = {k: getattr(launcher, k) for k in changes}
         saved_tile = launcher.tiles.decode_tile
         saved_kernel = launcher._attention_kernel
+        saved_splits = launcher.decode_splits
         try:
+            if want is not None:
+                def fixed(programs, max_len, block_n, sms, resident=1, want=want):
+                    split_len = -(-(-(-max_len // want)) // block_n) * block_n
+                    return -(-max_len // split_len), split_len
+                launcher.decode_splits = fixed
             for k, v in changes.items():
                 setattr(launcher, k, v)
             if kernel_file is not None:
@@ -228,6 +250,7 @@ def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False):
                 setattr(launcher, k, v)
             launcher.tiles.decode_tile = saved_tile
             launcher._attention_kernel = saved_kernel
+            launcher.decode_splits = saved_splits
             launcher._SHRUNK.clear()
 
 
@@ -412,7 +435,7 @@ def read(args):
         n = copies_for(nb)
         kv = [(torch.randint(0, 255, (B * HKV * L * D,), dtype=torch.uint8, device="cuda"),
                torch.randint(0, 255, (B * HKV * L * D,), dtype=torch.uint8, device="cuda")) for _ in range(n)]
-        splits, split_len = launcher.decode_splits(B * HKV, L, 128, sms)
+        splits, split_len = launcher.decode_splits(B * HKV, L, 128, sms, 3)  # the fp8 decode tile's 3 per SM
         out = torch.empty(B * HKV * splits, dtype=torch.int32, device="cuda")
         for layout, bt, label in ((0, 1, "V [L, D]"), (1, 1, "V [D, L] (cache)"), (2, 16, "V [L/16, D, 16]"),
                                   (2, 128, "V [L/128, D, 128]"), (2, 256, "V [L/256, D, 256]")):
@@ -456,6 +479,7 @@ def main():
                    help="decode tiles and programs per SM (with --sweep), fused prefill tiles")
     p.add_argument("--decode-shapes", default="1x4096,1x32768,8x32768,32x8192,4x131072")
     p.add_argument("--prefill-q", default="16384,4096,1024")
+    p.add_argument("--splits", default=None, help="explicit decode split counts per sweep shape, e.g. 8x32768:6,12,19")
     p.add_argument("--variants", default=None, help="a regex: run only the --sweep variants whose label matches")
     p.add_argument("--ab-kernel", default=None,
                    help="another _attention_kernel.py (e.g. `git show REV:kvcompile/kernels/_attention_kernel.py`), "
@@ -463,6 +487,10 @@ def main():
     args = p.parse_args()
     global VARIANTS, AB_KERNEL
     AB_KERNEL = args.ab_kernel
+    for item in filter(None, (args.splits or "").split(";")):  # "8x32768:6,12,19;4x131072:24,49"
+        sh, counts = item.split(":")
+        b, l = sh.split("x")
+        SPLITS[f"B={b} L={l}"] = [int(c) for c in counts.split(",")]
     if args.variants:
         import re
 

@@ -502,6 +502,42 @@ def test_decode_splits_depend_on_shapes_only():
     assert attn_mod.decode_splits(programs=8, max_len=10, block_n=64, sms=132) == (1, 64)
 
 
+@pytest.mark.parametrize("programs,max_len,resident", [(256, 8192, 3), (256, 32768, 3), (64, 32768, 3),
+                                                        (32, 131072, 3), (64, 32768, 2), (1024, 4096, 3),
+                                                        (24, 1000, 2)])
+def test_decode_splits_fill_whole_waves(programs, max_len, resident):
+    """The split count fills its waves of resident programs at least as well as any other count
+    within DECODE_WAVES waves (the H200 cases of BENCHMARKS.md session 6 among them), and covers
+    the cache with whole blocks."""
+    sms, block_n = 132, 128
+    slots = resident * sms
+    splits, split_len = attn_mod.decode_splits(programs, max_len, block_n, sms, resident)
+    assert split_len % block_n == 0 and (splits - 1) * split_len < max_len <= splits * split_len
+
+    def fill(s, sl):  # the launcher's model: a last wave of only the short last split takes its length
+        waves = -(-programs * s // slots)
+        last = max_len - (s - 1) * sl
+        tail = last if programs * (s - 1) <= (waves - 1) * slots else sl
+        return waves, programs * max_len / (slots * ((waves - 1) * sl + tail))
+
+    waves, got = fill(splits, split_len)
+    assert waves <= max(attn_mod.DECODE_WAVES, -(-programs // slots))
+    for want in range(1, -(-max_len // block_n) + 1):
+        sl = -(-(-(-max_len // want)) // block_n) * block_n
+        s = -(-max_len // sl)
+        w, f = fill(s, sl)
+        if s == want and w <= attn_mod.DECODE_WAVES:
+            assert got >= f - 0.01, (want, f, splits, got)
+
+
+def test_decode_splits_h200_picks():
+    """The counts measured best on the H200 (fp8 token tile: 3 programs per SM; BENCHMARKS.md session 6)."""
+    assert attn_mod.decode_splits(32 * 8, 8192, 128, 132, 3)[0] == 3  # was 5: 3.2 waves, 8% slower
+    assert attn_mod.decode_splits(32 * 8, 32768, 128, 132, 3)[0] == 3
+    assert attn_mod.decode_splits(8 * 8, 32768, 128, 132, 3)[0] == 6
+    assert attn_mod.decode_splits(4 * 8, 131072, 128, 132, 3)[0] == 24
+
+
 def test_decode_many_splits_match():
     """A long cache with a short live prefix: most splits exit at once, the merge skips them."""
     check_attention("fp8_e4m3", "token", B=2, Hkv=1, group=4, L=300, Tq=2, causal=True,

@@ -14,6 +14,8 @@ Paths (``KVCOMPILE_PREFILL=auto|fused|dense`` forces the prefill path; read per 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import os
 from typing import Optional
 
@@ -31,14 +33,17 @@ from .store import dequantize_kv, triton_cdiv
 SCALE_TOKEN, SCALE_BLOCK, SCALE_STATIC = (int(c.value) for c in (_k.SCALE_TOKEN, _k.SCALE_BLOCK, _k.SCALE_STATIC))
 MASK_NONE, MASK_BOOL, MASK_ADD = (int(c.value) for c in (_k.MASK_NONE, _k.MASK_BOOL, _k.MASK_ADD))
 
-__all__ = ["attention", "decode_splits", "prefill_path", "DECODE_MAX_Q", "DENSE_MIN_Q", "DECODE_PROGRAMS_PER_SM"]
+__all__ = ["attention", "decode_splits", "prefill_path", "DECODE_MAX_Q", "DENSE_MIN_Q", "DECODE_WAVES"]
 
 DECODE_MAX_Q = 16  # query blocks up to this length go to the split-K decode kernel
 # auto: prefills of at least this many new tokens use the dense-dequant path. H200, 16k prefix
 # (BENCHMARKS.md, session 5): the fused kernel is faster up to 2048 (1933 vs 2072 us), dense from
 # 4096 (3192 vs 3593 us); 3072 lies between the two measured points.
 DENSE_MIN_Q = 3072
-DECODE_PROGRAMS_PER_SM = 8  # split-K target: programs per SM in one decode launch (measured: BENCHMARKS.md)
+# split-K: the split count whose equal-work programs fill whole waves of the resident programs
+# best, at most this many waves (H200, BENCHMARKS.md session 6: a launch a few programs past a
+# whole wave runs that wave nearly empty, up to 12% slower)
+DECODE_WAVES = 2
 DECODE_PROGRAMS_PER_SM_SMALL = 2  # ... when batch * kv heads is small (<= 16): fewer splits, less merge
 FP16_DOTS = True  # 16-bit q: both dots in fp16 (a query block beyond fp16 range is scaled by a power of two)
 BCAST_SCALE = True  # block32 scales: broadcast to the tile (True: 1.9x faster q8_0 decode on the H200) or reshape it
@@ -82,18 +87,47 @@ def prefill_path(q: Tensor) -> str:
     return "dense" if Tq >= DENSE_MIN_Q else "fused"
 
 
-def decode_splits(programs: int, max_len: int, block_n: int, sms: int) -> tuple[int, int]:
+def decode_splits(programs: int, max_len: int, block_n: int, sms: int, resident: int = 1) -> tuple[int, int]:
     """(number of splits, keys per split) from static shapes only.
 
-    Aim at DECODE_PROGRAMS_PER_SM programs per SM so enough loads are in flight to saturate HBM
-    (fewer when batch * kv heads is small: the merge's partial outputs then cost more than the
-    extra parallelism gives), with at least one block of keys per split.
+    ``programs`` per split (batch * kv heads * query blocks); ``resident`` programs of the tile fit
+    one SM at once, so ``resident * sms`` run per wave. Every program of a launch reads one split
+    (the last may be shorter), so a launch a few programs past a whole wave ends with that wave
+    nearly empty: the count chosen fills its waves best (ties: more waves), at most ``DECODE_WAVES``
+    of them; with at least one block of keys per split. When batch * kv heads is small (<= 16)
+    a split per program cannot fill a wave anyway: ``DECODE_PROGRAMS_PER_SM_SMALL`` programs per SM.
     """
-    pps = DECODE_PROGRAMS_PER_SM_SMALL if programs <= 16 else DECODE_PROGRAMS_PER_SM
-    want = max(1, triton_cdiv(pps * sms, programs))
-    splits = max(1, min(want, triton_cdiv(max_len, block_n)))
-    split_len = triton_cdiv(triton_cdiv(max_len, splits), block_n) * block_n
-    return triton_cdiv(max_len, split_len), split_len
+    return _decode_splits(programs, max_len, block_n, sms, max(1, resident), DECODE_WAVES,
+                          DECODE_PROGRAMS_PER_SM_SMALL)
+
+
+@functools.lru_cache(maxsize=4096)
+def _decode_splits(programs, max_len, block_n, sms, resident, waves_max, pps_small):
+    blocks = triton_cdiv(max_len, block_n)
+
+    def plan(want: int) -> tuple[int, int]:
+        split_len = triton_cdiv(triton_cdiv(max_len, want), block_n) * block_n
+        return triton_cdiv(max_len, split_len), split_len
+
+    if programs <= 16:
+        return plan(max(1, min(triton_cdiv(pps_small * sms, programs), blocks)))
+    slots = resident * sms
+    best, best_fill = plan(1), 0.0
+    for want in range(1, blocks + 1):
+        splits, split_len = plan(want)
+        if splits != want:  # not reachable with whole blocks per split
+            continue
+        waves = math.ceil(programs * splits / slots)
+        if waves > waves_max:
+            break
+        # the programs of the last split (launched last) are shorter: a last wave of only those
+        # takes their length
+        last_len = max_len - (splits - 1) * split_len
+        tail = last_len if programs * (splits - 1) <= (waves - 1) * slots else split_len
+        fill = programs * max_len / (slots * ((waves - 1) * split_len + tail))
+        if fill >= best_fill - 0.01:
+            best, best_fill = (splits, split_len), max(fill, best_fill)
+    return best
 
 
 def int8_ptx(code_dtype: torch.dtype, dot_dtype: torch.dtype) -> bool:
@@ -206,8 +240,10 @@ def _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale
     from triton.runtime.errors import OutOfResources
 
     while True:
+        resident = tiles.programs_per_sm(
+            tile, cc, tiles.smem_bytes(tile, D, qb, kc.element_size(), vc.element_size(), v_keys, sb))
         try:
-            _launch(tile, *args)
+            _launch(tile, *args, resident=resident)
             return out
         except OutOfResources:
             # the shared-memory model in tiles.py is an estimate; Triton has the last word
@@ -236,14 +272,14 @@ def _maxnreg(tile: tiles.Tile) -> dict:
 
 def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, out, sm_scale, is_causal,
             group, group_size, scale_kind, fp8_bits, dot_dtype, pv_dtype, decode, v_pin=False, v_keys=False,
-            int8_ptx=False):
+            int8_ptx=False, resident=1):
     B, Hq, Tq, D = q.shape
     Hkv, L = kc.shape[1], kc.shape[2]
     dev = q.device
     rows = Tq * group
     m_blocks = triton_cdiv(rows, tile.block_m)
     if decode:
-        splits, split_len = decode_splits(B * Hkv * m_blocks, L, tile.block_n, sm_count(dev))
+        splits, split_len = decode_splits(B * Hkv * m_blocks, L, tile.block_n, sm_count(dev), resident)
     else:
         splits, split_len = 1, triton_cdiv(L, tile.block_n) * tile.block_n
 
