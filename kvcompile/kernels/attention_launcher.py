@@ -240,8 +240,9 @@ def _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale
     from triton.runtime.errors import OutOfResources
 
     while True:
+        # programs of this tile one SM holds at once: the decode split count fills whole waves of them
         resident = tiles.programs_per_sm(
-            tile, cc, tiles.smem_bytes(tile, D, qb, kc.element_size(), vc.element_size(), v_keys, sb))
+            tile, cc, tiles.smem_bytes(tile, D, qb, kc.element_size(), vc.element_size(), v_keys, sb)) if decode else 1
         try:
             _launch(tile, *args, resident=resident)
             return out
