@@ -462,6 +462,9 @@ def smoke(args):
                 kernels.attention(q, kc, ks, v, vs, kv_len, m, True, None)
                 kernels.attention(q, kc, ks, v, vs, kv_len, None, False, None)
                 kernels.attention(q, kc, ks, v, vs, kv_len, None, True, None)  # unmasked tiles + diagonal
+            os.environ["KVCOMPILE_PREFILL"] = "dense"  # the one-launch K + V dequantize, both V layouts
+            kernels.attention(q, kc, ks, v, vs, kv_len, m, True, None)
+            os.environ["KVCOMPILE_PREFILL"] = "fused"
             kernels.dequantize(v, vs, None, kv_len, torch.bfloat16)
         kernels.dequantize(kc, ks, None, kv_len, torch.bfloat16)
     os.environ.pop("KVCOMPILE_PREFILL")
