@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# Everything kvcompile checks on a GPU, in one device call (a session has 30 minutes of device
-# time; starting a machine costs 1-2 of them). Run from the repo root:
+# Everything kvcompile checks on a GPU, in one call. Run from the repo root:
 #
 #   bash benchmarks/gpu_check.sh            # tests + example + e2e decode benchmark (~6 min on an H200)
 #   KERNEL_BENCH=1 bash benchmarks/gpu_check.sh   # also the per-kernel decode/prefill/store tables
@@ -8,16 +7,17 @@
 #   STEPS=tests,graphs bash benchmarks/gpu_check.sh   # only these steps (tests, graphs, e2e, kernels,
 #                                                     # sanitize, generate) when a call must stay short
 #
-# With the device tool, pass carry [".whl"] after copying the gguf package to .whl/gguf (see below).
+# tests/test_formats.py needs the gguf package: `pip install gguf`, or a copy of it in .whl/gguf
+# on a machine without a package index (see below).
 #
-# Logs and CSVs go to $OUT (the device tool's output folder) or ./out; the last lines printed
+# Logs and CSVs go to $OUT (default ./out); the last lines printed
 # are the short tables. Each step has its own timeout so one hang does not eat the call.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-# tests/test_formats.py's q8_0 oracle (the pure-Python gguf package) is not on the device image:
-# copy it to .whl/gguf here and pass `carry: [".whl"]` to the device call
+# tests/test_formats.py's q8_0 oracle is the pure-Python gguf package: where it cannot be
+# installed, copy it to .whl/gguf and it goes on PYTHONPATH
 [ -d .whl/gguf ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 STEPS=${STEPS:-tests,graphs,e2e,generate}

@@ -33,12 +33,6 @@ __version__ = "0.1.0"
 
 def backend(kv_dtype: str = "fp8_e4m3", **options):
     """A torch.compile backend that rewrites attention over a kvcompile cache (see kvcompile.passes)."""
-    from .backend import KVCompileBackend
+    from .compile_backend import KVCompileBackend
 
-    # Importing the submodule kvcompile.backend binds it as the package attribute ``backend``,
-    # shadowing this function; bind the function back so that later calls still work.
-    globals()["backend"] = _backend_function
     return KVCompileBackend(kv_dtype=kv_dtype, **options)
-
-
-_backend_function = backend

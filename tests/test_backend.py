@@ -228,3 +228,19 @@ def test_smaller_live_batch_compiles_and_matches():
         torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
     layers = model.config.num_hidden_layers
     assert backend.report() and all(r["rewritten"] == r["found"] == layers for r in backend.report())
+
+
+def test_backend_function_is_not_shadowed():
+    """``kvcompile.backend`` is the public function, whatever was imported before: the backend's
+    module has another name, so importing it binds no package attribute ``backend``."""
+    import pkgutil
+    import sys
+
+    import kvcompile.compile_backend as module
+
+    assert "backend" not in {m.name for m in pkgutil.iter_modules(kvcompile.__path__)}  # no submodule of that name
+    first = kvcompile.backend("q8_0")
+    assert "kvcompile.backend" not in sys.modules
+    assert callable(kvcompile.backend) and not isinstance(kvcompile.backend, type(module))
+    assert isinstance(first, module.KVCompileBackend) and first.kv_dtype == "q8_0"
+    assert isinstance(kvcompile.backend("fp8_e4m3"), module.KVCompileBackend)  # a second call still works

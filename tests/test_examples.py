@@ -45,13 +45,6 @@ def text_file(tmp_path):
     return str(p)
 
 
-def _backend_importable() -> tuple[bool, str]:
-    # find_spec, not import: importing the submodule must not be what makes kvcompile.backend work
-    if importlib.util.find_spec("kvcompile.backend") is None:
-        return False, "kvcompile/backend.py (the compiler pass) is not there yet"
-    return True, ""
-
-
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "q8_0"])
 def test_generate_eager(tiny, kv_dtype):
     gen = _example("generate")
@@ -79,10 +72,7 @@ def test_generate_unknown_kv_dtype(tiny):
 
 
 def test_generate_compiled(tiny):
-    ok, why = _backend_importable()
-    if not ok:
-        pytest.skip(why)
-    kvcompile.backend(kv_dtype="q8_0")  # a first call must not shadow the function (submodule import)
+    kvcompile.backend(kv_dtype="q8_0")  # a first call imports the backend's module: the function stays
     assert callable(kvcompile.backend)
     gen = _example("generate")
     model, tok = tiny
