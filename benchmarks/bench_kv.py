@@ -3,6 +3,7 @@
 Llama-3-8B attention shape: 32 query heads, 8 kv heads, head_dim 128, one layer.
 
     python benchmarks/bench_kv.py --subjects decode,prefill,store --out bench.csv [--sweep]
+    python benchmarks/bench_kv.py --subjects window --window 4096 --window-context 32768 --formats fp8,q8_0
 
 Timing: every provider is captured in a CUDA graph and timed by replays (triton.testing
 .do_bench_cudagraph, median), so Python launch overhead is out of all numbers alike. Each call
@@ -159,6 +160,36 @@ def decode(args):
                 sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=args.tile_sweep)
             del caches, fns
         torch.cuda.empty_cache()
+
+
+def window(args):
+    """A sliding layer (context ``--window-context``, window ``--window``) against a full-attention
+    layer at context = window and bf16 SDPA decode over the window's keys only (what a sliding bf16
+    cache holds). The sliding layer's decode should track the window, not the context: its row's
+    ``vs_full`` is the full layer's time over its own (1.0: as fast as a cache of the window's length)."""
+    W, ctx = args.window, args.window_context
+    for B in (int(b) for b in args.window_batches.split(",")):
+        shape = f"B={B} L={ctx} W={W}"
+        qs, base = sdpa_decode_baseline(B, W)
+        record("window", shape, "sdpa-bf16 over W", base, 4 * B * HKV * W * D + 4 * B * HQ * D)
+        for name in args.formats:
+            kv_dtype, gran = FORMATS[name]
+            times = {}
+            for label, L, win in (("full L=W", W, 0), ("sliding", ctx, W)):
+                c0, _ = make_cache(kv_dtype, gran, B, L)
+                nb = cache_bytes(c0) * W // L  # the bytes a call reads: the window's keys
+                n = copies_for(nb)  # enough copies that the window's keys do not stay in L2
+                caches = [c0] + [make_cache(kv_dtype, gran, B, L)[0] for _ in range(n - 1)]
+                kv_len = torch.full((B,), L, device="cuda", dtype=torch.long)
+                fns = [lambda q=q, c=c, kv_len=kv_len, win=win: kernels.attention(
+                           q, c[0], c[1], c[2], c[3], kv_len, None, False, None, win)
+                       for q, c in zip(qs * (-(-n // len(qs))), caches)]
+                times[label] = ms = bench(fns, len(fns))
+                extra = {"vs_full": times["full L=W"] / ms} if label == "sliding" else {}
+                record("window", shape, f"kvcompile-{name} {label}", ms, nb + 4 * B * HQ * D, base_ms=base,
+                       splits=splits_used(fns[0]), **extra)
+                del caches, fns
+            torch.cuda.empty_cache()
 
 
 def splits_used(fn) -> int:
@@ -462,6 +493,8 @@ def smoke(args):
                 kernels.attention(q, kc, ks, v, vs, kv_len, m, True, None)
                 kernels.attention(q, kc, ks, v, vs, kv_len, None, False, None)
                 kernels.attention(q, kc, ks, v, vs, kv_len, None, True, None)  # unmasked tiles + diagonal
+                sinks = torch.randn(HQ, device="cuda")
+                kernels.attention(q, kc, ks, v, vs, kv_len, None, True, None, 37, 20.0, sinks)  # window edge tiles
             os.environ["KVCOMPILE_PREFILL"] = "dense"  # the one-launch K + V dequantize, both V layouts
             kernels.attention(q, kc, ks, v, vs, kv_len, m, True, None)
             os.environ["KVCOMPILE_PREFILL"] = "fused"
@@ -482,6 +515,9 @@ def main():
                    help="decode tiles and programs per SM (with --sweep), fused prefill tiles")
     p.add_argument("--decode-shapes", default="1x4096,1x32768,8x32768,32x8192,4x131072")
     p.add_argument("--prefill-q", default="16384,4096,1024")
+    p.add_argument("--window", type=int, default=4096, help="subject window: the sliding layer's window")
+    p.add_argument("--window-context", type=int, default=32768, help="subject window: the sliding layer's context")
+    p.add_argument("--window-batches", default="1,8,32", help="subject window: batch sizes")
     p.add_argument("--splits", default=None, help="explicit decode split counts per sweep shape, e.g. 8x32768:6,12,19")
     p.add_argument("--variants", default=None, help="a regex: run only the --sweep variants whose label matches")
     p.add_argument("--ab-kernel", default=None,
@@ -501,7 +537,8 @@ def main():
     args.formats = args.formats.split(",")
     print(torch.cuda.get_device_name(0), "torch", torch.__version__)
     for subject in args.subjects.split(","):
-        {"decode": decode, "prefill": prefill, "store": store, "smoke": smoke, "read": read}[subject](args)
+        {"decode": decode, "prefill": prefill, "store": store, "smoke": smoke, "read": read,
+         "window": window}[subject](args)
     keys = sorted({k for r in ROWS for k in r})
     with open(args.out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)

@@ -23,6 +23,7 @@ Shapes (``B`` batch, ``Hq``/``Hkv`` query/kv heads, ``L`` max_cache_len, ``D`` h
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -156,29 +157,9 @@ def _(codes, scale, offset, kv_len, dtype):
 # ---------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("kvcompile::attention", mutates_args=())
-def attention(
-    q: Tensor,
-    k_q: Tensor,
-    k_scale: Tensor,
-    v_q: Tensor,
-    v_scale: Tensor,
-    kv_len: Tensor,
-    attn_mask: Optional[Tensor],
-    is_causal: bool,
-    scale: Optional[float],
-) -> Tensor:
-    """Attention of ``q`` [B, Hq, Tq, D] over the 8-bit cache, output [B, Hq, Tq, D] in q.dtype.
-
-    * keys at positions >= ``kv_len[b]`` are excluded;
-    * GQA/MQA: query head h reads kv head ``h // (Hq // Hkv)`` (as repeat_kv / enable_gqa);
-    * ``attn_mask``: bool (True = attend) or additive float, broadcastable to [B, Hq, Tq, L];
-    * ``is_causal``: query i sits at absolute position ``kv_len - Tq + i`` (the new tokens are
-      the last Tq of the cache) and sees keys at positions <= its own;
-    * ``scale``: softmax scale, default ``D ** -0.5``;
-    * a query row with no visible key returns zeros;
-    * K centering offsets never enter: softmax is invariant to a per-query constant.
-    """
+def _check_attention(q: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Tensor,
+                     sliding_window: int, softcap: float, sinks: Optional[Tensor]) -> None:
+    """Shapes and the window / softcap / sinks arguments of ``attention`` (metadata only)."""
     _check_codes_scale("k", k_q, k_scale)
     _check_codes_scale("v", v_q, v_scale)
     if q.dim() != 4 or q.shape[0] != k_q.shape[0] or q.shape[3] != k_q.shape[3]:
@@ -190,13 +171,76 @@ def attention(
         raise ValueError(
             f"kvcompile.attention: {q.shape[1]} query heads are not a multiple of {k_q.shape[1]} kv heads"
         )
+    if v_q.shape != k_q.shape:
+        raise ValueError(f"kvcompile.attention: v codes {tuple(v_q.shape)} differ from k codes {tuple(k_q.shape)}")
+    if sliding_window < 0:
+        raise ValueError(
+            f"kvcompile.attention: sliding_window must be >= 0 (the number of keys a query sees, 0 = full "
+            f"attention), got {sliding_window}"
+        )
+    if not softcap >= 0 or math.isinf(softcap):
+        raise ValueError(
+            f"kvcompile.attention: softcap must be a finite number >= 0 (Gemma 2's attn_logit_softcapping, "
+            f"0 = none), got {softcap}"
+        )
+    if sinks is not None:
+        if not sinks.dtype.is_floating_point or sinks.dim() != 1 or sinks.shape[0] != q.shape[1]:
+            raise ValueError(
+                f"kvcompile.attention: sinks must be a floating tensor [Hq={q.shape[1]}] (one logit per query "
+                f"head), got {sinks.dtype} {tuple(sinks.shape)}; pass the attention module's `sinks` parameter"
+            )
+        if sinks.device != q.device:
+            raise ValueError(
+                f"kvcompile.attention: sinks are on {sinks.device} and q on {q.device}; move them to q's device"
+            )
+
+
+@torch.library.custom_op("kvcompile::attention", mutates_args=())
+def attention(
+    q: Tensor,
+    k_q: Tensor,
+    k_scale: Tensor,
+    v_q: Tensor,
+    v_scale: Tensor,
+    kv_len: Tensor,
+    attn_mask: Optional[Tensor],
+    is_causal: bool,
+    scale: Optional[float],
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
+) -> Tensor:
+    """Attention of ``q`` [B, Hq, Tq, D] over the 8-bit cache, output [B, Hq, Tq, D] in q.dtype.
+
+    * keys at positions >= ``kv_len[b]`` are excluded;
+    * GQA/MQA: query head h reads kv head ``h // (Hq // Hkv)`` (as repeat_kv / enable_gqa);
+    * ``attn_mask``: bool (True = attend) or additive float, broadcastable to [B, Hq, Tq, L];
+    * ``is_causal``: query i sits at absolute position ``kv_len - Tq + i`` (the new tokens are
+      the last Tq of the cache) and sees keys at positions <= its own;
+    * ``scale``: softmax scale, default ``D ** -0.5``;
+    * ``sliding_window`` W > 0: the query at position p (the alignment ``is_causal`` uses) sees
+      only keys at positions > p - W (HF: ``kv_idx > q_idx - W``); a lower bound only, the upper
+      bound comes from is_causal / the mask / kv_len. 0 = no window;
+    * ``softcap`` c > 0: each scaled logit s becomes ``c * tanh(s / c)`` before the mask is
+      added (Gemma 2's ``attn_logit_softcapping``). 0 = none;
+    * ``sinks`` [Hq] float or None: one extra logit per query head in the softmax denominator
+      (``exp(sink - max)``), with no value (gpt-oss);
+    * a query row with no visible key returns zeros (with sinks too);
+    * K and V may hold different code types (e4m3 / int8) with the same scale granularity;
+    * K centering offsets never enter: softmax is invariant to a per-query constant.
+    """
+    _check_attention(q, k_q, k_scale, v_q, v_scale, sliding_window, softcap, sinks)
     if kernel_backend(q.device) == "triton":
-        return _kernels().attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale)
-    return reference.attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale)
+        return _kernels().attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale,
+                                    sliding_window, softcap, sinks)
+    return reference.attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale,
+                               sliding_window, softcap, sinks)
 
 
 @attention.register_fake
-def _(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale):
+def _(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale, sliding_window=0, softcap=0.0,
+      sinks=None):
+    _check_attention(q, k_q, k_scale, v_q, v_scale, sliding_window, softcap, sinks)  # errors at trace time
     # dense [B, Hq, Tq, D] whatever q's strides (HF's q is a transposed view): the kernels and
     # the reference both write a contiguous output
     return q.new_empty(q.shape)

@@ -103,6 +103,10 @@ COMPILE_MATRIX = [
     dict(kv_dtype="fp8_e4m3", granularity="token", q_len=1, mask="bool", v_keys=True),
     dict(kv_dtype="fp8_e4m3", granularity="static", q_len=1024, v_keys=True),
     dict(kv_dtype="q8_0", q_len=5, v_keys=True),  # a user's key-contiguous q8_0 V: supported, not the default
+    # sliding window + softcap + sinks, K and V of different code types (int8 codes with token scales)
+    dict(kv_dtype="fp8_e4m3", granularity="token", q_len=1, v_keys=True, window=True, softcap=True, sinks=True,
+         v_codes="int8"),
+    dict(kv_dtype="fp8_e4m3", granularity="block32", q_len=1024, window=True, k_codes="int8"),
 ]
 
 
@@ -157,3 +161,34 @@ def test_store_rounds_e4m3_by_the_convert_instruction_from_sm_89(store_reports, 
         assert cvt > 0, r.summary()
     else:
         assert cvt == 0, r.summary()
+
+
+@pytest.fixture(scope="module")
+def feature_reports():
+    cases = [dict(cc=H200, kv_dtype="fp8_e4m3", granularity="token", v_keys=True, window=True),
+             dict(cc=H200, kv_dtype="fp8_e4m3", granularity="token", v_keys=True, k_codes="int8", v_codes="int8")]
+    return aot.compile_attention_isolated(cases)
+
+
+def test_window_decode_keeps_the_unmasked_interior_loop(reports, feature_reports):
+    """A sliding window adds a masked loop for the tiles at the window's edge before the interior
+    loop; the interior loop stays as it is without a window (no masking, no NaN clearing, aligned
+    16-byte loads), and nothing spills inside any loop."""
+    r = feature_reports[0]
+    assert len(r.loops) == 3, r.summary()
+    edge, interior, tail = r.loops
+    assert interior["FSEL"] + 16 <= min(edge["FSEL"], tail["FSEL"]), (edge["FSEL"], interior["FSEL"], tail["FSEL"])
+    assert interior["HMNMX2"] == 0 and edge["HMNMX2"] >= 64 and tail["HMNMX2"] >= 64
+    assert _byte_loads(r) == 0, r.summary()
+    assert not any(op.startswith(("LDL", "STL")) for loop in r.loops for op in loop), r.summary()
+    plain = reports[("fp8_e4m3", "token", "v-keys")].loops[0]
+    assert abs(sum(interior.values()) - sum(plain.values())) <= 0.05 * sum(plain.values()), (interior, plain)
+
+
+def test_int8_token_decode_compiles_like_fp8(feature_reports):
+    """int8 codes with per-token fp32 scales (V key-contiguous): tensor cores, no byte loads, no
+    spills, three programs per SM, int8 widened by inline PTX (no per-code VIADD.16)."""
+    r = feature_reports[1]
+    assert r.count("HMMA") > 0 and _byte_loads(r) == 0 and r.stack_bytes == 0, r.summary()
+    assert tiles.programs_per_sm(r.tile, H200, r.shared_bytes) >= 3, r.summary()
+    assert r.count("VIADD.16") == 0, r.summary(40)

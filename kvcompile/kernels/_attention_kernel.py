@@ -15,11 +15,17 @@ layout for token and static scales) it feeds the dot like K feeds ``Q K^T``, wid
 transpose; it is read in whole 16-key chunks so the loads stay 16-byte vectors. Stored
 head_dim-contiguous, the GPU widens the V tile by pinned inline PTX before its shared-memory
 transpose (``V_PIN``; why: ``_codes.codes_to_f16_pinned``). Other int8 tiles (q8_0's K) are
-widened by the same PTX unpinned (``INT8_PTX``), four codes at a time.
+widened by the same PTX unpinned (``INT8_PTX``), four codes at a time. K and V may hold
+different code types (e4m3 / int8, same scale granularity): each tile is widened by its own type.
 block32 formats dequantize the tile (codes * scale of each 32-wide slice) before the dot.
-Keys are walked in two loops over one tile step (``_attend_tile``): first the tiles every row of the
-program sees in full, with no masking at all, then (not pipelined) the at most two tiles that need
-the length / causal / user mask.
+Keys are walked in loops over one tile step (``_attend_tile``): with a sliding window
+(``HAS_WINDOW``) first the masked tiles at the window's lower edge (every tile wholly below it is
+skipped, and split-K splits start at the window), then the tiles every row of the program sees in
+full, with no masking at all, then (not pipelined) the at most two tiles that need the length /
+causal / user mask.
+Softcap (``HAS_SOFTCAP``) bends the scaled logits before the mask; sinks (``HAS_SINKS``) join the
+softmax denominator once per row, in the epilogue or, when split, in ``_merge_kernel``. All three
+switches off, the kernel compiles to the code it had without them.
 Static scales: K scale folded into the softmax scale, V scale applied once at the end.
 """
 
@@ -44,6 +50,18 @@ MASK_ADD = tl.constexpr(2)
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in fp32 from one exp2 (Triton has no tanh): sign(x) (1 - e) / (1 + e), e = exp(-2|x|) <= 1.
+
+    No overflow for any x; absolute error about one fp32 ulp of 1 (the 1 - e cancellation near 0),
+    so c * tanh(s / c) is off by ~c * 6e-8 at most, below an ulp of a logit of magnitude c.
+    """
+    e = tl.math.exp2(tl.abs(x) * (-2.0 * LOG2E))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _scale_groups(x, s, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_SIZE: tl.constexpr,
                   BCAST_SCALE: tl.constexpr):
     """x [BLOCK_N, BLOCK_D] * s [BLOCK_N, BLOCK_D // GROUP_SIZE], each scale over its GROUP_SIZE columns.
@@ -61,16 +79,21 @@ def _scale_groups(x, s, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_SIZE
 
 @triton.jit
 def _attend_tile(
-    acc, l_i, m_i, v_prev, start_n, n_hi, q, qk_scale, row_ok, q_pos, d, d_ok, D,
+    acc, l_i, m_i, v_prev, start_n, n_hi, q, qk_scale, row_ok, q_pos, win_lo, softcap, inv_softcap, d, d_ok, D,
     k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd, ks_base, stride_ksn, stride_ksg,
     vs_base, stride_vsn, stride_vsg, m_base, stride_mn,
     GROUP_SIZE: tl.constexpr, SCALE_KIND: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    FP8_BITS: tl.constexpr, DOT_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, BCAST_SCALE: tl.constexpr,
-    V_PIN: tl.constexpr, V_KEYS_CONTIG: tl.constexpr, INT8_PTX: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    K_FP8_BITS: tl.constexpr, V_FP8_BITS: tl.constexpr, DOT_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr,
+    BCAST_SCALE: tl.constexpr, V_PIN: tl.constexpr, V_KEYS_CONTIG: tl.constexpr, INT8_PTX: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key of the tile is visible to every row (see the caller)
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One BLOCK_N-key tile of the online softmax: returns the updated (acc, l_i, m_i, v_prev)."""
+    """One BLOCK_N-key tile of the online softmax: returns the updated (acc, l_i, m_i, v_prev).
+
+    ``win_lo`` [BLOCK_M]: each row's first visible key (read with HAS_WINDOW by masked tiles only);
+    ``softcap`` / ``inv_softcap``: c and 1 / c (HAS_SOFTCAP).
+    """
     FOLD_V_MAX: tl.constexpr = SCALE_KIND == SCALE_TOKEN and PV_DTYPE == tl.float16
     n = start_n + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -87,10 +110,10 @@ def _attend_tile(
     kc = tl.load(k_base + n[:, None] * stride_kn + d[None, :] * stride_kd, mask=kv_ok, other=0.0)
     if SCALE_KIND == SCALE_BLOCK:
         ksb = tl.load(ks_base + n[:, None] * stride_ksn + gi[None, :] * stride_ksg, mask=gs_ok, other=0.0)
-        k = codes_to(kc, DOT_DTYPE, FP8_BITS, INT8_PTX).to(tl.float32)
+        k = codes_to(kc, DOT_DTYPE, K_FP8_BITS, INT8_PTX).to(tl.float32)
         k = _scale_groups(k, ksb.to(tl.float32), BLOCK_N, BLOCK_D, GROUP_SIZE, BCAST_SCALE).to(DOT_DTYPE)
     else:
-        k = codes_to(kc, DOT_DTYPE, FP8_BITS, INT8_PTX)  # e4m3 / int8 -> 16 bits is exact
+        k = codes_to(kc, DOT_DTYPE, K_FP8_BITS, INT8_PTX)  # e4m3 / int8 -> 16 bits is exact
     if DOT_DTYPE == tl.float32:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -103,12 +126,16 @@ def _attend_tile(
         s = s * (ks * qk_scale)[None, :]
     else:
         s = s * qk_scale
+    if HAS_SOFTCAP:  # s is the scaled logit here (natural-log units): c * tanh(s / c), before the mask
+        s = softcap * _tanh(s * inv_softcap)
 
-    # ---- visibility: length, causal, mask ----
+    # ---- visibility: length, causal, window, mask ----
     if MASKED:
         valid = row_ok[:, None] & n_ok[None, :]
         if IS_CAUSAL:
             valid = valid & (n[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            valid = valid & (n[None, :] >= win_lo[:, None])
         if MASK_KIND == MASK_BOOL:
             mv = tl.load(m_base + n[None, :] * stride_mn, mask=valid, other=0)
             valid = valid & (mv != 0)
@@ -145,14 +172,14 @@ def _attend_tile(
         if V_PIN:
             v = codes_to_f16_pinned(vc).to(tl.float32)
         else:
-            v = codes_to(vc, PV_DTYPE, FP8_BITS, INT8_PTX).to(tl.float32)
+            v = codes_to(vc, PV_DTYPE, V_FP8_BITS, INT8_PTX).to(tl.float32)
         v = _scale_groups(v, vsb.to(tl.float32), BLOCK_N, BLOCK_D, GROUP_SIZE, BCAST_SCALE).to(PV_DTYPE)
         pv = p.to(PV_DTYPE)
     else:
         if V_PIN:
             v = codes_to_f16_pinned(vc)
         else:
-            v = codes_to(vc, PV_DTYPE, FP8_BITS, INT8_PTX)
+            v = codes_to(vc, PV_DTYPE, V_FP8_BITS, INT8_PTX)
         if SCALE_KIND == SCALE_TOKEN:
             if MASKED:
                 vs = tl.load(vs_base + n * stride_vsn, mask=n_ok, other=0.0).to(tl.float32)
@@ -196,17 +223,22 @@ def _attention_kernel(
     VS, stride_vsb, stride_vsh, stride_vsn, stride_vsg,
     KVLEN, stride_kvl,
     MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+    SINKS, stride_sink,                                  # [Hq] extra logit per query head (HAS_SINKS)
     O, stride_ob, stride_oh, stride_om, stride_od,
     OP, stride_opb, stride_oph, stride_opm, stride_ops,  # partial outputs [B, Hq, Tq, S, D] fp32
     LSE, stride_lb, stride_lh, stride_lm, stride_ls,     # their log2-sum-exp [B, Hq, Tq, S]
-    Hkv, Tq, D, sm_scale, split_len,
+    Hkv, Tq, D, sm_scale, split_len, window, softcap,
     GROUP: tl.constexpr,         # query heads per kv head
     GROUP_SIZE: tl.constexpr,    # values per scale group (block32: 32)
     SCALE_KIND: tl.constexpr,    # SCALE_TOKEN / SCALE_BLOCK / SCALE_STATIC
     MASK_KIND: tl.constexpr,     # MASK_NONE / MASK_BOOL / MASK_ADD
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,    # a query at p sees keys > p - window only; splits start at the window
+    HAS_SOFTCAP: tl.constexpr,   # logits become softcap * tanh(logit / softcap)
+    HAS_SINKS: tl.constexpr,     # SINKS[h] joins the softmax denominator (in the merge when split)
     SPLIT_OUTPUT: tl.constexpr,  # write partial outputs + LSE for _merge_kernel
-    FP8_BITS: tl.constexpr,      # e4m3 codes arrive as uint8 bits (no fp8 type on this arch)
+    K_FP8_BITS: tl.constexpr,    # K's e4m3 codes arrive as uint8 bits (no fp8 type on this arch)
+    V_FP8_BITS: tl.constexpr,    # V's e4m3 codes arrive as uint8 bits (K and V may differ in code type)
     DOT_DTYPE: tl.constexpr,     # operand type of the QK^T dot (fp16 / bf16, or fp32)
     PV_DTYPE: tl.constexpr,      # operand type of the PV dot (bf16, or fp16 with P * s_v / max s_v)
     BCAST_SCALE: tl.constexpr,   # block32: broadcast the scales to the tile (else reshape the tile)
@@ -224,10 +256,21 @@ def _attention_kernel(
     hk = pid_bh % Hkv
     kv_len = tl.load(KVLEN + b * stride_kvl).to(tl.int32)
 
-    n_lo = split * split_len
+    if HAS_WINDOW:
+        # Splits cover the keys query 0 of this row can see, from its window's first key rounded
+        # down to a tile (the launcher planned them for that span, not the whole cache): a sliding
+        # layer's decode reads and launches as for a cache of the window's length.
+        n_lo = tl.maximum(kv_len - Tq - window + 1, 0) // BLOCK_N * BLOCK_N + split * split_len
+        # the first key the program's first row (its lowest query) sees
+        win_first = kv_len - Tq + (pid_m * BLOCK_M) // GROUP - window + 1
+    else:
+        n_lo = split * split_len
     if SPLIT_OUTPUT:
         if n_lo >= kv_len:  # a split past the current length: nothing to do, the merge skips it
             return
+        if HAS_WINDOW:
+            if n_lo + split_len <= win_first:  # wholly below every row's window: the merge skips it too
+                return
 
     # ---- rows of this program: (query index, query head) pairs of kv head hk ----
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -235,6 +278,7 @@ def _attention_kernel(
     h = hk * GROUP + rows % GROUP
     row_ok = qi < Tq
     q_pos = kv_len - Tq + qi  # absolute position of each query (causal is bottom-right aligned)
+    win_lo = q_pos - window + 1  # each row's first visible key (HAS_WINDOW)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
 
@@ -255,13 +299,16 @@ def _attention_kernel(
 
     # ---- keys this program reads: its split, cut at kv_len and (causal) at its last query ----
     n_hi = tl.minimum(kv_len, n_lo + split_len)
+    last_q = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, Tq * GROUP - 1) // GROUP
     if IS_CAUSAL:
-        last_q = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, Tq * GROUP - 1) // GROUP
         n_hi = tl.minimum(n_hi, kv_len - Tq + last_q + 1)
 
     qk_scale = sm_scale * q_unscale
     if SCALE_KIND == SCALE_STATIC:
         qk_scale = qk_scale * tl.load(KS + hk * stride_ksh).to(tl.float32)
+    inv_softcap = 1.0
+    if HAS_SOFTCAP:
+        inv_softcap = 1.0 / softcap
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     ks_base = KS + b * stride_ksb + hk * stride_ksh
@@ -277,34 +324,63 @@ def _attention_kernel(
     FOLD_V_MAX: tl.constexpr = SCALE_KIND == SCALE_TOKEN and PV_DTYPE == tl.float16
     v_prev = 1.0
 
-    # Tiles every row sees in full (below the first query's causal limit, no user mask) skip all
-    # masking: no length / causal / mask test, whole-tile loads, no NaN clearing of V (it only
-    # guards codes past the length). The rest, at most the last tile of a split or the diagonal
-    # tiles of a causal query block, go through the masked step.
-    n_full = n_lo
+    # Key tiles in up to three loops over one tile step. With a window, the walk starts at the tile
+    # of the first row's first visible key (every tile below it is skipped), and the tiles up to the
+    # one holding the LAST row's first visible key go through the masked step (some row sees only
+    # part of them). Then the tiles every row sees in full (inside every row's window, below the
+    # first query's causal limit, no user mask) skip all masking: no length / causal / window / mask
+    # test, whole-tile loads, no NaN clearing of V (it only guards codes past the length). The rest,
+    # at most the last tile of a split or the diagonal tiles of a causal query block, go through
+    # the masked step. Every loop starts at a multiple of BLOCK_N.
+    n_start = n_lo
+    if HAS_WINDOW:
+        n_start = tl.maximum(n_lo, tl.maximum(win_first, 0) // BLOCK_N * BLOCK_N)
+    n_full = n_start
     if MASK_KIND == MASK_NONE:
+        n_body = n_start
+        if HAS_WINDOW:
+            # The first tile inside every row's window: the one at or above the last row's first key.
+            # Not cut at n_hi, so the compiler sees a multiple of BLOCK_N (aligned, vectorized and
+            # pipelined loads in the loops below); a tile past n_hi is masked out in full, and one
+            # past the last row's first key is only reached by a split the row's window ends in.
+            win_last = kv_len - Tq + last_q - window + 1
+            n_body = tl.maximum(n_start, (tl.maximum(win_last, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
+            for start_n in tl.range(n_start, n_body, BLOCK_N, num_stages=1):  # window edge: not pipelined
+                acc, l_i, m_i, v_prev = _attend_tile(
+                    acc, l_i, m_i, v_prev, start_n, n_hi, q, qk_scale, row_ok, q_pos, win_lo, softcap, inv_softcap,
+                    d, d_ok, D,
+                    k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd, ks_base, stride_ksn, stride_ksg,
+                    vs_base, stride_vsn, stride_vsg, m_base, stride_mn,
+                    GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
+                    DOT_DTYPE, PV_DTYPE, BCAST_SCALE, V_PIN, V_KEYS_CONTIG, INT8_PTX, True, BLOCK_N, BLOCK_D)
         n_vis = n_hi
         if IS_CAUSAL:
             n_vis = tl.minimum(n_vis, kv_len - Tq + (pid_m * BLOCK_M) // GROUP + 1)
-        n_full = n_lo + tl.maximum(n_vis - n_lo, 0) // BLOCK_N * BLOCK_N
-        for start_n in range(n_lo, n_full, BLOCK_N):
+        n_full = n_body + tl.maximum(n_vis - n_body, 0) // BLOCK_N * BLOCK_N
+        for start_n in range(n_body, n_full, BLOCK_N):
             acc, l_i, m_i, v_prev = _attend_tile(
-                acc, l_i, m_i, v_prev, start_n, n_hi, q, qk_scale, row_ok, q_pos, d, d_ok, D,
+                acc, l_i, m_i, v_prev, start_n, n_hi, q, qk_scale, row_ok, q_pos, win_lo, softcap, inv_softcap,
+                d, d_ok, D,
                 k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd, ks_base, stride_ksn, stride_ksg,
                 vs_base, stride_vsn, stride_vsg, m_base, stride_mn,
-                GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, FP8_BITS, DOT_DTYPE, PV_DTYPE, BCAST_SCALE, V_PIN,
-                V_KEYS_CONTIG, INT8_PTX, False, BLOCK_N, BLOCK_D)
-    for start_n in tl.range(n_full, n_hi, BLOCK_N, num_stages=1):  # at most 2 tiles: not pipelined
+                GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
+                DOT_DTYPE, PV_DTYPE, BCAST_SCALE, V_PIN, V_KEYS_CONTIG, INT8_PTX, False, BLOCK_N, BLOCK_D)
+    for start_n in tl.range(n_full, n_hi, BLOCK_N, num_stages=1):  # at most 2 tiles without a mask: not pipelined
         acc, l_i, m_i, v_prev = _attend_tile(
-            acc, l_i, m_i, v_prev, start_n, n_hi, q, qk_scale, row_ok, q_pos, d, d_ok, D,
+            acc, l_i, m_i, v_prev, start_n, n_hi, q, qk_scale, row_ok, q_pos, win_lo, softcap, inv_softcap,
+            d, d_ok, D,
             k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd, ks_base, stride_ksn, stride_ksg,
             vs_base, stride_vsn, stride_vsg, m_base, stride_mn,
-            GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, FP8_BITS, DOT_DTYPE, PV_DTYPE, BCAST_SCALE, V_PIN,
-            V_KEYS_CONTIG, INT8_PTX, True, BLOCK_N, BLOCK_D)
+            GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
+            DOT_DTYPE, PV_DTYPE, BCAST_SCALE, V_PIN, V_KEYS_CONTIG, INT8_PTX, True, BLOCK_N, BLOCK_D)
 
     # ---- epilogue: rows with no visible key give zeros ----
     has_key = l_i > 0
-    out = acc / tl.where(has_key, l_i, 1.0)[:, None]
+    den = l_i
+    if HAS_SINKS and not SPLIT_OUTPUT:  # unsplit: the sink joins the denominator here (else in the merge)
+        sink = tl.load(SINKS + h * stride_sink, mask=row_ok, other=0.0).to(tl.float32)
+        den = l_i + tl.math.exp2((sink - m_i) * LOG2E)  # l_i is relative to exp(m_i); inf past range: out -> 0
+    out = acc / tl.where(has_key, den, 1.0)[:, None]
     if FOLD_V_MAX:
         out = out * (v_prev / PV_HEADROOM)
     out_ok = row_ok[:, None] & d_ok[None, :]
@@ -327,20 +403,33 @@ def _merge_kernel(
     O, stride_ob, stride_oh, stride_om, stride_od,
     KVLEN, stride_kvl,
     VS, stride_vsh,
-    Hq, Tq, D, split_len, num_splits,
+    SINKS, stride_sink,
+    Hq, Tq, D, split_len, num_splits, window,
     GROUP: tl.constexpr,
     STATIC_SCALE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,   # splits start at the window (as in _attention_kernel, same BLOCK_N)
+    HAS_SINKS: tl.constexpr,    # SINKS[h] joins the denominator once per row
     SPLITS_P2: tl.constexpr,
+    BLOCK_N: tl.constexpr,      # the attention kernel's key tile (its splits' alignment)
     BLOCK_D: tl.constexpr,
 ):
-    """grid (B * Hq * Tq,): combine the splits of one query row by their log-sum-exp."""
+    """grid (B * Hq * Tq,): combine the splits of one query row by their log-sum-exp.
+
+    A split is read only if the attention kernel wrote it: it starts below kv_len and (window) ends
+    above this row's first visible key; any split of this row the kernel skipped fails one of the two.
+    """
     pid = tl.program_id(0)
     qi = pid % Tq
     h = (pid // Tq) % Hq
     b = pid // (Tq * Hq)
     kv_len = tl.load(KVLEN + b * stride_kvl).to(tl.int32)
     sp = tl.arange(0, SPLITS_P2)
-    live = (sp < num_splits) & (sp * split_len < kv_len)  # splits past kv_len wrote nothing
+    if HAS_WINDOW:
+        sp_lo = tl.maximum(kv_len - Tq - window + 1, 0) // BLOCK_N * BLOCK_N + sp * split_len
+        win_lo = kv_len - Tq + qi - window + 1
+        live = (sp < num_splits) & (sp_lo < kv_len) & (sp_lo + split_len > win_lo)
+    else:
+        live = (sp < num_splits) & (sp * split_len < kv_len)  # splits past kv_len wrote nothing
     lse = tl.load(LSE + b * stride_lb + h * stride_lh + qi * stride_lm + sp * stride_ls, mask=live,
                   other=float("-inf"))
     m = tl.max(lse, axis=0)
@@ -350,6 +439,9 @@ def _merge_kernel(
     o = tl.load(OP + b * stride_opb + h * stride_oph + qi * stride_opm + sp[:, None] * stride_ops + d[None, :],
                 mask=live[:, None] & (d[None, :] < D), other=0.0)
     den = tl.sum(w, axis=0)
+    if HAS_SINKS:  # the sink logit (natural-log units) in the LSE's log2 units; none for a row without keys
+        sink = tl.load(SINKS + h * stride_sink).to(tl.float32) * LOG2E
+        den = den + tl.where(m == float("-inf"), 0.0, tl.math.exp2(sink - m_safe))
     out = tl.sum(w[:, None] * o, axis=0) / tl.where(den > 0, den, 1.0)
     if STATIC_SCALE:
         out = out * tl.load(VS + (h // GROUP) * stride_vsh).to(tl.float32)  # static V scale, once

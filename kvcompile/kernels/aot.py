@@ -92,6 +92,11 @@ def compile_attention(
     v_pin: Optional[bool] = None,
     tile: Optional[tiles.Tile] = None,
     v_keys: bool = False,
+    window: bool = False,
+    softcap: bool = False,
+    sinks: bool = False,
+    k_codes: Optional[str] = None,
+    v_codes: Optional[str] = None,
 ) -> SassReport:
     """Compile ``_attention_kernel`` as the launcher would for this case; return its SASS report.
 
@@ -99,7 +104,10 @@ def compile_attention(
     (causal). ``causal`` defaults to ``q_len > 1``. ``mask``: "none", "bool" or "add" (an explicit attention mask, as HF passes for padded
     batches). Queries bf16, fp16 dots (the GPU default). ``v_pin`` defaults to the launcher's
     ``V_PIN``; ``tile`` to the one :mod:`kvcompile.tiles` picks. ``v_keys``: V key-contiguous (the
-    cache's transposed V layout; never pinned).
+    cache's transposed V layout; never pinned). ``window`` / ``softcap`` / ``sinks``: the kernel's
+    HAS_WINDOW / HAS_SOFTCAP / HAS_SINKS switches. ``k_codes`` / ``v_codes`` ("e4m3" or "int8")
+    override the format's code type of K / V (e.g. int8 codes with token scales, or K and V of
+    different code types); scales keep the format's.
     """
     import torch
     import triton.language as tl
@@ -117,7 +125,12 @@ def compile_attention(
     fmt = formats.get_format(kv_dtype, granularity)
     tiles.check_head_dim(head_dim)
     decode = q_len <= launcher.DECODE_MAX_Q
-    fp8 = fmt.code_dtype.is_floating_point
+    code_types = {"e4m3": torch.float8_e4m3fn, "int8": torch.int8, None: fmt.code_dtype}
+    if k_codes not in code_types or v_codes not in code_types:
+        raise ValueError(f"kvcompile.kernels.aot: k_codes / v_codes must be 'e4m3' or 'int8', got {k_codes!r} / {v_codes!r}")
+    k_dtype, v_dtype = code_types[k_codes], code_types[v_codes]
+    k_fp8, fp8 = k_dtype.is_floating_point, v_dtype.is_floating_point  # fp8: V's
+    k_fp8_bits = k_fp8 and not tiles.has_native_fp8(cc)
     fp8_bits = fp8 and not tiles.has_native_fp8(cc)
     v_pin = (launcher.V_PIN if v_pin is None else v_pin) and not fp8_bits and not v_keys
     # the launcher reads the scale kind off the scale tensors' shapes: give it shape-only ones
@@ -128,16 +141,18 @@ def compile_attention(
         tile = (tiles.decode_tile(cc, head_dim, 2, 1, 1, q_len * group, v_keys, sb) if decode
                 else tiles.prefill_tile(cc, head_dim, 2, 1, 1, v_keys, sb))
     # code pointers as the launcher passes them: e4m3 as uint8 bits below sm_89 and for pinned V
-    k_code = "*i8" if not fp8 else ("*u8" if fp8_bits else "*fp8e4nv")
-    v_code = "*u8" if fp8 and v_pin else k_code
+    k_code = "*i8" if not k_fp8 else ("*u8" if k_fp8_bits else "*fp8e4nv")
+    v_code = "*i8" if not fp8 else ("*u8" if fp8_bits or v_pin else "*fp8e4nv")
     scale = "*fp32" if fmt.scale_dtype.itemsize == 4 else "*fp16"
     masks = {"none": (launcher.MASK_NONE, "*bf16"), "bool": (launcher.MASK_BOOL, "*u8"), "add": (launcher.MASK_ADD, "*bf16")}
     if mask not in masks:
         raise ValueError(f"kvcompile.kernels.aot: mask must be one of {list(masks)}, got {mask!r}")
     mask_kind, mask_ptr = masks[mask]
     ptrs = {"Q": "*bf16", "K": k_code, "V": v_code, "KS": scale, "VS": scale, "KVLEN": "*i64", "MASK": mask_ptr,
-            "O": "*bf16", "OP": "*fp32", "LSE": "*fp32"}
+            "SINKS": "*fp32" if sinks else "*bf16", "O": "*bf16", "OP": "*fp32", "LSE": "*fp32"}
     ones = {"stride_qd", "stride_kd", "stride_vn" if v_keys else "stride_vd", "stride_od", "stride_kvl", "stride_ls"}
+    if sinks:
+        ones.add("stride_sink")  # a contiguous [Hq] parameter (without sinks the launcher passes 0)
     if kind == launcher.SCALE_TOKEN:
         ones |= {"stride_ksn", "stride_vsn", "stride_ksg", "stride_vsg"}
     elif kind == launcher.SCALE_BLOCK:
@@ -150,13 +165,14 @@ def compile_attention(
     zeros = {"stride_mb", "stride_mh", "stride_mm", "stride_mn"} if mask == "none" else {"stride_mh", "stride_mm"}
     if mask != "none":
         ones.add("stride_mn")
-    not16 = {"Hkv", "Tq"}
+    not16 = {"Hkv", "Tq", "window"}
     consts = dict(
         GROUP=group, GROUP_SIZE=group_size, SCALE_KIND=kind, MASK_KIND=mask_kind, IS_CAUSAL=q_len > 1 if causal is None else causal,
-        SPLIT_OUTPUT=decode, FP8_BITS=fp8_bits, DOT_DTYPE=tl.float16, PV_DTYPE=tl.float16,
+        HAS_WINDOW=window, HAS_SOFTCAP=softcap, HAS_SINKS=sinks,
+        SPLIT_OUTPUT=decode, K_FP8_BITS=k_fp8_bits, V_FP8_BITS=fp8_bits, DOT_DTYPE=tl.float16, PV_DTYPE=tl.float16,
         BCAST_SCALE=launcher.BCAST_SCALE, V_PIN=v_pin, V_KEYS_CONTIG=v_keys,
-        INT8_PTX=launcher.int8_ptx(fmt.code_dtype, torch.float16), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-        BLOCK_D=1 << (head_dim - 1).bit_length(),
+        INT8_PTX=launcher.int8_ptx(k_dtype, torch.float16) or launcher.int8_ptx(v_dtype, torch.float16),
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=1 << (head_dim - 1).bit_length(),
     )
     compiled = _compile(_attention_kernel, cc, consts, ptrs, ones, zeros | not16, "compile_attention",
                         "attention_launcher._launch", num_warps=tile.num_warps, num_stages=tile.num_stages,
@@ -233,7 +249,7 @@ def _compile(kernel, cc, consts: dict, ptrs: dict, ones: set, not16: set, mirror
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif a in ones:
             signature[a], constexprs[(i,)] = "constexpr", 1
-        elif a == "sm_scale":
+        elif a in ("sm_scale", "softcap"):  # the kernel's float arguments
             signature[a] = "fp32"
         else:
             signature[a] = "i32"

@@ -8,7 +8,13 @@ Paths (``KVCOMPILE_PREFILL=auto|fused|dense`` forces the prefill path; read per 
 * ``fused``: one pass of the fused kernel over the codes, one program per query block.
 * ``dense``: dequantize the live prefix once into a 16-bit workspace, then the best SDPA
   (cuDNN / FlashAttention). Needs one host sync (the prefix length), so never used while a CUDA
-  graph is being captured. The workspace is dropped even when a later step raises.
+  graph is being captured. The workspace is dropped even when a later step raises. A sliding
+  window goes into SDPA's mask (only keys some query can see are dequantized); auto sends
+  windowed prefills to the fused kernel instead, which skips the tiles below the window.
+  SDPA has no softcap and no sinks: calls with either always take the fused kernel.
+
+Sliding window, softcap and sinks are constexpr switches of the kernel (``HAS_WINDOW``,
+``HAS_SOFTCAP``, ``HAS_SINKS``): off, it compiles to the code it had without them.
 """
 
 from __future__ import annotations
@@ -66,14 +72,22 @@ def _tl_dtype(dtype: torch.dtype):
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
 
 
-def prefill_path(q: Tensor) -> str:
-    """"decode", "fused" or "dense" for a query of this shape (see the module docstring)."""
+def prefill_path(q: Tensor, window_hides: bool = False, dense_ok: bool = True) -> str:
+    """"decode", "fused" or "dense" for a query of this shape (see the module docstring).
+
+    ``window_hides``: a sliding window shorter than the cache; auto then takes the fused kernel,
+    which skips the key tiles below the window (SDPA would read them all under a mask).
+    ``dense_ok`` False (softcap, sinks: SDPA has neither) takes the fused kernel even when
+    ``KVCOMPILE_PREFILL=dense`` asks for the dense path.
+    """
     Tq = q.shape[2]
     if Tq <= DECODE_MAX_Q:
         return "decode"
     choice = os.environ.get("KVCOMPILE_PREFILL", "auto").strip().lower() or "auto"
     if choice not in _PATHS:
         raise ValueError(f"KVCOMPILE_PREFILL={choice!r} is not one of {list(_PATHS)}")
+    if not dense_ok:
+        return "fused"
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
     if choice == "dense":
         if capturing:
@@ -82,7 +96,7 @@ def prefill_path(q: Tensor) -> str:
                 "use KVCOMPILE_PREFILL=auto or fused"
             )
         return "dense"
-    if choice == "fused" or capturing or not q.is_cuda:
+    if choice == "fused" or capturing or not q.is_cuda or window_hides:
         return "fused"
     return "dense" if Tq >= DENSE_MIN_Q else "fused"
 
@@ -190,15 +204,18 @@ def _mask_arg(attn_mask: Optional[Tensor], B: int, Hq: int, Tq: int, L: int, lik
     return m, m.stride(), MASK_ADD
 
 
-def _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, decode: bool) -> Tensor:
+def _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, decode: bool,
+           window: int = 0, softcap: float = 0.0, sinks: Optional[Tensor] = None) -> Tensor:
     B, Hq, Tq, D = q.shape
     Hkv, L = k_q.shape[1], k_q.shape[2]
     group = Hq // Hkv
     dev = q.device
     cc = device_cc(dev)
-    fp8_bits = k_q.dtype == torch.float8_e4m3fn and not interpreting() and not tiles.has_native_fp8(cc)
-    kc = k_q.view(torch.uint8) if fp8_bits else k_q
-    vc = v_q.view(torch.uint8) if fp8_bits else v_q
+    # K and V each: e4m3 codes go in as uint8 bits where Triton has no fp8 type (their code types may differ)
+    k_fp8_bits = k_q.dtype == torch.float8_e4m3fn and not interpreting() and not tiles.has_native_fp8(cc)
+    v_fp8_bits = v_q.dtype == torch.float8_e4m3fn and not interpreting() and not tiles.has_native_fp8(cc)
+    kc = k_q.view(torch.uint8) if k_fp8_bits else k_q
+    vc = v_q.view(torch.uint8) if v_fp8_bits else v_q
     scale_kind, group_size = _scale_kind(k_scale, v_scale, D)
     ks = k_scale.view(1, -1, 1, 1) if k_scale.dim() == 1 else k_scale
     vs = v_scale.view(1, -1, 1, 1) if v_scale.dim() == 1 else v_scale
@@ -217,26 +234,28 @@ def _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale
         dot_dtype, pv_dtype = q.dtype, torch.bfloat16  # P * s_v needs bf16's range
     v_keys = v_keys_contiguous(vc)
     # V widened by pinned PTX (GPU, fp16 PV dot, 8-bit codes the PTX decodes: int8 or native e4m3)
-    v_pin = (V_PIN and not v_keys and not interpreting() and pv_dtype == torch.float16 and not fp8_bits
+    v_pin = (V_PIN and not v_keys and not interpreting() and pv_dtype == torch.float16 and not v_fp8_bits
              and v_q.dtype in (torch.int8, torch.float8_e4m3fn))
     if v_pin and v_q.dtype == torch.float8_e4m3fn:
         vc = v_q.view(torch.uint8)  # the PTX takes the code bits
     qb = torch.empty((), dtype=dot_dtype).element_size()
     rows = Tq * group
-    sb = scale_bytes(k_scale)
+    sb = max(scale_bytes(k_scale), scale_bytes(v_scale))  # e.g. fp8/block32 K (fp32) with q8_0 V (fp16)
     if decode:
         tile = tiles.decode_tile(cc, D, qb, kc.element_size(), vc.element_size(), rows, v_keys, sb)
     else:
         tile = tiles.prefill_tile(cc, D, qb, kc.element_size(), vc.element_size(), v_keys, sb)
     if interpreting():
         tile = dataclasses.replace(tile, block_m=min(tile.block_m, 32), block_n=16)
-    key = (decode, cc, D, dot_dtype, k_q.dtype, scale_kind, mask_kind, bool(is_causal), rows if decode else 0, v_pin,
-           v_keys)
+    window = window if 0 < window < L else 0  # a window of L or more keys hides none
+    features = (window > 0, softcap > 0, sinks is not None)
+    key = (decode, cc, D, dot_dtype, k_q.dtype, v_q.dtype, scale_kind, mask_kind, bool(is_causal),
+           rows if decode else 0, v_pin, v_keys, features)
     tile = _SHRUNK.get(key, tile)
     out = torch.empty((B, Hq, Tq, D), dtype=q.dtype, device=dev)
     args = (q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, out, sm_scale, is_causal,
-            group, group_size, scale_kind, fp8_bits, dot_dtype, pv_dtype, decode, v_pin, v_keys,
-            int8_ptx(kc.dtype, dot_dtype))
+            group, group_size, scale_kind, (k_fp8_bits, v_fp8_bits), dot_dtype, pv_dtype, decode, v_pin, v_keys,
+            int8_ptx(kc.dtype, dot_dtype) or int8_ptx(vc.dtype, dot_dtype), window, float(softcap), sinks)
     from triton.runtime.errors import OutOfResources
 
     while True:
@@ -273,14 +292,21 @@ def _maxnreg(tile: tiles.Tile) -> dict:
 
 def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, out, sm_scale, is_causal,
             group, group_size, scale_kind, fp8_bits, dot_dtype, pv_dtype, decode, v_pin=False, v_keys=False,
-            int8_ptx=False, resident=1):
+            int8_ptx=False, window=0, softcap=0.0, sinks=None, resident=1):
+    """One launch of the attention kernel (+ the merge when split). ``fp8_bits``: (K's, V's);
+    ``window`` > 0 only when it hides keys (< L)."""
     B, Hq, Tq, D = q.shape
     Hkv, L = kc.shape[1], kc.shape[2]
     dev = q.device
     rows = Tq * group
     m_blocks = triton_cdiv(rows, tile.block_m)
+    k_fp8_bits, v_fp8_bits = fp8_bits
     if decode:
-        splits, split_len = decode_splits(B * Hkv * m_blocks, L, tile.block_n, sm_count(dev), resident)
+        # with a window, the splits cover the keys query 0 can see (from its window's first key,
+        # rounded down to a tile) instead of the whole cache: at most window + Tq - 1 keys plus the
+        # rounding, so a sliding layer plans (and runs) like a full layer of the window's length
+        span = min(L, window + Tq - 1 + tile.block_n - 1) if window else L
+        splits, split_len = decode_splits(B * Hkv * m_blocks, span, tile.block_n, sm_count(dev), resident)
     else:
         splits, split_len = 1, triton_cdiv(L, tile.block_n) * tile.block_n
 
@@ -291,6 +317,7 @@ def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, 
         op, lse = out, out  # unused
     op_strides = op.stride()[:4] if splits > 1 else (0, 0, 0, 0)
     lse_strides = lse.stride() if splits > 1 else (0, 0, 0, 0)
+    sink_arg, sink_stride = (sinks, sinks.stride(0)) if sinks is not None else (q, 0)  # q: a dummy pointer
 
     grid = (m_blocks, B * Hkv, splits)
     _attention_kernel[grid](
@@ -299,12 +326,14 @@ def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, 
         ks, *ks.stride(), vs, *vs.stride(),
         kvl, kvl_stride,
         mask, *mstride,
+        sink_arg, sink_stride,
         out, *out.stride(),
         op, *op_strides,
         lse, *lse_strides,
-        Hkv, Tq, D, float(sm_scale), split_len,
+        Hkv, Tq, D, float(sm_scale), split_len, int(window), float(softcap),
         GROUP=group, GROUP_SIZE=group_size, SCALE_KIND=scale_kind, MASK_KIND=mask_kind,
-        IS_CAUSAL=bool(is_causal), SPLIT_OUTPUT=splits > 1, FP8_BITS=fp8_bits,
+        IS_CAUSAL=bool(is_causal), HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
+        SPLIT_OUTPUT=splits > 1, K_FP8_BITS=k_fp8_bits, V_FP8_BITS=v_fp8_bits,
         DOT_DTYPE=_tl_dtype(dot_dtype), PV_DTYPE=_tl_dtype(pv_dtype), BCAST_SCALE=BCAST_SCALE,
         V_PIN=v_pin, V_KEYS_CONTIG=v_keys, INT8_PTX=int8_ptx,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=next_pow2(D),
@@ -313,11 +342,10 @@ def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, 
     if splits > 1:
         _merge_kernel[(B * Hq * Tq,)](
             op, *op.stride()[:4], lse, *lse.stride(), out, *out.stride(), kvl, kvl_stride,
-            vs, vs.stride(1), Hq, Tq, D, split_len, splits,
-            GROUP=group, STATIC_SCALE=scale_kind == SCALE_STATIC, SPLITS_P2=next_pow2(splits),
-            BLOCK_D=next_pow2(D), num_warps=4, **_FP_FUSION,
+            vs, vs.stride(1), sink_arg, sink_stride, Hq, Tq, D, split_len, splits, int(window),
+            GROUP=group, STATIC_SCALE=scale_kind == SCALE_STATIC, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None,
+            SPLITS_P2=next_pow2(splits), BLOCK_N=tile.block_n, BLOCK_D=next_pow2(D), num_warps=4, **_FP_FUSION,
         )
-
 
 
 def _sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa):
@@ -327,7 +355,7 @@ def _sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa):
     )
 
 
-def _dense(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale) -> Tensor:
+def _dense(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, window: int = 0) -> Tensor:
     B, Hq, Tq, D = q.shape
     Hkv, L = k_q.shape[1], k_q.shape[2]
     kvl = kv_len.to(q.device).reshape(-1).expand(B)
@@ -337,14 +365,23 @@ def _dense(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale
     else:
         lo, hi = (int(x) for x in torch.stack([kvl.min(), kvl.max()]).tolist())
     n = min(max(hi, 1), L)
+    # A window hides keys only where some query sits at >= window (the last one sits at hi - 1).
+    # Keys below the first one any query sees (query 0 of the shortest row) are not dequantized.
+    window = window if 0 < window < hi else 0
+    start = min(max(lo - Tq - window + 1, 0), n) if window else 0
     ws_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float32
 
     k = v = mask = None
     try:
         # K and V in one launch; K centering offsets are left out: softmax does not see them.
-        k, v = dequantize_kv(k_q, k_scale, v_q, v_scale, kv_len, n, ws_dtype)
+        if start:
+            k, v = dequantize_kv(k_q[:, :, start:], k_scale if k_scale.dim() == 1 else k_scale[:, :, start:],
+                                 v_q[:, :, start:], v_scale if v_scale.dim() == 1 else v_scale[:, :, start:],
+                                 kvl - start, n - start, ws_dtype)
+        else:
+            k, v = dequantize_kv(k_q, k_scale, v_q, v_scale, kv_len, n, ws_dtype)
         qq = q if q.dtype == ws_dtype else q.to(ws_dtype)
-        if attn_mask is None and lo == hi and (not is_causal or Tq <= n):
+        if attn_mask is None and lo == hi and (not is_causal or Tq <= n) and not window:
             # every row sees the same prefix: the fastest SDPA kernels (plain, causal, or causal
             # aligned to the last key for an extend: flash attention's own lower-right variant
             # instead of a materialized mask)
@@ -355,14 +392,16 @@ def _dense(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale
             else:
                 out = _sdpa(qq, k, v, None, bool(is_causal), sm_scale, Hq != Hkv)
             return out.to(q.dtype)
-        pos = torch.arange(n, device=q.device)
-        valid = (pos.view(1, 1, 1, n) < kvl.view(B, 1, 1, 1))
+        pos = torch.arange(start, n, device=q.device).view(1, 1, 1, n - start)
+        valid = pos < kvl.view(B, 1, 1, 1)
+        q_pos = kvl.view(B, 1, 1, 1) - Tq + torch.arange(Tq, device=q.device).view(1, 1, Tq, 1)
         if is_causal:
-            q_pos = kvl.view(B, 1, 1, 1) - Tq + torch.arange(Tq, device=q.device).view(1, 1, Tq, 1)
-            valid = valid & (pos.view(1, 1, 1, n) <= q_pos)
+            valid = valid & (pos <= q_pos)
+        if window:  # SDPA has no window: it goes into the mask (HF: kv_idx > q_idx - window)
+            valid = valid & (pos > q_pos - window)
         if attn_mask is not None:
             am = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
-            am = am.expand(*am.shape[:3], L)[..., :n]
+            am = am.expand(*am.shape[:3], L)[..., start:n]
             if am.dtype == torch.bool:
                 valid = valid & am
                 mask = valid
@@ -380,7 +419,9 @@ def _dense(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale
 def attention(
     q: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Tensor, kv_len: Tensor,
     attn_mask: Optional[Tensor], is_causal: bool, scale: Optional[float],
+    sliding_window: int = 0, softcap: float = 0.0, sinks: Optional[Tensor] = None,
 ) -> Tensor:
+    """``kvcompile::attention`` on the Triton kernels (arguments and shapes: :func:`kvcompile.ops.attention`)."""
     B, Hq, Tq, D = q.shape
     tiles.check_head_dim(D)
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -388,7 +429,13 @@ def attention(
     if Tq == 0 or k_q.shape[2] == 0:
         return torch.zeros_like(q)
     sm_scale = D**-0.5 if scale is None else float(scale)
-    path = prefill_path(q)
+    L = k_q.shape[2]
+    # the dense path's SDPA has no softcap and no sinks, and its one-launch dequantize decodes e4m3
+    # bits for K and V alike (archs without an fp8 type): those calls take the fused kernel
+    dense_ok = (softcap == 0 and sinks is None
+                and (k_q.dtype == v_q.dtype or tiles.has_native_fp8(device_cc(q.device))))
+    path = prefill_path(q, window_hides=0 < sliding_window < L, dense_ok=dense_ok)
     if path == "dense":
-        return _dense(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale)
-    return _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, decode=path == "decode")
+        return _dense(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, sliding_window)
+    return _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, decode=path == "decode",
+                  window=sliding_window, softcap=softcap, sinks=sinks)
