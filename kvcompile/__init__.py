@@ -12,17 +12,19 @@ a kernel runs, so the package imports on machines without a GPU.
 from . import ops  # noqa: F401  (registers torch.ops.kvcompile.*)
 from .cache import QuantizedCache, QuantizedLayer
 from .calibration import calibrate, load_calibration, save_calibration
-from .formats import KV_DTYPES, KVFormat, get_format
+from .formats import DEFAULT_KV_DTYPE, KV_DTYPES, KVFormat, format_of, get_format
 from .graphs import BatchPaddedForward, default_capture_sizes
 
 __all__ = [
     "BatchPaddedForward",
+    "DEFAULT_KV_DTYPE",
     "KV_DTYPES",
     "KVFormat",
     "QuantizedCache",
     "QuantizedLayer",
     "calibrate",
     "default_capture_sizes",
+    "format_of",
     "get_format",
     "load_calibration",
     "save_calibration",
@@ -31,8 +33,11 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def backend(kv_dtype: str = "fp8_e4m3", **options):
-    """A torch.compile backend that rewrites attention over a kvcompile cache (see kvcompile.passes)."""
+def backend(kv_dtype: str | None = None, *, k_dtype: str | None = None, v_dtype: str | None = None, **options):
+    """A torch.compile backend that rewrites attention over a kvcompile cache (see kvcompile.passes).
+
+    ``kv_dtype`` names the cache's format (``None``: :data:`DEFAULT_KV_DTYPE`); ``k_dtype`` /
+    ``v_dtype`` override one side, as in :class:`QuantizedCache`."""
     from .compile_backend import KVCompileBackend
 
-    return KVCompileBackend(kv_dtype=kv_dtype, **options)
+    return KVCompileBackend(kv_dtype=kv_dtype, k_dtype=k_dtype, v_dtype=v_dtype, **options)

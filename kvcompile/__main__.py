@@ -95,7 +95,7 @@ def _tile_lines(archs) -> list[str]:
 
 
 def info(out=print) -> None:
-    from . import __version__
+    from . import __version__, formats
 
     out(f"kvcompile {__version__}")
     dev, archs = _device_lines()
@@ -110,8 +110,11 @@ def info(out=print) -> None:
         name = f"{fmt.kv_dtype} / {fmt.granularity}"
         out(f"  {name:22s} {code:14s} {scale:9s} {b64:6.3f} {b128:6.3f}")
     out("  (bf16 cache: 2.000 bytes per element)")
-    out("  defaults: QuantizedCache(kv_dtype='fp8_e4m3') uses token scales (block32 on request);")
-    out("  q8_0 is always block32. K centering (calibration k_offset) works with every format.")
+    out(f"  default format (no kv_dtype given): {formats.DEFAULT_KV_DTYPE}. fp8_e4m3 uses token scales (block32 or")
+    out("  static on request); q8_0 is always block32, int8 always token. int8 is stored Hadamard-rotated by")
+    out("  default (rotate=None; head_dim a multiple of 8), the others unrotated. K and V may differ")
+    out("  (k_dtype=, v_dtype=) when they share one scale granularity. K centering (calibration k_offset)")
+    out("  works with every format.")
     out("")
     out("attention tiles (kvcompile.tiles):")
     for line in _tile_lines(archs):

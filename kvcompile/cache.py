@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import formats, ops
+from . import formats, ops, rotation
 
 __all__ = ["QuantizedCache", "QuantizedLayer", "v_codes_buffer"]
 
@@ -44,12 +44,22 @@ class QuantizedLayer(CacheLayerMixin):
     """One attention layer's 8-bit K/V: codes ``[B, Hkv, L, D]`` + scales, and its length.
 
     Attributes read by the compiler pass: ``k_codes``, ``k_scales``, ``v_codes``, ``v_scales``,
-    ``k_offset`` (or None), ``cumulative_length``, ``fmt``.
+    ``k_offset`` (or None; in K's rotated space when K is rotated), ``cumulative_length``,
+    ``k_rotation`` / ``v_rotation`` (None, or the ``[D, D]`` float32 matrix R that side is stored
+    rotated by: stored = quantize(x @ R - offset)), ``sliding_window`` (0 = full attention).
+
+    ``fmt`` is K's format (``k_fmt``); ``v_fmt`` is V's, which may differ when the two share one
+    scale granularity (:func:`formats.check_pair`). ``fmt`` stays for code that predates K and V
+    formats chosen apart; ``k_fmt`` / ``v_fmt`` say which side is meant.
 
     ``v_layout``: ``"keys"`` stores V codes key-contiguous (a ``[B, Hkv, D, L16]`` buffer, ``L16``
     = ``L`` rounded up to 16, seen through a ``[B, Hkv, L, D]`` view), the layout the attention
     kernel reads without a transpose; ``"head_dim"`` stores them like K; ``"auto"`` takes
-    :attr:`formats.KVFormat.v_keys_contiguous`.
+    :attr:`formats.KVFormat.v_keys_contiguous` of V's format.
+
+    ``k_rotate`` / ``v_rotate``: store that side rotated by :func:`kvcompile.rotation.hadamard`.
+    ``k_offset`` is given in the model's K space (what :func:`kvcompile.calibrate` measures) and
+    rotated here once when K is rotated: ``(x - mu) @ R == x @ R - mu @ R``.
     """
 
     is_compileable = True
@@ -69,13 +79,32 @@ class QuantizedLayer(CacheLayerMixin):
         v_static_scale: torch.Tensor | None = None,
         k_offset: torch.Tensor | None = None,
         v_layout: str = "auto",
+        *,
+        v_fmt: formats.KVFormat | None = None,
+        k_rotate: bool = False,
+        v_rotate: bool = False,
+        sliding_window: int = 0,
     ):
         super().__init__()
+        v_fmt = fmt if v_fmt is None else v_fmt
+        formats.check_pair(fmt, v_fmt)
         fmt.check_head_dim(head_dim)
+        v_fmt.check_head_dim(head_dim)
         if v_layout not in V_LAYOUTS:
             raise ValueError(f"kvcompile.QuantizedCache: v_layout={v_layout!r} is not one of {list(V_LAYOUTS)}")
-        self.v_keys = fmt.v_keys_contiguous if v_layout == "auto" else v_layout == "keys"
-        self.fmt = fmt
+        for side, f, rot in (("K", fmt, k_rotate), ("V", v_fmt, v_rotate)):
+            if rot and f.is_static:
+                raise ValueError(
+                    f"kvcompile.QuantizedCache: {side} in {f.name} cannot be rotated: static scales are calibrated on "
+                    "unrotated K/V; use rotate=False with granularity='static'"
+                )
+        if k_rotate or v_rotate:
+            rotation.check_head_dim(head_dim)
+        self.v_keys = v_fmt.v_keys_contiguous if v_layout == "auto" else v_layout == "keys"
+        self.fmt = self.k_fmt = fmt
+        self.v_fmt = v_fmt
+        self.k_rotate, self.v_rotate = bool(k_rotate), bool(v_rotate)
+        self.sliding_window = int(sliding_window)
         self.max_batch_size = max_batch_size
         self.max_cache_len = max_cache_len
         self.num_heads = num_kv_heads
@@ -83,30 +112,35 @@ class QuantizedLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self._k_static = k_static_scale
         self._v_static = v_static_scale
+        if k_offset is not None and k_rotate:  # into K's rotated space, in float64
+            k_offset = (k_offset.detach().cpu().double() @ rotation.hadamard(head_dim, torch.float64)).float()
         self._k_offset = k_offset
         self.cumulative_length = torch.tensor(0, dtype=torch.long)
         self.k_codes = self.v_codes = self.k_scales = self.v_scales = None
-        self.k_offset = None
+        self.k_offset = self.k_rotation = self.v_rotation = None
         self.device = None
 
     # -- allocation -----------------------------------------------------------------------------
 
     def allocate(self, device: torch.device) -> None:
         B, H, L, D = self.max_batch_size, self.num_heads, self.max_cache_len, self.head_dim
-        fmt = self.fmt
+        kf, vf = self.k_fmt, self.v_fmt
         self.device = torch.device(device)
-        self.k_codes = torch.zeros((B, H, L, D), dtype=fmt.code_dtype, device=device)
-        self.v_codes = v_codes_buffer((B, H, L, D), fmt.code_dtype, device, self.v_keys)
+        self.k_codes = torch.zeros((B, H, L, D), dtype=kf.code_dtype, device=device)
+        self.v_codes = v_codes_buffer((B, H, L, D), vf.code_dtype, device, self.v_keys)
         self.device = self.k_codes.device  # normalized: "cuda" -> cuda:0, so input checks compare equal
-        if fmt.is_static:
+        if kf.is_static:  # check_pair: static on both sides or neither
             self.k_scales = self._k_static.to(device=device, dtype=torch.float32).contiguous()
             self.v_scales = self._v_static.to(device=device, dtype=torch.float32).contiguous()
         else:
-            shape = fmt.scale_shape(B, H, L, D)
-            self.k_scales = torch.zeros(shape, dtype=fmt.scale_dtype, device=device)
-            self.v_scales = torch.zeros(shape, dtype=fmt.scale_dtype, device=device)
+            self.k_scales = torch.zeros(kf.scale_shape(B, H, L, D), dtype=kf.scale_dtype, device=device)
+            self.v_scales = torch.zeros(vf.scale_shape(B, H, L, D), dtype=vf.scale_dtype, device=device)
         if self._k_offset is not None:
             self.k_offset = self._k_offset.to(device=device, dtype=torch.float32).contiguous()
+        if self.k_rotate or self.v_rotate:
+            R = rotation.hadamard(D, torch.float32, self.device)  # one matrix per layer, shared by K and V
+            self.k_rotation = R if self.k_rotate else None
+            self.v_rotation = R if self.v_rotate else None
         self.cumulative_length = self.cumulative_length.to(device)
         # HF's StaticLayer semantics (keys/values are the storage); they are 8-bit codes here.
         self.keys, self.values = self.k_codes, self.v_codes
@@ -117,8 +151,9 @@ class QuantizedLayer(CacheLayerMixin):
 
     def buffers(self) -> list[torch.Tensor]:
         bufs = [self.k_codes, self.v_codes, self.k_scales, self.v_scales, self.cumulative_length]
-        if self.k_offset is not None:
-            bufs.append(self.k_offset)
+        for t in (self.k_offset, self.k_rotation, self.v_rotation):
+            if t is not None and not any(t is b for b in bufs):  # K and V share one rotation matrix
+                bufs.append(t)
         return bufs
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -174,12 +209,13 @@ class QuantizedLayer(CacheLayerMixin):
         k_codes, k_scales, v_codes, v_scales = self.live_buffers(key_states.shape[0])
         ops.store_kv(
             k_codes, k_scales, v_codes, v_scales,
-            key_states, value_states, self.cumulative_length, self.k_offset,
+            key_states, value_states, self.cumulative_length, self.k_offset, self.k_rotation, self.v_rotation,
         )
         self.cumulative_length.add_(key_states.shape[2])
         dtype = key_states.dtype
-        k = ops.dequantize(k_codes, k_scales, self.k_offset, self.cumulative_length, dtype)
-        v = ops.dequantize(v_codes, v_scales, None, self.cumulative_length, dtype)
+        n, w = self.cumulative_length, self.sliding_window
+        k = ops.dequantize(k_codes, k_scales, self.k_offset, n, dtype, self.k_rotation, w)
+        v = ops.dequantize(v_codes, v_scales, None, n, dtype, self.v_rotation, w)
         return k, v
 
     def live_buffers(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -207,7 +243,7 @@ class QuantizedLayer(CacheLayerMixin):
         if self.is_initialized:
             self.k_codes.zero_()
             self.v_codes.zero_()
-            if not self.fmt.is_static:
+            if not self.k_fmt.is_static:
                 self.k_scales.zero_()
                 self.v_scales.zero_()
         self.cumulative_length.zero_()
@@ -224,7 +260,7 @@ class QuantizedLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         idx = beam_idx.to(self.device)
-        per_batch = [self.k_codes, self.v_codes] + ([] if self.fmt.is_static else [self.k_scales, self.v_scales])
+        per_batch = [self.k_codes, self.v_codes] + ([] if self.k_fmt.is_static else [self.k_scales, self.v_scales])
         for t in per_batch:  # in place: the buffers keep their static addresses
             src = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
             src.copy_(src.index_select(0, idx))
@@ -252,8 +288,16 @@ class QuantizedLayer(CacheLayerMixin):
         rest = sum(t.numel() * t.element_size() for t in self.buffers() if t is not self.v_codes)
         return rest + self.v_codes.untyped_storage().nbytes()
 
+    @property
+    def format_name(self) -> str:
+        """``"int8+rot"``-style: the format, ``+rot`` when rotated; ``"K/V"`` when K and V differ."""
+        k = self.k_fmt.name + ("+rot" if self.k_rotate else "")
+        v = self.v_fmt.name + ("+rot" if self.v_rotate else "")
+        return k if k == v else f"K {k}/V {v}"
+
     def __repr__(self):
-        return f"QuantizedLayer({self.fmt.name}, B={self.max_batch_size}, Hkv={self.num_heads}, L={self.max_cache_len}, D={self.head_dim})"
+        return (f"QuantizedLayer({self.format_name}, B={self.max_batch_size}, Hkv={self.num_heads}, "
+                f"L={self.max_cache_len}, D={self.head_dim})")
 
 
 def _layer_shapes(config) -> tuple[int, int, int]:
@@ -303,16 +347,30 @@ class QuantizedCache(Cache):
         config: the model config (``model.config``).
         max_batch_size: the largest batch the cache serves (a smaller batch uses its leading rows).
         max_cache_len: positions per sequence (prompt + generated tokens).
-        kv_dtype: one of :data:`kvcompile.KV_DTYPES` (``"fp8_e4m3"``, ``"q8_0"``).
+        kv_dtype: one of :data:`kvcompile.KV_DTYPES` (``"fp8_e4m3"``, ``"q8_0"``, ``"int8"``) for K and
+            V; ``None``: :data:`kvcompile.formats.DEFAULT_KV_DTYPE`.
         device: where to allocate now; ``None`` allocates lazily on the first update's device.
+        k_dtype, v_dtype: K's / V's format, overriding ``kv_dtype`` for that side. K and V must share
+            one scale granularity (the attention kernel reads both with one): fp8_e4m3 and int8 mix
+            (per token), fp8_e4m3 with ``granularity="block32"`` and q8_0 mix; q8_0 with int8, or
+            with per-token fp8, is refused here with the reason.
+        rotate: store K and V rotated by an orthonormal Hadamard matrix of the head dimension
+            (:mod:`kvcompile.rotation`; head_dim must be a multiple of 8). ``None`` (default): rotate
+            the sides stored as int8 (its per-token scale needs the outlier channels spread), not the
+            others; ``True`` / ``False``: both sides / neither. Rotation is exact for attention (the
+            compiler pass rotates q, and the output for V) and ``update()`` returns un-rotated K/V.
+            fp8 and q8_0 may be rotated too (q8_0 codes are then GGUF's q8_0 of the rotated values);
+            static scales may not (they are calibrated on unrotated K/V).
         granularity: fp8 scale granularity: ``"token"`` (default: one fp32 scale per token and kv
             head; the fastest format without calibration), ``"block32"`` (one per 32 values: about
             half the perplexity cost on SmolLM2-135M, see QUALITY.md, but its decode kernel is
             15-22% slower, see BENCHMARKS.md) or ``"static"`` (calibrated, per layer and kv head; needs
-            ``calibration``). q8_0 is always block32.
+            ``calibration``). q8_0 is always block32, int8 always token.
         calibration: output of :func:`kvcompile.calibrate` or a safetensors path holding it:
-            ``k_scale``/``v_scale`` ``[layers, Hkv]`` (static scales) and/or ``k_offset``
-            ``[layers, Hkv, D]`` (K centering, usable with every format).
+            ``k_scale``/``v_scale`` ``[layers, Hkv]`` (static fp8 scales, read only with
+            ``granularity="static"``) and/or ``k_offset`` ``[layers, Hkv, D]`` (K centering, usable
+            with every format; measured on unrotated K, and rotated by the cache when K is rotated,
+            so a layer's ``k_offset`` lives in K's rotated space).
         v_layout: how V codes are laid out in memory: ``"auto"`` (default: key-contiguous for
             token and static scales, head_dim-contiguous otherwise, the faster layout of each on the H200, see
             BENCHMARKS.md), ``"keys"`` or ``"head_dim"``. ``v_codes`` is ``[B, Hkv, L, D]`` either way.
@@ -323,9 +381,12 @@ class QuantizedCache(Cache):
         config,
         max_batch_size: int = 1,
         max_cache_len: int | None = None,
-        kv_dtype: str = "fp8_e4m3",
+        kv_dtype: str | None = None,
         device: torch.device | str | None = None,
         *,
+        k_dtype: str | None = None,
+        v_dtype: str | None = None,
+        rotate: bool | None = None,
         granularity: str | None = None,
         calibration: Mapping[str, torch.Tensor] | str | os.PathLike | None = None,
         v_layout: str = "auto",
@@ -334,10 +395,16 @@ class QuantizedCache(Cache):
         if kwargs:  # a misspelled option must not silently fall back to a default format
             raise TypeError(
                 f"kvcompile.QuantizedCache got unexpected arguments {sorted(kwargs)}; it takes config, "
-                "max_batch_size, max_cache_len, kv_dtype, device, granularity, calibration and v_layout"
+                "max_batch_size, max_cache_len, kv_dtype, device, k_dtype, v_dtype, rotate, granularity, "
+                "calibration and v_layout"
             )
+        if rotate not in (None, True, False):
+            raise TypeError(f"kvcompile.QuantizedCache: rotate must be None, True or False, got {rotate!r}")
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        fmt = formats.get_format(kv_dtype, granularity)
+        k_name, v_name = formats.resolve_kv_dtypes(kv_dtype, k_dtype, v_dtype)
+        k_fmt, v_fmt = formats.get_format(k_name, granularity), formats.get_format(v_name, granularity)
+        formats.check_pair(k_fmt, v_fmt)
+        fmt = k_fmt
         if max_cache_len is None:
             max_cache_len = getattr(text_config, "max_position_embeddings", None)
             if max_cache_len is None:
@@ -349,7 +416,24 @@ class QuantizedCache(Cache):
             )
         _check_layer_types(text_config, max_cache_len)
         num_layers, kv_heads, head_dim = _layer_shapes(text_config)
-        fmt.check_head_dim(head_dim)
+        k_fmt.check_head_dim(head_dim)
+        v_fmt.check_head_dim(head_dim)
+        k_rotate = k_fmt.kv_dtype == "int8" if rotate is None else rotate
+        v_rotate = v_fmt.kv_dtype == "int8" if rotate is None else rotate
+        if (k_rotate or v_rotate) and fmt.is_static:
+            raise ValueError(
+                "kvcompile.QuantizedCache: rotate=True with granularity='static': static scales are calibrated on "
+                "unrotated K/V; use rotate=False (or a per-token format)"
+            )
+        if k_rotate or v_rotate:
+            try:
+                rotation.check_head_dim(head_dim)
+            except ValueError as e:
+                how = "rotate=True" if rotate else "int8 rotates by default"
+                raise ValueError(
+                    f"kvcompile.QuantizedCache: {how}, but {e}"
+                    + ("" if rotate else " (or a format that is not rotated by default, e.g. kv_dtype='fp8_e4m3')")
+                ) from None
 
         calib = {}
         if calibration is not None:
@@ -363,17 +447,22 @@ class QuantizedCache(Cache):
             )
         layers = [
             QuantizedLayer(
-                fmt, max_batch_size, max_cache_len, kv_heads, head_dim, i,
+                k_fmt, max_batch_size, max_cache_len, kv_heads, head_dim, i,
                 k_static_scale=calib["k_scale"][i] if fmt.is_static else None,
                 v_static_scale=calib["v_scale"][i] if fmt.is_static else None,
                 k_offset=calib["k_offset"][i] if "k_offset" in calib else None,
                 v_layout=v_layout,
+                v_fmt=v_fmt, k_rotate=k_rotate, v_rotate=v_rotate,
             )
             for i in range(num_layers)
         ]
         super().__init__(layers=layers)
-        self.fmt = fmt
-        self.kv_dtype = fmt.kv_dtype
+        self.fmt = self.k_fmt = k_fmt  # ``fmt``: K's format, as before K and V could differ
+        self.v_fmt = v_fmt
+        self.k_dtype, self.v_dtype = k_fmt.kv_dtype, v_fmt.kv_dtype
+        # one name when K and V agree, "k_dtype/v_dtype" otherwise (as kvcompile.backend reports it)
+        self.kv_dtype = self.k_dtype if self.k_dtype == self.v_dtype else f"{self.k_dtype}/{self.v_dtype}"
+        self.k_rotate, self.v_rotate = k_rotate, v_rotate
         # transformers 5.17's Cache defines read-only (deprecated) properties of these names
         self._max_batch_size = max_batch_size
         self._max_cache_len = max_cache_len
@@ -394,6 +483,11 @@ class QuantizedCache(Cache):
         """Bytes held by the cache: codes, scales, offsets and lengths of every layer."""
         return sum(layer.nbytes for layer in self.layers)
 
+    def bytes_per_element(self) -> float:
+        """Bytes per cached K or V element (mean of K and V), scales included (see KVFormat)."""
+        D = self.layers[0].head_dim
+        return (self.k_fmt.bytes_per_element(D) + self.v_fmt.bytes_per_element(D)) / 2
+
     def bf16_nbytes(self) -> int:
         """Bytes a bf16 cache of the same capacity would hold (for comparisons)."""
         return sum(2 * 2 * l.max_batch_size * l.num_heads * l.max_cache_len * l.head_dim for l in self.layers)
@@ -405,6 +499,6 @@ class QuantizedCache(Cache):
 
     def __repr__(self):
         return (
-            f"kvcompile.QuantizedCache({self.fmt.name}, layers={len(self.layers)}, "
+            f"kvcompile.QuantizedCache({self.layers[0].format_name}, layers={len(self.layers)}, "
             f"max_batch_size={self.max_batch_size}, max_cache_len={self.max_cache_len})"
         )

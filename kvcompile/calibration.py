@@ -6,8 +6,17 @@ The on-disk format is one safetensors file with up to three tensors (float32):
 * ``v_scale``  ``[num_layers, Hkv]``      static fp8 scale of V
 * ``k_offset`` ``[num_layers, Hkv, D]``   per-channel mean of K, subtracted before quantizing
 
+and metadata naming what the tensors are for (:data:`FILE_METADATA`): static scales for
+``fp8_e4m3`` (``amax / 448``: the only format with static scales), offsets in the model's own
+(unrotated) K space. A cache that rotates K rotates the offsets once when it is built; static
+scales are refused with a rotation (they were measured on unrotated K/V) and with every format
+but fp8_e4m3 (:class:`kvcompile.formats.KVFormat`). A cache with per-token or block32 scales
+reads only ``k_offset`` from a calibration and ignores its scales.
+
 Loading validates everything and fails closed: a missing layer, a wrong shape, a
-non-finite value or a non-positive scale raises ``ValueError`` naming the tensor and the fix.
+non-finite value, a non-positive scale, or a file made for another format (its metadata)
+raises ``ValueError`` naming the tensor and the fix. Files without metadata (older ones, and
+the dict :func:`calibrate` returns) are fp8 scales and unrotated offsets.
 
 :func:`calibrate` produces these tensors from a model and some text: it runs the model with a
 recording cache that sees K and V exactly as a cache stores them (post-RoPE K, in the order and
@@ -30,9 +39,27 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-__all__ = ["calibrate", "load_calibration", "save_calibration", "CALIBRATION_KEYS"]
+__all__ = ["calibrate", "load_calibration", "save_calibration", "CALIBRATION_KEYS", "FILE_METADATA"]
 
 CALIBRATION_KEYS = ("k_scale", "v_scale", "k_offset")
+# What save_calibration writes into the safetensors header, and what load_calibration accepts.
+FILE_METADATA = {"kvcompile": "calibration", "scales": "fp8_e4m3", "k_offset": "unrotated"}
+
+
+def _check_metadata(meta: Mapping[str, str] | None, source: str) -> None:
+    meta = meta or {}
+    scales = meta.get("scales", FILE_METADATA["scales"])
+    if scales != FILE_METADATA["scales"]:
+        raise ValueError(
+            f"kvcompile calibration {source}: holds static scales for {scales!r}, but kvcompile's static scales "
+            f"are fp8_e4m3's (amax / 448); calibrate again with kvcompile.calibrate"
+        )
+    space = meta.get("k_offset", FILE_METADATA["k_offset"])
+    if space != FILE_METADATA["k_offset"]:
+        raise ValueError(
+            f"kvcompile calibration {source}: its k_offset is in {space!r} space, kvcompile reads offsets measured "
+            "on unrotated K (the cache rotates them itself); calibrate again with kvcompile.calibrate"
+        )
 
 
 def _validate(calib: Mapping[str, torch.Tensor], num_layers: int, num_kv_heads: int, head_dim: int, source: str):
@@ -74,11 +101,16 @@ def load_calibration(
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
+        from safetensors import safe_open
+
         source = os.fspath(calibration)
         try:
             tensors = load_file(source)
+            with safe_open(source, "pt") as f:
+                meta = f.metadata()
         except (SafetensorError, OSError, ValueError) as e:
             raise ValueError(f"kvcompile calibration {source}: cannot be read as safetensors ({e})") from e
+        _check_metadata(meta, source)
     else:
         source, tensors = "(dict)", dict(calibration)
     return _validate(tensors, num_layers, num_kv_heads, head_dim, source)
@@ -87,7 +119,8 @@ def load_calibration(
 def save_calibration(calibration: Mapping[str, torch.Tensor], path: str | os.PathLike) -> None:
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().to(torch.float32).cpu().contiguous() for k, v in calibration.items()}, os.fspath(path))
+    save_file({k: v.detach().to(torch.float32).cpu().contiguous() for k, v in calibration.items()}, os.fspath(path),
+              metadata=dict(FILE_METADATA))
 
 
 # ---------------------------------------------------------------------------------------------

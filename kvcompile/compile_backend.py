@@ -1,9 +1,12 @@
 """``kvcompile.backend(kv_dtype=...)``: a torch.compile backend = the attention pass + Inductor.
 
-    backend = kvcompile.backend(kv_dtype="fp8_e4m3")
+    backend = kvcompile.backend(kv_dtype="fp8_e4m3")   # or k_dtype="int8", v_dtype="fp8_e4m3"
     model.forward = torch.compile(model.forward, backend=backend, fullgraph=True)
     ...
     backend.report()  # [{"found": 30, "rewritten": 30, "skipped": [], "kv_dtype": "fp8_e4m3"}, ...]
+
+``kv_dtype`` in the report is the format's name when K and V agree, ``"k_dtype/v_dtype"``
+(e.g. ``"int8/fp8_e4m3"``) when they differ.
 
 Per graph Dynamo hands over, the backend runs :class:`kvcompile.passes.KVAttentionPass` on the
 Dynamo (pre-AOT) graph, then calls Inductor's ``compile_fx`` with the config patches torch.compile
@@ -21,7 +24,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .formats import KV_DTYPES
+from . import formats
 from .passes import KVAttentionPass
 
 log = logging.getLogger("kvcompile")
@@ -33,8 +36,11 @@ class KVCompileBackend:
     """A callable torch.compile backend; see the module docstring.
 
     Args:
-        kv_dtype: the cache format the compiled model uses (one of ``kvcompile.KV_DTYPES``); a graph
-            over a cache of another format fails to compile with a clear error.
+        kv_dtype: the cache format the compiled model uses (one of ``kvcompile.KV_DTYPES``; ``None``:
+            :data:`kvcompile.formats.DEFAULT_KV_DTYPE`); a graph over a cache of another format fails
+            to compile with a clear error.
+        k_dtype, v_dtype: K's / V's format when they differ (override ``kv_dtype`` for that side), as
+            ``QuantizedCache(k_dtype=..., v_dtype=...)``.
         config_patches: Inductor config applied to every graph (merged under ``options=``).
         dump_graphs: a directory; each graph is written there before and after the pass
             (also enabled by ``KVCOMPILE_DUMP_GRAPHS=<dir>``).
@@ -42,17 +48,19 @@ class KVCompileBackend:
 
     def __init__(
         self,
-        kv_dtype: str = "fp8_e4m3",
+        kv_dtype: Optional[str] = None,
         *,
+        k_dtype: Optional[str] = None,
+        v_dtype: Optional[str] = None,
         config_patches: Optional[dict] = None,
         dump_graphs: Optional[str] = None,
     ):
-        if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"unknown kv_dtype {kv_dtype!r}; kvcompile accepts one of {list(KV_DTYPES)}")
-        self.kv_dtype = kv_dtype
+        self.k_dtype, self.v_dtype = formats.resolve_kv_dtypes(kv_dtype, k_dtype, v_dtype)
+        # one name when K and V agree (the report's "kv_dtype"), "k_dtype/v_dtype" otherwise
+        self.kv_dtype = self.k_dtype if self.k_dtype == self.v_dtype else f"{self.k_dtype}/{self.v_dtype}"
         self.config_patches = dict(config_patches or {})
         self.dump_graphs = dump_graphs or os.environ.get("KVCOMPILE_DUMP_GRAPHS") or None
-        self.graph_pass = KVAttentionPass(kv_dtype)
+        self.graph_pass = KVAttentionPass(k_dtype=self.k_dtype, v_dtype=self.v_dtype)
         self._reports: list[dict] = []
         self.pass_seconds: list[float] = []  # wall time of the pass per graph (benchmarks)
 
@@ -84,6 +92,7 @@ class KVCompileBackend:
         self.pass_seconds.append(time.perf_counter() - t0)
         self._dump(gm, index, "after")
         report = result.as_dict()
+        report["kv_dtype"] = self.kv_dtype
         self._reports.append(report)
         if result.found:
             log.info(
@@ -117,5 +126,7 @@ class KVCompileBackend:
         return self
 
     def __repr__(self) -> str:
-        return f"kvcompile.backend(kv_dtype={self.kv_dtype!r})"
+        if self.k_dtype == self.v_dtype:
+            return f"kvcompile.backend(kv_dtype={self.kv_dtype!r})"
+        return f"kvcompile.backend(k_dtype={self.k_dtype!r}, v_dtype={self.v_dtype!r})"
 

@@ -8,8 +8,9 @@ it produces (so ops and kernels need no format string):
     - ``[B, Hkv, L, 1]``        one scale per (token, kv head)            ("token")
     - ``[B, Hkv, L, D // 32]``  one scale per 32 values along head_dim    ("block32")
     - ``[Hkv]``                 one static, calibrated scale per kv head  ("static")
-* the scale dtype: float32 for fp8 (an e4m3 code has 3 mantissa bits; the scale must
-  not add error of its own), float16 for q8_0 (GGUF stores ``d`` as fp16).
+* the scale dtype: float32 for fp8 and int8 (the scale must not add error of its own),
+  float16 for q8_0 (GGUF stores ``d`` as fp16). int8 codes with fp16 scales are q8_0, int8
+  codes with float32 per-token scales are ``int8`` (:func:`format_of`).
 
 Rounding (bit-exact between this reference and every kernel):
 
@@ -18,18 +19,29 @@ Rounding (bit-exact between this reference and every kernel):
 * ``q8_0``: GGUF's ``quantize_row_q8_0_ref``: ``d = amax / 127`` (fp32),
   ``id = 1 / d`` (0 when d == 0), ``q = roundf(x * id)`` (half away from zero), and ``d``
   stored as fp16. Dequantize is ``q * fp16(d)``, exactly what llama.cpp reads back.
+* ``int8``: one float32 scale per token and kv head, ``s = amax / 127`` (fp32, true division);
+  ``code = round_half_even(x / s)`` (true division, as fp8) saturated to ``[-127, 127]`` (-128 is
+  never written, so the codes are symmetric). An all-zero token stores ``s = 0`` and codes 0.
+  Same bytes as fp8 per token (one byte per value + 4 bytes per token and head), but uniform
+  steps of ``amax / 254`` instead of e4m3's 3-bit mantissa: on real K/V it is about as faithful as
+  q8_0 when the head dimension is rotated first (:mod:`kvcompile.rotation`), which spreads the
+  outlier channels that make one scale per token coarse.
 
 Non-finite inputs (a policy, tested): the scale is computed from the finite values of the
-group only. ``±Inf`` saturates to the largest code (±448 for fp8, ±127 for q8_0), i.e. to ± the group's
-largest finite magnitude (0 in a group that is otherwise all zeros).
-``NaN`` is kept: fp8 stores e4m3's NaN code for that element only; int8 has no NaN code,
-so a q8_0 group that holds a NaN gets a NaN scale and dequantizes to NaN as a whole.
-A NaN never disappears silently.
+group only. ``±Inf`` saturates to the largest code (±448 for fp8, ±127 for q8_0 and int8), i.e.
+to ± the group's largest finite magnitude (0 in a group that is otherwise all zeros).
+``NaN`` is kept: fp8 stores e4m3's NaN code for that element only; int8 codes have no NaN,
+so a q8_0 block or an int8 token that holds a NaN gets a NaN scale (its codes: 0 for the NaN,
+the usual codes elsewhere) and dequantizes to NaN as a whole. A NaN never disappears silently.
 
 Optional K centering: a per-(kv head, channel) offset ``mu`` of shape ``[Hkv, D]`` is
 subtracted from K before quantizing and added back by ``dequantize``. Attention never
 needs it back: every key of one query shifts its score by the same ``q . mu``, which
 softmax ignores, so the fused kernels read the centered codes as they are.
+
+Optional rotation (:mod:`kvcompile.rotation`): a cache may store ``quantize(x @ R - mu)`` with
+``R`` an orthonormal ``[D, D]`` matrix; the offset ``mu`` then lives in rotated space, and the
+ops undo the rotation on dequantize. The formats themselves never see ``R``.
 """
 
 from __future__ import annotations
@@ -40,21 +52,29 @@ import torch
 
 __all__ = [
     "KV_DTYPES",
+    "DEFAULT_KV_DTYPE",
     "SCALE_GRANULARITIES",
     "KVFormat",
     "get_format",
+    "format_of",
+    "resolve_kv_dtypes",
+    "check_pair",
     "quantize",
     "dequantize",
     "FP8_E4M3_MAX",
     "Q8_0_MAX",
+    "INT8_MAX",
     "BLOCK",
 ]
 
-KV_DTYPES: tuple[str, ...] = ("fp8_e4m3", "q8_0")
+KV_DTYPES: tuple[str, ...] = ("fp8_e4m3", "q8_0", "int8")
+# The format QuantizedCache, kvcompile.backend and the examples use when none is given.
+DEFAULT_KV_DTYPE = "fp8_e4m3"
 SCALE_GRANULARITIES: tuple[str, ...] = ("token", "block32", "static")
 
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
 Q8_0_MAX = 127.0  # GGUF q8_0: d = amax / 127
+INT8_MAX = 127.0  # int8: s = amax / 127, codes in [-127, 127]
 BLOCK = 32  # GGUF / "block32" group size along head_dim
 
 
@@ -62,8 +82,9 @@ BLOCK = 32  # GGUF / "block32" group size along head_dim
 class KVFormat:
     """One cache format: code type plus scale granularity.
 
-    ``kv_dtype`` is the user-facing name (``"fp8_e4m3"`` or ``"q8_0"``), ``granularity`` one of
-    ``"token"``, ``"block32"``, ``"static"``.
+    ``kv_dtype`` is the user-facing name (``"fp8_e4m3"``, ``"q8_0"`` or ``"int8"``), ``granularity``
+    one of ``"token"``, ``"block32"``, ``"static"`` (fp8 takes all three; q8_0 is block32 only,
+    int8 token only).
     """
 
     kv_dtype: str
@@ -83,6 +104,12 @@ class KVFormat:
                 f"q8_0 is defined with one fp16 scale per 32 values (granularity='block32'), "
                 f"got granularity={self.granularity!r}; use kv_dtype='fp8_e4m3' for other granularities"
             )
+        if self.kv_dtype == "int8" and self.granularity != "token":
+            raise ValueError(
+                f"int8 is defined with one fp32 scale per token and kv head (granularity='token'), got "
+                f"granularity={self.granularity!r}: static and block32 int8 scales are not implemented; use "
+                f"kv_dtype='fp8_e4m3' for static scales or kv_dtype='q8_0' for block32"
+            )
 
     @property
     def code_dtype(self) -> torch.dtype:
@@ -94,7 +121,7 @@ class KVFormat:
 
     @property
     def qmax(self) -> float:
-        return FP8_E4M3_MAX if self.kv_dtype == "fp8_e4m3" else Q8_0_MAX
+        return FP8_E4M3_MAX if self.kv_dtype == "fp8_e4m3" else INT8_MAX
 
     @property
     def is_static(self) -> bool:
@@ -102,7 +129,7 @@ class KVFormat:
 
     @property
     def name(self) -> str:
-        if self.kv_dtype == "q8_0" or self.granularity == "token":
+        if self.kv_dtype != "fp8_e4m3" or self.granularity == "token":
             return self.kv_dtype
         return f"{self.kv_dtype}/{self.granularity}"
 
@@ -148,13 +175,75 @@ class KVFormat:
         return 1.0 + g * scale_bytes / head_dim
 
 
-def get_format(kv_dtype: str, granularity: str | None = None) -> KVFormat:
-    """The format for a user-facing ``kv_dtype`` (default granularity: token for fp8, block32 for q8_0)."""
+def _check_name(kv_dtype, what: str = "kv_dtype") -> None:
     if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"unknown kv_dtype {kv_dtype!r}; kvcompile accepts one of {list(KV_DTYPES)}")
+        raise ValueError(f"unknown {what} {kv_dtype!r}; kvcompile accepts one of {list(KV_DTYPES)}")
+
+
+def get_format(kv_dtype: str, granularity: str | None = None) -> KVFormat:
+    """The format for a user-facing ``kv_dtype`` (default granularity: token for fp8 and int8,
+    block32 for q8_0)."""
+    _check_name(kv_dtype)
     if granularity is None:
         granularity = "block32" if kv_dtype == "q8_0" else "token"
     return KVFormat(kv_dtype, granularity)
+
+
+def resolve_kv_dtypes(
+    kv_dtype: str | None = None, k_dtype: str | None = None, v_dtype: str | None = None
+) -> tuple[str, str]:
+    """``(k_dtype, v_dtype)`` from the user's keywords: ``kv_dtype`` sets both, ``k_dtype`` /
+    ``v_dtype`` override one side, :data:`DEFAULT_KV_DTYPE` fills what is left.
+
+    Refuses unknown names (listing the accepted ones) and the pairs no granularity serves: q8_0
+    keeps block32 scales and int8 per-token ones, and the attention kernel reads K and V with one
+    scale granularity. (q8_0 with fp8 depends on fp8's granularity: see :func:`check_pair`.)
+    """
+    for what, name in (("kv_dtype", kv_dtype), ("k_dtype", k_dtype), ("v_dtype", v_dtype)):
+        if name is not None:
+            _check_name(name, what)
+    base = kv_dtype if kv_dtype is not None else DEFAULT_KV_DTYPE
+    k = k_dtype if k_dtype is not None else base
+    v = v_dtype if v_dtype is not None else base
+    if {k, v} == {"q8_0", "int8"}:
+        raise ValueError(
+            f"k_dtype={k!r} with v_dtype={v!r}: q8_0 keeps one scale per 32 values (block32), int8 one per "
+            "token, and the attention kernel reads K and V with one scale granularity; pair int8 with "
+            "fp8_e4m3 (both per token), or q8_0 with fp8_e4m3 at granularity='block32'"
+        )
+    return k, v
+
+
+def check_pair(k_fmt: KVFormat, v_fmt: KVFormat) -> None:
+    """Refuse a K/V format pair the attention kernel cannot read: K and V need one scale granularity
+    (fp8_e4m3 and int8 mix at "token"; fp8_e4m3/block32 and q8_0 at "block32")."""
+    if k_fmt.granularity != v_fmt.granularity:
+        raise ValueError(
+            f"K as {k_fmt.kv_dtype}/{k_fmt.granularity} with V as {v_fmt.kv_dtype}/{v_fmt.granularity}: the "
+            "attention kernel reads K and V with one scale granularity; pick formats that share one "
+            "(fp8_e4m3 and int8 per token; fp8_e4m3 granularity='block32' with q8_0)"
+        )
+
+
+def format_of(codes: torch.Tensor, scale: torch.Tensor) -> str:
+    """The ``kv_dtype`` of a stored ``(codes, scale)`` pair, read off the tensors alone.
+
+    ``float8_e4m3fn`` codes: ``"fp8_e4m3"`` (any granularity); ``int8`` codes with float16 scales
+    ``[B, Hkv, L, D/32]``: ``"q8_0"``; ``int8`` codes with float32 scales ``[B, Hkv, L, 1]``:
+    ``"int8"``. Anything else raises ``ValueError`` naming what was found.
+    """
+    if codes.dtype == torch.float8_e4m3fn:
+        return "fp8_e4m3"
+    if codes.dtype == torch.int8:
+        if scale.dtype == torch.float16:
+            return "q8_0"
+        if scale.dtype == torch.float32 and scale.dim() == 4 and scale.shape[-1] == 1:
+            return "int8"
+        raise ValueError(
+            f"int8 codes with {scale.dtype} scales of shape {tuple(scale.shape)} are no kvcompile format "
+            "(q8_0: float16 scales [B, Hkv, L, D/32]; int8: float32 scales [B, Hkv, L, 1])"
+        )
+    raise ValueError(f"{codes.dtype} codes are no kvcompile format (float8_e4m3fn or int8)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,25 +268,41 @@ def _roundf(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(
-    x: torch.Tensor, code_dtype: torch.dtype, scale: torch.Tensor | None = None, groups: int = 1
+    x: torch.Tensor,
+    code_dtype: torch.dtype,
+    scale: torch.Tensor | None = None,
+    groups: int = 1,
+    *,
+    kv_dtype: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` [B, H, T, D] -> (codes [B, H, T, D], scales [B, H, T, G]).
 
     With ``scale`` given ([H], static), ``x / scale`` is rounded and saturated; the returned scale
     is that same tensor. Otherwise the scale is computed per group of ``D // groups`` values.
+
+    ``kv_dtype`` names the format when the code dtype alone does not: int8 codes are q8_0 unless
+    ``kv_dtype="int8"`` (then ``groups`` must be 1: one fp32 scale per token).
     """
+    if kv_dtype is None:
+        kv_dtype = "fp8_e4m3" if code_dtype == torch.float8_e4m3fn else "q8_0"
+    if get_format(kv_dtype).code_dtype != code_dtype:
+        raise ValueError(f"kvcompile.formats.quantize: {kv_dtype} codes are not {code_dtype}")
     xf = x.float()
     if scale is not None:  # static per-kv-head scale
+        if kv_dtype != "fp8_e4m3":
+            raise ValueError(f"kvcompile.formats.quantize: {kv_dtype} has no static scales (fp8_e4m3 only)")
         s = scale.float().view(1, -1, 1, 1)
         with torch.no_grad():
             y = torch.where(s > 0, xf / s, torch.zeros_like(xf))
             y = torch.where(torch.isnan(xf), xf, y)  # a NaN stays NaN even where s == 0
         return _encode(y, code_dtype), scale
+    if kv_dtype == "int8" and groups != 1:
+        raise ValueError(f"kvcompile.formats.quantize: int8 keeps one scale per token (groups=1), got groups={groups}")
 
     xg = _group_view(xf, groups)  # [B, H, T, G, D/G]
     finite = torch.isfinite(xg)
     amax = torch.where(finite, xg.abs(), torch.zeros_like(xg)).amax(dim=-1, keepdim=True)
-    if code_dtype == torch.int8:
+    if kv_dtype == "q8_0":
         # a tensor divisor: CUDA torch turns `t / python_scalar` into t * (1/scalar), which rounds
         # differently from the true division the kernels (and CPU torch) do
         d = amax / torch.full_like(amax, Q8_0_MAX)
@@ -207,6 +312,15 @@ def quantize(
         y = torch.where(torch.isinf(xg), torch.sign(xg) * Q8_0_MAX, y)
         has_nan = torch.isnan(xg).any(dim=-1, keepdim=True)
         s = torch.where(has_nan, torch.full_like(d, float("nan")), d).to(torch.float16)
+        codes = _encode(y.flatten(-2), code_dtype)
+    elif kv_dtype == "int8":
+        s = amax / torch.full_like(amax, INT8_MAX)  # true division on every device (see q8_0)
+        y = torch.where(s > 0, xg / s, torch.zeros_like(xg))  # x / s, true division, as fp8
+        y = torch.where(torch.isinf(xg), torch.sign(xg) * INT8_MAX, y)  # also where s == 0
+        # round half to even, saturate; int8 has no NaN code: 0 there, and the token's scale is NaN
+        codes = torch.nan_to_num(torch.round(y.clamp(-INT8_MAX, INT8_MAX)), nan=0.0).flatten(-2).to(torch.int8)
+        has_nan = torch.isnan(xg).any(dim=-1, keepdim=True)
+        s = torch.where(has_nan, torch.full_like(s, float("nan")), s)
     else:
         s = amax / torch.full_like(amax, FP8_E4M3_MAX)  # true division on every device (see q8_0)
         y = torch.where(s > 0, xg / s, torch.zeros_like(xg))
@@ -214,7 +328,7 @@ def quantize(
         y = torch.where(torch.isinf(xg), torch.sign(xg) * FP8_E4M3_MAX, y)
         # an all-zero group has s == 0: its NaN must still be stored as NaN (the policy above)
         y = torch.where(torch.isnan(xg), xg, y)
-    codes = _encode(y.flatten(-2), code_dtype)
+        codes = _encode(y.flatten(-2), code_dtype)
     return codes, s.squeeze(-1)
 
 

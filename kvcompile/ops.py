@@ -18,6 +18,10 @@ Shapes (``B`` batch, ``Hq``/``Hkv`` query/kv heads, ``L`` max_cache_len, ``D`` h
 * codes ``[B, Hkv, L, D]`` float8_e4m3fn or int8;
 * scales ``[B, Hkv, L, G]`` (G = 1 or D/32) written by ``store_kv``, or static ``[Hkv]``;
 * ``k_offset`` ``[Hkv, D]`` float32 (K centering) or None;
+* ``k_rotation`` / ``v_rotation`` / ``rotation``: an orthonormal ``[D, D]`` float32 matrix R
+  (:mod:`kvcompile.rotation`) or None. A rotated side stores ``quantize(x @ R - offset)`` (the
+  offset then lives in rotated space); ``dequantize`` returns ``(codes * scale + offset) @ R^T``.
+  ``attention`` never sees a rotation: the compiler pass rotates q (and the output, for V);
 * ``kv_len``: int tensor, ``[]`` or ``[B]``: how many positions of the cache hold data.
 """
 
@@ -82,6 +86,17 @@ def _check_codes_scale(name: str, codes: Tensor, scale: Tensor) -> None:
         raise ValueError(f"kvcompile: {name} scale must be [Hkv] or [B, Hkv, L, G], got {tuple(scale.shape)}")
 
 
+def _check_rotation(name: str, rotation: Optional[Tensor], codes: Tensor) -> None:
+    if rotation is None:
+        return
+    D = codes.shape[-1]
+    if rotation.shape != (D, D) or rotation.dtype != torch.float32 or rotation.device != codes.device:
+        raise ValueError(
+            f"kvcompile: {name} must be a float32 [D, D] = [{D}, {D}] matrix on {codes.device}, got "
+            f"{rotation.dtype} {tuple(rotation.shape)} on {rotation.device}"
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # store_kv
 # ---------------------------------------------------------------------------------------------
@@ -97,15 +112,21 @@ def store_kv(
     v: Tensor,
     start: Tensor,
     k_offset: Optional[Tensor],
+    k_rotation: Optional[Tensor] = None,
+    v_rotation: Optional[Tensor] = None,
 ) -> None:
     """Quantize ``k, v`` [B, Hkv, T, D] into the caches at positions ``start + arange(T)``.
 
     ``start`` is a 0-d int tensor (the cache's current length). Static scales ([Hkv]) are read,
-    not written. ``k_offset`` ([Hkv, D]) is subtracted from K before quantizing.
+    not written. ``k_rotation`` / ``v_rotation`` ([D, D]) rotate K / V first (``x @ R``, float32);
+    ``k_offset`` ([Hkv, D], in K's rotated space when K is rotated) is then subtracted from K.
+    K and V may use different formats that share one scale granularity.
     Writing past the end of the cache fails (a device-side assert on CUDA; no host sync).
     """
     _check_codes_scale("k", k_cache, k_scale)
     _check_codes_scale("v", v_cache, v_scale)
+    _check_rotation("k_rotation", k_rotation, k_cache)
+    _check_rotation("v_rotation", v_rotation, v_cache)
     if k.shape[:2] != k_cache.shape[:2] or k.shape[3] != k_cache.shape[3] or k.shape != v.shape:
         raise ValueError(
             f"kvcompile.store_kv: k {tuple(k.shape)} / v {tuple(v.shape)} do not fit caches "
@@ -116,13 +137,13 @@ def store_kv(
         "kvcompile.store_kv: writing past max_cache_len; build the cache with a larger max_cache_len",
     )
     if kernel_backend(k.device) == "triton":
-        _kernels().store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset)
+        _kernels().store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation, v_rotation)
     else:
-        reference.store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset)
+        reference.store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation, v_rotation)
 
 
 @store_kv.register_fake
-def _(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset) -> None:
+def _(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation=None, v_rotation=None) -> None:
     return None
 
 
@@ -133,22 +154,35 @@ def _(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset) -> None:
 
 @torch.library.custom_op("kvcompile::dequantize", mutates_args=())
 def dequantize(
-    codes: Tensor, scale: Tensor, offset: Optional[Tensor], kv_len: Tensor, dtype: torch.dtype
+    codes: Tensor,
+    scale: Tensor,
+    offset: Optional[Tensor],
+    kv_len: Tensor,
+    dtype: torch.dtype,
+    rotation: Optional[Tensor] = None,
+    sliding_window: int = 0,
 ) -> Tensor:
     """codes [B, Hkv, L, D] -> values [B, Hkv, L, D] in ``dtype``; positions >= kv_len are zeros.
 
-    ``offset`` ([Hkv, D], K centering) is added back, so the result is the value that was stored.
-    This is the eager path of :class:`kvcompile.QuantizedCache`; the compiler pass replaces
-    attention over its result by :func:`attention`, which reads the codes directly.
+    ``offset`` ([Hkv, D], K centering) is added back and ``rotation`` R ([D, D]) undone:
+    ``(codes * scale + offset) @ R^T`` (float32), so the result is the value that was stored, in
+    the model's own space. ``sliding_window`` is the layer's attention window (0 = full attention):
+    metadata for the compiler pass only; it does not change the result (in eager mode the model's
+    mask applies the window). This is the eager path of :class:`kvcompile.QuantizedCache`; the
+    compiler pass replaces attention over its result by :func:`attention`, which reads the codes
+    directly.
     """
     _check_codes_scale("dequantize", codes, scale)
+    _check_rotation("rotation", rotation, codes)
+    if sliding_window < 0:
+        raise ValueError(f"kvcompile.dequantize: sliding_window must be >= 0 (0 = full attention), got {sliding_window}")
     if kernel_backend(codes.device) == "triton":
-        return _kernels().dequantize(codes, scale, offset, kv_len, dtype)
-    return reference.dequantize(codes, scale, offset, kv_len, dtype)
+        return _kernels().dequantize(codes, scale, offset, kv_len, dtype, rotation)
+    return reference.dequantize(codes, scale, offset, kv_len, dtype, rotation)
 
 
 @dequantize.register_fake
-def _(codes, scale, offset, kv_len, dtype):
+def _(codes, scale, offset, kv_len, dtype, rotation=None, sliding_window=0):
     return codes.new_empty(codes.shape, dtype=dtype)
 
 

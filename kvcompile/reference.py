@@ -20,13 +20,17 @@ def _as_bytes(t: Tensor) -> Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
-def _store_one(cache: Tensor, scale: Tensor, x: Tensor, pos: Tensor, offset: Optional[Tensor]) -> None:
+def _store_one(cache: Tensor, scale: Tensor, x: Tensor, pos: Tensor, offset: Optional[Tensor],
+               rotation: Optional[Tensor]) -> None:
+    if rotation is not None:
+        x = torch.matmul(x.float(), rotation)  # float32, as the Triton launcher does
     if offset is not None:
         x = x.float() - offset.float().view(1, offset.shape[0], 1, offset.shape[1])
     if scale.dim() == 1:
         codes, _ = formats.quantize(x, cache.dtype, scale=scale)
     else:
-        codes, s = formats.quantize(x, cache.dtype, groups=scale.shape[-1])
+        kv_dtype = formats.format_of(cache, scale)
+        codes, s = formats.quantize(x, cache.dtype, groups=scale.shape[-1], kv_dtype=kv_dtype)
         scale.index_copy_(2, pos, s.to(scale.dtype))
     _as_bytes(cache).index_copy_(2, pos, _as_bytes(codes))
 
@@ -40,10 +44,12 @@ def store_kv(
     v: Tensor,
     start: Tensor,
     k_offset: Optional[Tensor],
+    k_rotation: Optional[Tensor] = None,
+    v_rotation: Optional[Tensor] = None,
 ) -> None:
     pos = torch.arange(k.shape[2], device=k.device) + start.to(device=k.device, dtype=torch.long)
-    _store_one(k_cache, k_scale, k, pos, k_offset)
-    _store_one(v_cache, v_scale, v, pos, None)
+    _store_one(k_cache, k_scale, k, pos, k_offset, k_rotation)
+    _store_one(v_cache, v_scale, v, pos, None, v_rotation)
 
 
 def _valid_positions(kv_len: Tensor, batch: int, length: int, device) -> Tensor:
@@ -54,13 +60,16 @@ def _valid_positions(kv_len: Tensor, batch: int, length: int, device) -> Tensor:
 
 
 def dequantize(
-    codes: Tensor, scale: Tensor, offset: Optional[Tensor], kv_len: Tensor, dtype: torch.dtype
+    codes: Tensor, scale: Tensor, offset: Optional[Tensor], kv_len: Tensor, dtype: torch.dtype,
+    rotation: Optional[Tensor] = None,
 ) -> Tensor:
     x = formats.dequantize(codes, scale, torch.float32)
     if offset is not None:
         x = x + offset.float().view(1, offset.shape[0], 1, offset.shape[1])
     B, _, L, _ = codes.shape
     x = torch.where(_valid_positions(kv_len, B, L, codes.device).transpose(-1, -2), x, torch.zeros((), device=x.device))
+    if rotation is not None:  # back from the rotated space: x @ R^T, float32 (zeros stay zeros)
+        x = torch.matmul(x.contiguous(), rotation.t())
     return x.to(dtype).contiguous()  # contiguous, as the fake kernel says, whatever the strides of codes
 
 

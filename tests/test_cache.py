@@ -170,7 +170,7 @@ def test_logits_close_to_dynamic_cache(family, attn, monkeypatch):
     import kvcompile.cache as cache_mod
 
     real = cache_mod.ops.dequantize
-    monkeypatch.setattr(cache_mod.ops, "dequantize", lambda c, s, o, n, d: real(c, s, o, n - 1, d))
+    monkeypatch.setattr(cache_mod.ops, "dequantize", lambda c, s, o, n, d, *rest: real(c, s, o, n - 1, d, *rest))
     cache = QuantizedCache(model.config, max_batch_size=2, max_cache_len=MAX_LEN, kv_dtype="fp8_e4m3")
     broken = logits_error(ref, run_steps(model, cache, ids, am, toks), am)
     assert broken > 5 * errs["fp8_e4m3"] and broken > 2 * BOUNDS[family]["fp8_e4m3"], (broken, errs)

@@ -17,8 +17,8 @@ from .store import dequantize as _dequantize
 from .store import store_kv
 
 
-def dequantize(codes, scale, offset, kv_len, dtype):
-    return _dequantize(codes, scale, offset, kv_len, dtype)
+def dequantize(codes, scale, offset, kv_len, dtype, rotation=None):
+    return _dequantize(codes, scale, offset, kv_len, dtype, rotation=rotation)
 
 
 __all__ = ["store_kv", "dequantize", "attention"]

@@ -5,6 +5,11 @@ import triton.language as tl
 
 from ._codes import FP8_MAX, Q8_MAX, codes_to_float, div_rn_by_row, e4m3_encode, e4m3_encode_hw, to_store_dtype
 
+# CODE constexpr of _quantize_rows: which format a side (K or V) is written in
+CODE_FP8 = tl.constexpr(0)  # fp8_e4m3 (any granularity)
+CODE_Q8_0 = tl.constexpr(1)  # GGUF q8_0: d = amax / 127, roundf(x * (1/d)), fp16 d
+CODE_INT8 = tl.constexpr(2)  # int8: s = amax / 127 (fp32), round-half-even(x / s)
+
 
 @triton.jit
 def _quantize_rows(
@@ -14,7 +19,7 @@ def _quantize_rows(
     OFF, stride_oh, stride_od,
     b, h, t0, start, T, D,
     HAS_OFFSET: tl.constexpr,
-    INT8: tl.constexpr,
+    CODE: tl.constexpr,        # CODE_FP8, CODE_Q8_0 or CODE_INT8
     STATIC_SCALE: tl.constexpr,
     EXACT_DIV: tl.constexpr,   # per-element div_rn (interpreter) instead of reciprocal + fix-up
     HW_E4M3: tl.constexpr,     # encode e4m3 by the sm_89+ convert instruction (else integer arithmetic)
@@ -44,7 +49,7 @@ def _quantize_rows(
     else:
         # scale from the finite values of each group only (formats.py's NaN/Inf policy)
         amax = tl.max(tl.where(is_inf | is_nan, 0.0, tl.abs(x)), axis=1)
-        if INT8:
+        if CODE == CODE_Q8_0:
             dd = tl.math.div_rn(amax, Q8_MAX)  # d = amax / 127 (fp32, round to nearest)
             inv = tl.where(dd > 0, tl.math.div_rn(1.0, tl.where(dd > 0, dd, 1.0)), 0.0)
             y = x * inv[:, None]  # x * (1/d), as GGUF does
@@ -52,7 +57,11 @@ def _quantize_rows(
             has_nan = tl.max(is_nan.to(tl.int32), axis=1) > 0
             s = tl.where(has_nan, float("nan"), dd)
         else:
-            s = tl.math.div_rn(amax, FP8_MAX)  # s = amax / 448
+            if CODE == CODE_INT8:
+                qmax = Q8_MAX
+            else:
+                qmax = FP8_MAX
+            s = tl.math.div_rn(amax, qmax)  # s = amax / 448 (fp8) or amax / 127 (int8)
             # x / s with one reciprocal per row + Markstein's fix-up. A tiny s (possibly subnormal) and
             # its row are first scaled by 2**64: exact, same quotient, and 1 / s stays finite.
             up = tl.where(s < 8.673617379884035e-19, 18446744073709551616.0, 1.0)  # 2**-60, 2**64
@@ -60,18 +69,26 @@ def _quantize_rows(
             r = tl.math.div_rn(1.0, ss)
             y = div_rn_by_row(x * up[:, None], ss, r, EXACT_DIV)
             y = tl.where(s[:, None] > 0, y, 0.0)
-            y = tl.where(is_inf, tl.where(x > 0, FP8_MAX, -FP8_MAX), y)
+            y = tl.where(is_inf, tl.where(x > 0, qmax, -qmax), y)
+            if CODE == CODE_INT8:  # no NaN code: the token's scale carries it (as q8_0's block scale)
+                has_nan = tl.max(is_nan.to(tl.int32), axis=1) > 0
+                s = tl.where(has_nan, float("nan"), s)
         tl.store(
             S + b * stride_sb + h * stride_sh + (start + t) * stride_st + g * stride_sg,
             s.to(S.dtype.element_ty),
             mask=row_ok & (g * GROUP_SIZE < D),
         )
-    if INT8:
+    if CODE != CODE_FP8:
         y = tl.minimum(tl.maximum(y, -Q8_MAX), Q8_MAX)  # tl.maximum may drop a NaN: use is_nan below
-        # C roundf (half away from zero) without the fp32 rounding of |y| + 0.5: |y| - floor|y| is exact
         a = tl.abs(y)
         f = tl.floor(a)
-        r = f + tl.floor(2.0 * (a - f))
+        frac = a - f  # exact: no fp32 rounding of |y| + 0.5
+        if CODE == CODE_Q8_0:
+            r = f + tl.floor(2.0 * frac)  # C roundf: half away from zero
+        else:
+            # round half to even: up above one half, and at one half when floor|y| is odd
+            odd = (f.to(tl.int32) & 1) == 1
+            r = f + tl.where((frac > 0.5) | ((frac == 0.5) & odd), 1.0, 0.0)
         r = tl.where(y < 0, -r, r)
         code = tl.where(is_nan, 0.0, r).to(tl.int8)  # int8 has no NaN code (the scale carries it)
     else:
@@ -95,7 +112,8 @@ def _store_kv_kernel(
     OFF, stride_oh, stride_od,
     START, H, T, D,
     HAS_OFFSET: tl.constexpr,
-    INT8: tl.constexpr,
+    K_CODE: tl.constexpr,  # K's format (CODE_*); V's may differ when both share one scale granularity
+    V_CODE: tl.constexpr,
     STATIC_SCALE: tl.constexpr,
     EXACT_DIV: tl.constexpr,
     HW_E4M3: tl.constexpr,
@@ -116,7 +134,7 @@ def _store_kv_kernel(
             KS, stride_ksb, stride_ksh, stride_kst, stride_ksg,
             OFF, stride_oh, stride_od,
             b, h, t0, start, T, D,
-            HAS_OFFSET, INT8, STATIC_SCALE, EXACT_DIV, HW_E4M3, GROUPS_P2, GROUP_SIZE, BLOCK_T,
+            HAS_OFFSET, K_CODE, STATIC_SCALE, EXACT_DIV, HW_E4M3, GROUPS_P2, GROUP_SIZE, BLOCK_T,
         )
     else:
         _quantize_rows(
@@ -125,7 +143,7 @@ def _store_kv_kernel(
             VS, stride_vsb, stride_vsh, stride_vst, stride_vsg,
             OFF, stride_oh, stride_od,
             b, h, t0, start, T, D,
-            False, INT8, STATIC_SCALE, EXACT_DIV, HW_E4M3, GROUPS_P2, GROUP_SIZE, BLOCK_T,
+            False, V_CODE, STATIC_SCALE, EXACT_DIV, HW_E4M3, GROUPS_P2, GROUP_SIZE, BLOCK_T,
         )
 
 
@@ -201,7 +219,8 @@ def _dequantize_kv_kernel(
     VO, stride_vob, stride_voh, stride_vol, stride_vod,
     H, L, D, G,
     STATIC_SCALE: tl.constexpr,
-    FP8_BITS: tl.constexpr,
+    K_FP8_BITS: tl.constexpr,  # per side: K and V codes may differ (fp8 K with int8 V and vice versa)
+    V_FP8_BITS: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -219,7 +238,7 @@ def _dequantize_kv_kernel(
             KS, 0, 0,
             KO, stride_kob, stride_koh, stride_kol, stride_kod,
             b, h, l0, kv_len, L, D, G,
-            False, STATIC_SCALE, FP8_BITS, BLOCK_L, BLOCK_D,
+            False, STATIC_SCALE, K_FP8_BITS, BLOCK_L, BLOCK_D,
         )
     else:
         _dequantize_rows(
@@ -228,5 +247,5 @@ def _dequantize_kv_kernel(
             VS, 0, 0,
             VO, stride_vob, stride_voh, stride_vol, stride_vod,
             b, h, l0, kv_len, L, D, G,
-            False, STATIC_SCALE, FP8_BITS, BLOCK_L, BLOCK_D,
+            False, STATIC_SCALE, V_FP8_BITS, BLOCK_L, BLOCK_D,
         )

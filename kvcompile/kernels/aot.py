@@ -206,12 +206,13 @@ def compile_store(
     groups_p2 = next_pow2(groups)
     group_size = next_pow2(head_dim) if groups == 1 else head_dim // groups
     block_t = max(1, min(next_pow2(tokens), 4096 // (groups_p2 * group_size)))
-    consts = dict(HAS_OFFSET=False, INT8=int8, STATIC_SCALE=static, EXACT_DIV=launcher.EXACT_DIV,
+    code = {"fp8_e4m3": 0, "q8_0": 1, "int8": 2}[fmt.kv_dtype]  # store._code: the CODE constexpr
+    consts = dict(HAS_OFFSET=False, K_CODE=code, V_CODE=code, STATIC_SCALE=static, EXACT_DIV=launcher.EXACT_DIV,
                   HW_E4M3=launcher.HW_E4M3 and not int8 and tiles.has_native_fp8(cc),
                   GROUPS_P2=groups_p2, GROUP_SIZE=group_size, BLOCK_T=block_t)
     scale = "*fp16" if fmt.scale_dtype.itemsize == 2 else "*fp32"
-    code = "*i8" if int8 else "*u8"  # e4m3 codes go in as uint8 bits
-    ptrs = {"K": "*bf16", "V": "*bf16", "KC": code, "VC": code, "KS": scale, "VS": scale, "OFF": scale, "START": "*i64"}
+    code_ptr = "*i8" if int8 else "*u8"  # e4m3 codes go in as uint8 bits
+    ptrs = {"K": "*bf16", "V": "*bf16", "KC": code_ptr, "VC": code_ptr, "KS": scale, "VS": scale, "OFF": scale, "START": "*i64"}
     ones = {"stride_kd", "stride_vd", "stride_kcd", "stride_vct" if v_keys else "stride_vcd"}
     if static:  # [Hkv] viewed as [1, Hkv, 1, 1]
         ones |= {"stride_ksh", "stride_vsh", "stride_kst", "stride_vst", "stride_ksg", "stride_vsg"}

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import tiles
+from .. import formats, tiles
 from ._store_kernel import _dequantize_kernel, _dequantize_kv_kernel, _store_kv_kernel
 from .common import device_cc, interpreting, kv_len_arg, next_pow2
 
@@ -44,19 +44,35 @@ def _scale_layout(scale: Tensor, head_dim: int) -> tuple[bool, int, int]:
     return False, next_pow2(groups), size
 
 
+def _code(cache: Tensor, scale: Tensor) -> int:
+    """The store kernel's CODE constexpr for one side: its format, read off codes and scale."""
+    name = formats.format_of(cache, scale) if scale.dim() == 4 else "fp8_e4m3"  # static: fp8 only
+    return {"fp8_e4m3": 0, "q8_0": 1, "int8": 2}[name]
+
+
 def store_kv(
     k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor,
     k: Tensor, v: Tensor, start: Tensor, k_offset: Optional[Tensor],
+    k_rotation: Optional[Tensor] = None, v_rotation: Optional[Tensor] = None,
 ) -> None:
+    """Quantize-on-store of K and V in one launch. K and V may be written in different formats that
+    share one scale granularity (fp8 and int8 per token; fp8/block32 and q8_0). A rotation ``[D, D]``
+    is applied first, as one float32 torch matmul per side (exactly what the reference does)."""
     B, H, T, D = k.shape
     if T == 0:
         return
-    if k_cache.dtype != v_cache.dtype or k_scale.dim() != v_scale.dim() or (
-        k_scale.dim() == 4 and k_scale.shape[-1] != v_scale.shape[-1]
-    ):
-        raise ValueError("kvcompile.store_kv (triton): K and V caches must share one format")
+    if k_scale.dim() != v_scale.dim() or (k_scale.dim() == 4 and k_scale.shape[-1] != v_scale.shape[-1]):
+        raise ValueError(
+            "kvcompile.store_kv (triton): K and V scales must share one granularity, got "
+            f"{tuple(k_scale.shape)} and {tuple(v_scale.shape)}"
+        )
+    if k_rotation is not None:
+        k = torch.matmul(k.float(), k_rotation)
+    if v_rotation is not None:
+        v = torch.matmul(v.float(), v_rotation)
     static, groups_p2, group_size = _scale_layout(k_scale, D)
-    int8 = k_cache.dtype == torch.int8
+    k_code, v_code = _code(k_cache, k_scale), _code(v_cache, v_scale)
+    any_fp8 = 0 in (k_code, v_code)
     kc, vc = _as_bits(k_cache), _as_bits(v_cache)
     ks = k_scale if k_scale.dim() == 4 else k_scale.view(1, -1, 1, 1)
     vs = v_scale if v_scale.dim() == 4 else v_scale.view(1, -1, 1, 1)
@@ -71,8 +87,9 @@ def store_kv(
         ks, *ks.stride(), vs, *vs.stride(),
         off, *off_strides,
         start, H, T, D,
-        HAS_OFFSET=k_offset is not None, INT8=int8, STATIC_SCALE=static, EXACT_DIV=interpreting() or EXACT_DIV,
-        HW_E4M3=HW_E4M3 and not int8 and not interpreting() and tiles.has_native_fp8(device_cc(k.device)),
+        HAS_OFFSET=k_offset is not None, K_CODE=k_code, V_CODE=v_code, STATIC_SCALE=static,
+        EXACT_DIV=interpreting() or EXACT_DIV,
+        HW_E4M3=HW_E4M3 and any_fp8 and not interpreting() and tiles.has_native_fp8(device_cc(k.device)),
         GROUPS_P2=groups_p2, GROUP_SIZE=group_size, BLOCK_T=block_t,
         num_warps=4, **_EXACT,
     )
@@ -83,8 +100,19 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def dequantize(codes: Tensor, scale: Tensor, offset: Optional[Tensor], kv_len: Tensor, dtype: torch.dtype,
-               out: Optional[Tensor] = None, fp8_bits: Optional[bool] = None) -> Tensor:
-    """codes [B, H, L, D] -> values in ``dtype`` (``out`` may be a preallocated workspace)."""
+               out: Optional[Tensor] = None, fp8_bits: Optional[bool] = None,
+               rotation: Optional[Tensor] = None) -> Tensor:
+    """codes [B, H, L, D] -> values in ``dtype`` (``out`` may be a preallocated workspace).
+
+    With ``rotation`` R ([D, D] float32): ``(codes * scale + offset) @ R^T``; the kernel writes the
+    float32 values (zeros at positions >= kv_len), one float32 torch matmul un-rotates them (exactly
+    what the reference does), then the cast to ``dtype``."""
+    if rotation is not None:
+        x = dequantize(codes, scale, offset, kv_len, torch.float32, fp8_bits=fp8_bits)
+        x = torch.matmul(x, rotation.t()).to(dtype)
+        if out is None:
+            return x
+        return out.copy_(x)
     B, H, L, D = codes.shape
     if out is None:
         out = torch.empty((B, H, L, D), dtype=dtype, device=codes.device)
@@ -115,7 +143,9 @@ def dequantize_kv(k_codes: Tensor, k_scale: Tensor, v_codes: Tensor, v_scale: Te
                   dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """The first ``n`` positions of K and V codes ``[B, H, L, D]`` (each in its own layout) -> two
     contiguous ``[B, H, n, D]`` tensors in ``dtype``, in one launch; zeros at positions >= kv_len[b].
-    K's centering offset is not added (the dense prefill's workspace: softmax does not see it)."""
+    K's centering offset is not added (the dense prefill's workspace: softmax does not see it), nor is a
+    rotation undone (the attention op works in the rotated space). K and V codes may differ in dtype
+    (fp8 and int8) when their scales share one granularity."""
     B, H, L, D = k_codes.shape
     if not 0 <= n <= L or v_codes.shape != k_codes.shape:
         raise ValueError(f"kvcompile.dequantize_kv: n={n} for codes {tuple(k_codes.shape)} / {tuple(v_codes.shape)}")
@@ -123,8 +153,11 @@ def dequantize_kv(k_codes: Tensor, k_scale: Tensor, v_codes: Tensor, v_scale: Te
     v = torch.empty_like(k)
     if n == 0:
         return k, v
-    fp8_bits = k_codes.dtype == torch.float8_e4m3fn and not tiles.has_native_fp8(device_cc(k_codes.device))
-    kc, vc = (k_codes.view(torch.uint8), v_codes.view(torch.uint8)) if fp8_bits else (k_codes, v_codes)
+    native = tiles.has_native_fp8(device_cc(k_codes.device))
+    k_bits = k_codes.dtype == torch.float8_e4m3fn and not native
+    v_bits = v_codes.dtype == torch.float8_e4m3fn and not native
+    kc = k_codes.view(torch.uint8) if k_bits else k_codes
+    vc = v_codes.view(torch.uint8) if v_bits else v_codes
     static = k_scale.dim() == 1
     ks, vs = (k_scale.view(1, -1, 1, 1), v_scale.view(1, -1, 1, 1)) if static else (k_scale, v_scale)
     kvl, kvl_stride = kv_len_arg(kv_len, B, k_codes.device)
@@ -133,6 +166,7 @@ def dequantize_kv(k_codes: Tensor, k_scale: Tensor, v_codes: Tensor, v_scale: Te
     _dequantize_kv_kernel[(triton_cdiv(n, block_l), B * H, 2)](
         kc, *kc.stride(), ks, *ks.stride(), vc, *vc.stride(), vs, *vs.stride(), kvl, kvl_stride,
         k, *k.stride(), v, *v.stride(), H, n, D, 1 if static else k_scale.shape[-1],
-        STATIC_SCALE=static, FP8_BITS=fp8_bits, BLOCK_L=block_l, BLOCK_D=block_d, num_warps=4, **_EXACT,
+        STATIC_SCALE=static, K_FP8_BITS=k_bits, V_FP8_BITS=v_bits, BLOCK_L=block_l, BLOCK_D=block_d,
+        num_warps=4, **_EXACT,
     )
     return k, v

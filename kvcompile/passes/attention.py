@@ -304,9 +304,10 @@ class KVAttentionPass(CustomGraphPass):
     Raises :class:`KVDtypeMismatch` when the graph's cache codes are not ``kv_dtype``'s.
     """
 
-    def __init__(self, kv_dtype: str = "fp8_e4m3"):
-        self.kv_dtype = kv_dtype
-        self.code_dtype = formats.get_format(kv_dtype).code_dtype
+    def __init__(self, kv_dtype: Optional[str] = None, *, k_dtype: Optional[str] = None, v_dtype: Optional[str] = None):
+        k_dtype, v_dtype = formats.resolve_kv_dtypes(kv_dtype, k_dtype, v_dtype)
+        self.kv_dtype = k_dtype if k_dtype == v_dtype else f"{k_dtype}/{v_dtype}"
+        self.code_dtype = formats.get_format(k_dtype).code_dtype
         self._matcher = PatternMatcherPass(pass_name="kvcompile_attention")
         self._state: Optional[dict] = None
         for name, pattern in PATTERNS.items():
