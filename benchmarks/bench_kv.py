@@ -123,7 +123,7 @@ def cache_bytes(c):
 
 
 FORMATS = {"fp8": ("fp8_e4m3", "token"), "fp8/block32": ("fp8_e4m3", "block32"),
-           "fp8/static": ("fp8_e4m3", "static"), "q8_0": ("q8_0", "block32")}
+           "fp8/static": ("fp8_e4m3", "static"), "q8_0": ("q8_0", "block32"), "int8": ("int8", "token")}
 
 
 def sdpa_decode_baseline(B, L):

@@ -30,8 +30,8 @@ python -m kvcompile info > "$OUT/info.txt" 2>&1
 
 # 1. kernel + op + cache tests compiled for the GPU (Triton compile time dominates: 8 workers)
 if want tests; then
-    timeout 300 python -m pytest -q -n 8 tests/test_kernels.py tests/test_tiles.py tests/test_formats.py \
-        tests/test_ops.py > "$OUT/gpu_tests.log" 2>&1
+    timeout 400 python -m pytest -q -n 8 tests/test_kernels.py tests/test_kernels_features.py tests/test_tiles.py \
+        tests/test_formats.py tests/test_int8.py tests/test_rotation.py tests/test_ops.py > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests: $(tail -1 "$OUT/gpu_tests.log")"
 fi
 
@@ -44,7 +44,7 @@ fi
 # 3. end-to-end decode step, the issue's two target points, default formats (fp8 = token scales)
 if want e2e; then
     timeout 200 python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024 \
-        --providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-q8_0-graphs,kvc-fp8_e4m3-eager \
+        --providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs,kvc-q8_0-graphs,kvc-fp8_e4m3-eager \
         --out "$OUT/e2e_${commit}.csv" > "$OUT/e2e.log" 2>&1
     tail -9 "$OUT/e2e.log"
 fi
