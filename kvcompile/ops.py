@@ -167,6 +167,9 @@ def attention(
     attn_mask: Optional[Tensor],
     is_causal: bool,
     scale: Optional[float],
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
     """Attention of ``q`` [B, Hq, Tq, D] over the 8-bit cache, output [B, Hq, Tq, D] in q.dtype.
 
@@ -179,6 +182,11 @@ def attention(
     * a query row with no visible key returns zeros;
     * K centering offsets never enter: softmax is invariant to a per-query constant.
     """
+    if sliding_window or softcap or sinks is not None:
+        # the signature of the window / softcap / sinks contract; their kernels come separately
+        raise NotImplementedError(
+            "kvcompile.attention: sliding_window, softcap and sinks are not implemented by this build's kernels"
+        )
     _check_codes_scale("k", k_q, k_scale)
     _check_codes_scale("v", v_q, v_scale)
     if q.dim() != 4 or q.shape[0] != k_q.shape[0] or q.shape[3] != k_q.shape[3]:
@@ -196,7 +204,8 @@ def attention(
 
 
 @attention.register_fake
-def _(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale):
+def _(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale, sliding_window=0, softcap=0.0,
+      sinks=None):
     # dense [B, Hq, Tq, D] whatever q's strides (HF's q is a transposed view): the kernels and
     # the reference both write a contiguous output
     return q.new_empty(q.shape)
