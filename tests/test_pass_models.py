@@ -111,10 +111,18 @@ ATTENTION = torch.ops.kvcompile.attention.default
 
 
 def op_counts(graph: torch.fx.Graph) -> dict:
-    c = {"sdpa": 0, "softmax": 0, "dequantize": 0, "kv_attention": 0, "matmul": 0}
+    """Attention ops, and the K/V spellings of :data:`kvcompile.passes.KV_SPELLINGS` by their node kinds."""
+    c = {"sdpa": 0, "softmax": 0, "dequantize": 0, "kv_attention": 0, "matmul": 0,
+         "expand": 0, "repeat_interleave": 0, "torch.repeat_interleave": 0, "getitem": 0, "contiguous": 0}
     for n in graph.nodes:
+        if n.op == "call_method" and n.target in ("expand", "repeat_interleave", "contiguous"):
+            c[n.target] += 1
         if n.op != "call_function":
             continue
+        if n.target is torch.repeat_interleave:
+            c["torch.repeat_interleave"] += 1
+        elif n.target is operator.getitem:
+            c["getitem"] += 1
         if n.target is SDPA:
             c["sdpa"] += 1
         elif n.target in (F.softmax, torch.softmax):
