@@ -216,6 +216,61 @@ def test_spelling_is_rewritten(name):
         torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
 
 
+N_KEPT = 12  # keys a slicing attention keeps of the L = 16 cache slots
+
+
+def _sliced_sdpa(q, k, v, mb, ma):
+    return F.scaled_dot_product_attention(q, k[:, :, :N_KEPT], v[:, :, :N_KEPT], attn_mask=mb[..., :N_KEPT])
+
+
+#: K/V spelling -> (kv heads, attention(q, k, v, mask_bool, mask_add), op_counts key of its node kind,
+#: how many of those nodes the rewrite removes). Every entry of KV_SPELLINGS has one.
+TABLE_CASES = {
+    "dequantize": (4, lambda q, k, v, mb, ma: F.scaled_dot_product_attention(q, k, v, attn_mask=mb), "dequantize", 2),
+    "repeat_kv": (2, lambda q, k, v, mb, ma: _eager(q, _repeat_kv(k, 2), _repeat_kv(v, 2), ma, 0.2), "expand", 2),
+    "repeat_interleave": (2, lambda q, k, v, mb, ma: F.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), attn_mask=mb), "repeat_interleave", 2),
+    "torch.repeat_interleave": (1, lambda q, k, v, mb, ma: _eager(
+        q, torch.repeat_interleave(k, 4, dim=1), torch.repeat_interleave(v, 4, dim=1), ma, 0.2),
+        "torch.repeat_interleave", 2),
+    # the mask's own slice stays; the op's length becomes min(kv_len, 12) and the mask is padded to 16
+    "slice": (4, _sliced_sdpa, "getitem", 2),
+    # two K/V copies go, the pass adds one for q
+    "contiguous": (2, lambda q, k, v, mb, ma: F.scaled_dot_product_attention(
+        q, k.contiguous(), v.contiguous(), attn_mask=mb, enable_gqa=True), "contiguous", 1),
+}
+
+
+def test_every_spelling_has_a_table_case():
+    assert set(TABLE_CASES) == set(KV_SPELLINGS)
+
+
+@pytest.mark.parametrize("entry", list(TABLE_CASES))
+def test_spelling_table_entry_fires(entry):
+    """Each K/V spelling fires on a Dynamo graph: its nodes are gone after the rewrite, the report
+    names it, and the output equals the un-rewritten graph's (prefill of 5, two decode steps)."""
+    hkv, attention, kind, removed = TABLE_CASES[entry]
+    (expected, got), backend = _run_one_layer(attention, hkv)
+    assert len(backend.graphs) == 2
+    for before, after, report in backend.graphs:
+        assert (report.found, report.rewritten, report.skipped) == (1, 1, []), report
+        (label,) = report.patterns
+        assert (label.endswith("[direct]") if entry == "dequantize" else entry in label[label.index("["):]), label
+        assert before[kind] >= removed and after[kind] == before[kind] - removed, (before, after)
+        assert after["kv_attention"] == 1 and after["dequantize"] == after["sdpa"] == after["softmax"] == 0
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
+
+
+def test_slice_sets_the_length_bound():
+    """A slice to 12 of 16 keys: the op's kv_len is min(kv_len, 12) and the 12-key mask is padded to 16."""
+    _, backend = _run_one_layer(_sliced_sdpa, 4, steps=((5, True),))
+    (args,), = backend.calls
+    kv_len, mask = args[5], args[6]
+    assert kv_len.target == "clamp" and kv_len.kwargs == {"max": N_KEPT}
+    assert mask.target is F.pad and mask.args[1] == (0, L - N_KEPT)
+
+
 def test_is_causal_when_queries_fill_the_cache():
     """is_causal with Tq == L: top-left == bottom-right; rewritten with the cache's own length."""
     (expected, got), backend = _run_one_layer(
