@@ -177,7 +177,8 @@ def _masks(tq, start):
     return keep, add
 
 
-def _run_one_layer(attention, hkv, kv_dtype="fp8_e4m3", steps=((5, True), (1, True), (1, True)), trim=False):
+def _run_one_layer(attention, hkv, kv_dtype="fp8_e4m3", steps=((5, True), (1, True), (1, True)), trim=False,
+                   cache_kwargs=None):
     """Run prefill/decode chunks (tq, with_masks) eagerly and through the pass; return both outputs."""
     fresh_dynamo()
     torch.manual_seed(0)
@@ -187,7 +188,8 @@ def _run_one_layer(attention, hkv, kv_dtype="fp8_e4m3", steps=((5, True), (1, Tr
     compiled = torch.compile(mod, backend=backend, fullgraph=True)
     outs = []
     for fn in (mod, compiled):
-        cache = kvcompile.QuantizedCache(_Cfg(hkv), max_batch_size=B, max_cache_len=L, kv_dtype=kv_dtype, device="cpu")
+        cache = kvcompile.QuantizedCache(_Cfg(hkv), max_batch_size=B, max_cache_len=L, kv_dtype=kv_dtype, device="cpu",
+                                         **(cache_kwargs or {}))
         start, res = 0, []
         for (q, k, v), (t, _) in zip(chunks, steps):
             mb, ma = _masks(t, start)
@@ -325,6 +327,77 @@ def test_dropout_is_skipped_with_reason():
     assert report.found == 1 and report.rewritten == 0 and after["sdpa"] == 1
     (site, reason), = report.skipped
     assert "dropout_p=0.1" in reason
+
+
+def _scores(q, k):
+    return torch.matmul(q, k.transpose(2, 3)) * 0.2
+
+
+def _finish(q, s, v):
+    return torch.matmul(F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _alibi(q, k, v, mb, ma):
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]).view(1, HQ, 1, 1)
+    return _finish(q, _scores(q, k) + slopes * torch.arange(L).view(1, 1, 1, L) + ma, v)
+
+
+def _softcapped(q, k, v, mb, ma):
+    return _finish(q, torch.tanh(_scores(q, k) / 2.0) * 2.0 + ma, v)
+
+
+def _probs_read_twice(q, k, v, mb, ma):
+    p = F.softmax(_scores(q, k) + ma, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(p, v) + p.sum() * 0
+
+
+#: name -> (attention, cache kwargs, words of the reason, whether eager and compiled outputs compare)
+LEFT_ALONE = {
+    "alibi_bias": (_alibi, None, "second additive term", True),
+    "masked_fill": (lambda q, k, v, mb, ma: _finish(q, _scores(q, k).masked_fill(~mb, -1e9), v), None,
+                    "masked_fill", True),
+    "probabilities_read_elsewhere": (_probs_read_twice, None, "read by several nodes", True),
+    "training_dropout": (lambda q, k, v, mb, ma: torch.matmul(F.dropout(
+        F.softmax(_scores(q, k) + ma, dim=-1, dtype=torch.float32), p=0.1, training=True).to(q.dtype), v), None,
+        "training mode", False),
+    "softcap_with_k_offset": (_softcapped, {"calibration": {"k_offset": torch.randn(1, HQ, D)}}, "K centering", True),
+    "tiled_heads": (lambda q, k, v, mb, ma: F.scaled_dot_product_attention(
+        q, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1), attn_mask=mb), None, "not recognised", True),
+}
+
+
+@pytest.mark.parametrize("name", list(LEFT_ALONE))
+def test_left_alone_with_reason(name):
+    """What the op cannot compute stays as it is (Inductor compiles it), reported with its reason."""
+    attention, cache_kwargs, words, compare = LEFT_ALONE[name]
+    hkv = 2 if name == "tiled_heads" else HQ
+    (expected, got), backend = _run_one_layer(attention, hkv, steps=((5, True),), cache_kwargs=cache_kwargs)
+    (before, after, report), = backend.graphs
+    assert (report.found, report.rewritten) == (1, 0) and after["kv_attention"] == 0, report
+    (site, reason), = report.skipped
+    assert words in reason, reason
+    if compare:
+        torch.testing.assert_close(got[0], expected[0], atol=ATOL, rtol=RTOL)
+
+
+def test_k_and_v_formats():
+    """kv_dtype sets both, k_dtype / v_dtype override; a cache of another format is a clear error
+    naming the operand."""
+    assert (KVAttentionPass().k_dtype, KVAttentionPass().v_dtype) == ("fp8_e4m3", "fp8_e4m3")
+    mixed = KVAttentionPass("fp8_e4m3", v_dtype="q8_0")
+    assert (mixed.k_dtype, mixed.v_dtype, mixed.kv_dtype) == ("fp8_e4m3", "q8_0", "fp8_e4m3/q8_0")
+    assert len({mixed.uuid(), KVAttentionPass("fp8_e4m3").uuid(), KVAttentionPass(k_dtype="q8_0").uuid()}) == 3
+    with pytest.raises(ValueError, match="unknown v_dtype 'int4'"):
+        KVAttentionPass(v_dtype="int4")
+    fresh_dynamo()
+    mod = OneLayer(lambda q, k, v, mb, ma: F.scaled_dot_product_attention(q, k, v, attn_mask=mb), 4)
+    cache = kvcompile.QuantizedCache(_Cfg(4), max_batch_size=B, max_cache_len=L, kv_dtype="fp8_e4m3", device="cpu")
+    q, kv = torch.randn(B, HQ, 3, D), torch.randn(B, 4, 3, D)
+    mb, ma = _masks(3, 0)
+    backend = PassOnly("fp8_e4m3")
+    backend.graph_pass = mixed
+    with pytest.raises(Exception, match=r"holds V as torch.float8_e4m3fn codes \('fp8_e4m3'\)"):
+        torch.compile(mod, backend=backend, fullgraph=True)(q, kv, kv, cache, mb, ma)
 
 
 def test_tables_are_explicit_and_uuid_is_stable():

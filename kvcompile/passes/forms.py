@@ -75,8 +75,10 @@ def sdpa(k: KVChain, v: KVChain) -> Optional[AttentionCall]:
         raise Skip(f"unsupported SDPA arguments {sorted(unknown)}")
     a = dict(zip(_SDPA_ARGS, node.args))
     a.update(node.kwargs)
-    if a.get("key") is not k.end or a.get("value") is not v.end or v.consumer is not node:
-        raise Skip("the cache's K and V are not SDPA's key and value")
+    if a.get("key") is not k.end:
+        return None  # k is not SDPA's key: the other order of the site's chains, or no attention over the cache
+    if a.get("value") is not v.end or v.consumer is not node:
+        raise Skip("the cache's V is not SDPA's value")
     dropout = constant(a.get("dropout_p", 0.0), "dropout_p", (int, float))
     if dropout != 0:
         raise Skip(f"dropout_p={dropout} (the op has no dropout)")
