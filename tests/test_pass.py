@@ -319,6 +319,31 @@ def test_unprovable_is_causal_is_skipped_with_reason():
     assert "is_causal" in reason and "top-left" in reason
 
 
+class _VFirst(torch.nn.Module):
+    """Dequantizes V before K (the cache's update does K first): the site's roles come from the attention."""
+
+    def forward(self, q, k_codes, k_scale, v_codes, v_scale, kv_len, mask):
+        v = torch.ops.kvcompile.dequantize(v_codes, v_scale, None, kv_len, q.dtype)
+        k = torch.ops.kvcompile.dequantize(k_codes, k_scale, None, kv_len, q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_v_dequantized_before_k():
+    fresh_dynamo()
+    torch.manual_seed(0)
+    k_codes, k_scale = kvcompile.formats.quantize(torch.randn(B, 4, L, D), torch.float8_e4m3fn)
+    v_codes, v_scale = kvcompile.formats.quantize(torch.randn(B, 4, L, D), torch.float8_e4m3fn)
+    mask = (torch.arange(L) < 8).view(1, 1, 1, L).expand(B, 1, 3, L)
+    args = (torch.randn(B, 4, 3, D), k_codes, k_scale, v_codes, v_scale, torch.tensor(8), mask)
+    backend = PassOnly("fp8_e4m3")
+    out = torch.compile(_VFirst(), backend=backend, fullgraph=True)(*args)
+    (_, after, report), = backend.graphs
+    assert (report.found, report.rewritten) == (1, 1) and after["kv_attention"] == 1
+    (call,) = backend.calls[0]
+    assert "k_codes" in call[1].name and "v_codes" in call[3].name
+    torch.testing.assert_close(out, _VFirst()(*args), atol=ATOL, rtol=RTOL)
+
+
 def test_dropout_is_skipped_with_reason():
     _, backend = _run_one_layer(
         lambda q, k, v, mb, ma: F.scaled_dot_product_attention(q, k, v, attn_mask=mb, dropout_p=0.1), 4,
