@@ -102,10 +102,17 @@ def format_of(codes: torch.Tensor, scale: torch.Tensor) -> str:
     return str(codes.dtype)
 
 
-def _dtype_name(kind: str, value: Optional[str]) -> str:
-    if value not in formats.KV_DTYPES:
-        raise ValueError(f"unknown {kind} {value!r}; kvcompile accepts one of {list(formats.KV_DTYPES)}")
-    return value
+def resolve_kv_dtypes(kv_dtype: Optional[str], k_dtype: Optional[str], v_dtype: Optional[str]) -> tuple[str, str]:
+    """``(k_dtype, v_dtype)`` as the cache resolves them (``formats.resolve_kv_dtypes`` where it exists):
+    ``kv_dtype`` sets both, ``k_dtype`` / ``v_dtype`` override, the default format fills the rest."""
+    resolve = getattr(formats, "resolve_kv_dtypes", None)
+    if resolve is not None:
+        return resolve(kv_dtype, k_dtype, v_dtype)
+    base = kv_dtype if kv_dtype is not None else getattr(formats, "DEFAULT_KV_DTYPE", "fp8_e4m3")
+    for what, name in (("kv_dtype", base), ("k_dtype", k_dtype), ("v_dtype", v_dtype)):
+        if name is not None and name not in formats.KV_DTYPES:
+            raise ValueError(f"unknown {what} {name!r}; kvcompile accepts one of {list(formats.KV_DTYPES)}")
+    return k_dtype or base, v_dtype or base
 
 
 class KVAttentionPass(CustomGraphPass):
@@ -120,9 +127,7 @@ class KVAttentionPass(CustomGraphPass):
 
     def __init__(self, kv_dtype: Optional[str] = None, *, k_dtype: Optional[str] = None,
                  v_dtype: Optional[str] = None):
-        default = kv_dtype or getattr(formats, "DEFAULT_KV_DTYPE", "fp8_e4m3")
-        self.k_dtype = _dtype_name("k_dtype" if k_dtype else "kv_dtype", k_dtype or default)
-        self.v_dtype = _dtype_name("v_dtype" if v_dtype else "kv_dtype", v_dtype or default)
+        self.k_dtype, self.v_dtype = resolve_kv_dtypes(kv_dtype, k_dtype, v_dtype)
         self.kv_dtype = self.k_dtype if self.k_dtype == self.v_dtype else f"{self.k_dtype}/{self.v_dtype}"
 
     # CustomGraphPass ---------------------------------------------------------------------------
