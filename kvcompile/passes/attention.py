@@ -53,7 +53,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
-import logging
 from typing import Optional
 
 import torch
@@ -65,8 +64,6 @@ from . import forms, graph as graph_utils, rewrite, spellings
 from .forms import ATTENTION_FORMS, SITE_FORMS
 from .graph import Skip, describe, erase_dead, site_name, val
 from .spellings import DEQUANTIZE_TARGETS, KV_SPELLINGS, KVChain, trace
-
-log = logging.getLogger("kvcompile")
 
 __all__ = ["KVAttentionPass", "PassReport", "KVDtypeMismatch", "KV_SPELLINGS", "ATTENTION_FORMS"]
 

@@ -35,7 +35,7 @@ from .graph import (
     ADD, DIV, MATMUL, MUL, SUB, Skip, arg, constant, describe, is_call, known_eq, only_user, scalar_operand, shape,
     val, value_users,
 )
-from .spellings import FULL, KVChain, _index_entries, _is_full
+from .spellings import KVChain, index_entries, is_full
 
 SDPA = F.scaled_dot_product_attention
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -255,10 +255,10 @@ def sinks(x: fx.Node, cat: fx.Node, call: AttentionCall) -> fx.Node:
     _check_softmax(sm, call)
     call.nodes.append(sm)
     drop = only_user(sm, "the probabilities with sinks")
-    entries = _index_entries(drop.args[1], 4) if is_call(drop, operator.getitem) and drop.args[0] is sm else None
+    entries = index_entries(drop.args[1], 4) if is_call(drop, operator.getitem) and drop.args[0] is sm else None
     a, b = shape(sm), shape(drop)
     last = entries[3] if entries and None not in entries else None
-    if not (last is not None and all(_is_full(e) for e in entries[:3]) and last.start in (None, 0)
+    if not (last is not None and all(is_full(e) for e in entries[:3]) and last.start in (None, 0)
             and last.step in (None, 1) and a is not None and b is not None and known_eq(b[3], a[3] - 1)):
         raise Skip(f"the sink column is not dropped after softmax ({describe(drop)} {drop.args[1:]!r})")
     call.nodes.append(drop)
@@ -317,4 +317,4 @@ ATTENTION_FORMS: dict[str, Callable] = {"sdpa": sdpa, "eager": eager, "softcap":
 #: the forms tried on a site, in order.
 SITE_FORMS = (sdpa, eager)
 
-__all__ = ["ATTENTION_FORMS", "AttentionCall", "SITE_FORMS", "FULL"]
+__all__ = ["ATTENTION_FORMS", "AttentionCall", "SITE_FORMS"]

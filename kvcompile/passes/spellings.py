@@ -90,11 +90,11 @@ class Spelling:
 FULL = slice(None, None, None)
 
 
-def _is_full(s: Any) -> bool:
+def is_full(s: Any) -> bool:
     return isinstance(s, slice) and s.start in (None, 0) and s.stop is None and s.step in (None, 1)
 
 
-def _index_entries(index: Any, ndim: int) -> Optional[list]:
+def index_entries(index: Any, ndim: int) -> Optional[list]:
     """``x[index]`` for an ``ndim``-D x as one entry per output position: slices for kept dims,
     None for new axes; None when the index holds anything else (ints, tensors, bools)."""
     entries = list(index) if isinstance(index, tuple) else [index]
@@ -133,10 +133,10 @@ def _repeated(x: fx.Node, out: fx.Node, n: Any, nodes: tuple, name: str) -> Step
 
 def match_repeat_kv(user: fx.Node, x: fx.Node) -> Optional[Step]:
     if user.op == "call_function" and user.target is operator.getitem and user.args[0] is x:
-        entries = _index_entries(user.args[1], 4)
+        entries = index_entries(user.args[1], 4)
         if entries is None or None not in entries:
             return None  # not an unsqueeze (a slice, or another index)
-        if not (len(entries) == 5 and entries[2] is None and all(_is_full(e) for i, e in enumerate(entries) if i != 2)):
+        if not (len(entries) == 5 and entries[2] is None and all(is_full(e) for i, e in enumerate(entries) if i != 2)):
             raise Skip(f"the cache is indexed with {user.args[1]!r}, not repeat_kv's x[:, :, None]")
     elif not (user.op == "call_method" and user.target == "unsqueeze" and user.args[0] is x
               and arg(user, 1, "dim") in (2, -3)):
@@ -177,12 +177,12 @@ def _repeat_interleave(node: fx.Node) -> Step:
 def match_slice(user: fx.Node, x: fx.Node) -> Optional[Step]:
     if not (user.op == "call_function" and user.target is operator.getitem and user.args[0] is x):
         return None
-    entries = _index_entries(user.args[1], 4)
+    entries = index_entries(user.args[1], 4)
     if entries is None or None in entries:
         return None
     a, b = _kv_shape(x, "the K/V value"), _kv_shape(user, "the sliced K/V")
     keys = entries[2]
-    if not (all(_is_full(entries[d]) for d in (0, 1, 3)) and keys.start in (None, 0) and keys.step in (None, 1)):
+    if not (all(is_full(entries[d]) for d in (0, 1, 3)) and keys.start in (None, 0) and keys.step in (None, 1)):
         raise Skip(f"the cache is sliced with {user.args[1]!r}: only x[:, :, :n] (the first n keys) is understood")
     n = b[2]
     if not known_le(n, a[2]) or not _dims_equal(a, b, (0, 1, 3)):
