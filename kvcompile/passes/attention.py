@@ -39,11 +39,12 @@ position) gets zeros (bool mask) or an average over the stored keys (additive ``
 mask) from the op, where SDPA/eager average over all slots; real tokens never attend to
 those rows.
 
-Left out, with the reason in the report: dropout in training, returned attention weights, a
-score term other than one mask (ALiBi / position bias, ``masked_fill``), softmax over another
-dim, heads or shapes that do not line up (cross-attention, MLA's different K and V widths are
-refused earlier by the cache), K centering with softcap or sinks, and ``is_causal`` that the
-graph does not prove top-left-equal. ``dynamic=True`` works when Python floats are specialised
+Left out, with the reason in the report: dropout in training, attention probabilities read
+by anything but ``P @ V`` (returned attention weights), a score term other than one mask (ALiBi
+/ position bias, ``masked_fill``), softmax over another dim, heads or shapes that do not line
+up, K centering with softcap or sinks, and ``is_causal`` that the graph does not prove
+top-left-equal. Cross-attention (encoder-decoder configs) and MLA (K and V of different widths)
+never reach the pass: the cache refuses them. ``dynamic=True`` works when Python floats are specialised
 (``torch._dynamo.config.specialize_float``, the default for ``dynamic=None``); otherwise the
 scaling is a graph input and the site is skipped with that hint.
 """
