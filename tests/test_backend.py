@@ -149,11 +149,11 @@ def test_mode_and_options_are_forwarded(monkeypatch):
 
 
 def test_unrewritten_site_warns(caplog):
-    """Softcapped eager attention (Gemma-2) stays as is, with one WARNING per site."""
-    cfg = transformers.Gemma2Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=64,
-                                    attn_logit_softcapping=50.0, max_position_embeddings=64)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    """Attention dropout in training mode (the op has none) stays as is, with one WARNING per site."""
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.5,
+                                   max_position_embeddings=64)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").train()
     ids, mask = prompt(False)
     backend = kvcompile.backend("fp8_e4m3")
     with caplog.at_level(logging.INFO, logger="kvcompile"):
@@ -163,6 +163,7 @@ def test_unrewritten_site_warns(caplog):
     assert r["found"] == 2 and r["rewritten"] == 0 and len(r["skipped"]) == 2
     warnings = [x for x in caplog.records if x.name == "kvcompile" and x.levelno == logging.WARNING]
     assert len(warnings) == 2 and all("left unrewritten" in w.getMessage() for w in warnings)
+    assert all("dropout_p=0.5" in reason for _, reason in r["skipped"])
 
 
 def test_dump_graphs(tmp_path):

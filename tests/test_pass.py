@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import kvcompile
-from kvcompile.passes import PATTERNS, KVAttentionPass
+from kvcompile.passes import ATTENTION_FORMS, KV_SPELLINGS, KVAttentionPass
 from test_pass_models import (
     FAMILIES,
     PassOnly,
@@ -177,7 +177,8 @@ def _masks(tq, start):
     return keep, add
 
 
-def _run_one_layer(attention, hkv, kv_dtype="fp8_e4m3", steps=((5, True), (1, True), (1, True)), trim=False):
+def _run_one_layer(attention, hkv, kv_dtype="fp8_e4m3", steps=((5, True), (1, True), (1, True)), trim=False,
+                   cache_kwargs=None):
     """Run prefill/decode chunks (tq, with_masks) eagerly and through the pass; return both outputs."""
     fresh_dynamo()
     torch.manual_seed(0)
@@ -187,7 +188,8 @@ def _run_one_layer(attention, hkv, kv_dtype="fp8_e4m3", steps=((5, True), (1, Tr
     compiled = torch.compile(mod, backend=backend, fullgraph=True)
     outs = []
     for fn in (mod, compiled):
-        cache = kvcompile.QuantizedCache(_Cfg(hkv), max_batch_size=B, max_cache_len=L, kv_dtype=kv_dtype, device="cpu")
+        cache = kvcompile.QuantizedCache(_Cfg(hkv), max_batch_size=B, max_cache_len=L, kv_dtype=kv_dtype, device="cpu",
+                                         **(cache_kwargs or {}))
         start, res = 0, []
         for (q, k, v), (t, _) in zip(chunks, steps):
             mb, ma = _masks(t, start)
@@ -214,6 +216,61 @@ def test_spelling_is_rewritten(name):
         assert after["kv_attention"] == 1 and after["sdpa"] == after["softmax"] == after["dequantize"] == 0
     for e, g in zip(expected, got):
         torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
+
+
+N_KEPT = 12  # keys a slicing attention keeps of the L = 16 cache slots
+
+
+def _sliced_sdpa(q, k, v, mb, ma):
+    return F.scaled_dot_product_attention(q, k[:, :, :N_KEPT], v[:, :, :N_KEPT], attn_mask=mb[..., :N_KEPT])
+
+
+#: K/V spelling -> (kv heads, attention(q, k, v, mask_bool, mask_add), op_counts key of its node kind,
+#: how many of those nodes the rewrite removes). Every entry of KV_SPELLINGS has one.
+TABLE_CASES = {
+    "dequantize": (4, lambda q, k, v, mb, ma: F.scaled_dot_product_attention(q, k, v, attn_mask=mb), "dequantize", 2),
+    "repeat_kv": (2, lambda q, k, v, mb, ma: _eager(q, _repeat_kv(k, 2), _repeat_kv(v, 2), ma, 0.2), "expand", 2),
+    "repeat_interleave": (2, lambda q, k, v, mb, ma: F.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), attn_mask=mb), "repeat_interleave", 2),
+    "torch.repeat_interleave": (1, lambda q, k, v, mb, ma: _eager(
+        q, torch.repeat_interleave(k, 4, dim=1), torch.repeat_interleave(v, 4, dim=1), ma, 0.2),
+        "torch.repeat_interleave", 2),
+    # the mask's own slice stays; the op's length becomes min(kv_len, 12) and the mask is padded to 16
+    "slice": (4, _sliced_sdpa, "getitem", 2),
+    # two K/V copies go, the pass adds one for q
+    "contiguous": (2, lambda q, k, v, mb, ma: F.scaled_dot_product_attention(
+        q, k.contiguous(), v.contiguous(), attn_mask=mb, enable_gqa=True), "contiguous", 1),
+}
+
+
+def test_every_spelling_has_a_table_case():
+    assert set(TABLE_CASES) == set(KV_SPELLINGS)
+
+
+@pytest.mark.parametrize("entry", list(TABLE_CASES))
+def test_spelling_table_entry_fires(entry):
+    """Each K/V spelling fires on a Dynamo graph: its nodes are gone after the rewrite, the report
+    names it, and the output equals the un-rewritten graph's (prefill of 5, two decode steps)."""
+    hkv, attention, kind, removed = TABLE_CASES[entry]
+    (expected, got), backend = _run_one_layer(attention, hkv)
+    assert len(backend.graphs) == 2
+    for before, after, report in backend.graphs:
+        assert (report.found, report.rewritten, report.skipped) == (1, 1, []), report
+        (label,) = report.patterns
+        assert (label.endswith("[direct]") if entry == "dequantize" else entry in label[label.index("["):]), label
+        assert before[kind] >= removed and after[kind] == before[kind] - removed, (before, after)
+        assert after["kv_attention"] == 1 and after["dequantize"] == after["sdpa"] == after["softmax"] == 0
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
+
+
+def test_slice_sets_the_length_bound():
+    """A slice to 12 of 16 keys: the op's kv_len is min(kv_len, 12) and the 12-key mask is padded to 16."""
+    _, backend = _run_one_layer(_sliced_sdpa, 4, steps=((5, True),))
+    (args,), = backend.calls
+    kv_len, mask = args[5], args[6]
+    assert kv_len.target == "clamp" and kv_len.kwargs == {"max": N_KEPT}
+    assert mask.target is F.pad and mask.args[1] == (0, L - N_KEPT)
 
 
 def test_is_causal_when_queries_fill_the_cache():
@@ -262,6 +319,31 @@ def test_unprovable_is_causal_is_skipped_with_reason():
     assert "is_causal" in reason and "top-left" in reason
 
 
+class _VFirst(torch.nn.Module):
+    """Dequantizes V before K (the cache's update does K first): the site's roles come from the attention."""
+
+    def forward(self, q, k_codes, k_scale, v_codes, v_scale, kv_len, mask):
+        v = torch.ops.kvcompile.dequantize(v_codes, v_scale, None, kv_len, q.dtype)
+        k = torch.ops.kvcompile.dequantize(k_codes, k_scale, None, kv_len, q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_v_dequantized_before_k():
+    fresh_dynamo()
+    torch.manual_seed(0)
+    k_codes, k_scale = kvcompile.formats.quantize(torch.randn(B, 4, L, D), torch.float8_e4m3fn)
+    v_codes, v_scale = kvcompile.formats.quantize(torch.randn(B, 4, L, D), torch.float8_e4m3fn)
+    mask = (torch.arange(L) < 8).view(1, 1, 1, L).expand(B, 1, 3, L)
+    args = (torch.randn(B, 4, 3, D), k_codes, k_scale, v_codes, v_scale, torch.tensor(8), mask)
+    backend = PassOnly("fp8_e4m3")
+    out = torch.compile(_VFirst(), backend=backend, fullgraph=True)(*args)
+    (_, after, report), = backend.graphs
+    assert (report.found, report.rewritten) == (1, 1) and after["kv_attention"] == 1
+    (call,) = backend.calls[0]
+    assert "k_codes" in call[1].name and "v_codes" in call[3].name
+    torch.testing.assert_close(out, _VFirst()(*args), atol=ATOL, rtol=RTOL)
+
+
 def test_dropout_is_skipped_with_reason():
     _, backend = _run_one_layer(
         lambda q, k, v, mb, ma: F.scaled_dot_product_attention(q, k, v, attn_mask=mb, dropout_p=0.1), 4,
@@ -272,34 +354,80 @@ def test_dropout_is_skipped_with_reason():
     assert "dropout_p=0.1" in reason
 
 
-def test_softcapping_is_left_alone_and_reported():
-    """Gemma-2's eager attention with logit softcapping is not a spelling the op implements."""
-    import transformers
+def _scores(q, k):
+    return torch.matmul(q, k.transpose(2, 3)) * 0.2
 
+
+def _finish(q, s, v):
+    return torch.matmul(F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _alibi(q, k, v, mb, ma):
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]).view(1, HQ, 1, 1)
+    return _finish(q, _scores(q, k) + slopes * torch.arange(L).view(1, 1, 1, L) + ma, v)
+
+
+def _softcapped(q, k, v, mb, ma):
+    return _finish(q, torch.tanh(_scores(q, k) / 2.0) * 2.0 + ma, v)
+
+
+def _probs_read_twice(q, k, v, mb, ma):
+    p = F.softmax(_scores(q, k) + ma, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(p, v) + p.sum() * 0
+
+
+#: name -> (attention, cache kwargs, words of the reason, whether eager and compiled outputs compare)
+LEFT_ALONE = {
+    "alibi_bias": (_alibi, None, "second additive term", True),
+    "masked_fill": (lambda q, k, v, mb, ma: _finish(q, _scores(q, k).masked_fill(~mb, -1e9), v), None,
+                    "masked_fill", True),
+    "probabilities_read_elsewhere": (_probs_read_twice, None, "read by several nodes", True),
+    "training_dropout": (lambda q, k, v, mb, ma: torch.matmul(F.dropout(
+        F.softmax(_scores(q, k) + ma, dim=-1, dtype=torch.float32), p=0.1, training=True).to(q.dtype), v), None,
+        "training mode", False),
+    "softcap_with_k_offset": (_softcapped, {"calibration": {"k_offset": torch.randn(1, HQ, D)}}, "K centering", True),
+    "tiled_heads": (lambda q, k, v, mb, ma: F.scaled_dot_product_attention(
+        q, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1), attn_mask=mb), None, "not recognised", True),
+}
+
+
+@pytest.mark.parametrize("name", list(LEFT_ALONE))
+def test_left_alone_with_reason(name):
+    """What the op cannot compute stays as it is (Inductor compiles it), reported with its reason."""
+    attention, cache_kwargs, words, compare = LEFT_ALONE[name]
+    hkv = 2 if name == "tiled_heads" else HQ
+    (expected, got), backend = _run_one_layer(attention, hkv, steps=((5, True),), cache_kwargs=cache_kwargs)
+    (before, after, report), = backend.graphs
+    assert (report.found, report.rewritten) == (1, 0) and after["kv_attention"] == 0, report
+    (site, reason), = report.skipped
+    assert words in reason, reason
+    if compare:
+        torch.testing.assert_close(got[0], expected[0], atol=ATOL, rtol=RTOL)
+
+
+def test_k_and_v_formats():
+    """kv_dtype sets both, k_dtype / v_dtype override; a cache of another format is a clear error
+    naming the operand."""
+    assert (KVAttentionPass().k_dtype, KVAttentionPass().v_dtype) == ("fp8_e4m3", "fp8_e4m3")
+    mixed = KVAttentionPass("fp8_e4m3", v_dtype="q8_0")
+    assert (mixed.k_dtype, mixed.v_dtype, mixed.kv_dtype) == ("fp8_e4m3", "q8_0", "fp8_e4m3/q8_0")
+    assert len({mixed.uuid(), KVAttentionPass("fp8_e4m3").uuid(), KVAttentionPass(k_dtype="q8_0").uuid()}) == 3
+    with pytest.raises(ValueError, match="unknown v_dtype 'int4'"):
+        KVAttentionPass(v_dtype="int4")
     fresh_dynamo()
-    cfg = transformers.Gemma2Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                    sliding_window=64, attn_logit_softcapping=50.0, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
-    ids, mask = prompt(False)
-    from test_pass_models import make_cache as mk
-
-    expected = greedy(model.forward, model, mk(model, "fp8_e4m3"), ids, mask, steps=1)
-    pass_only = PassOnly("fp8_e4m3")
-    got = greedy(torch.compile(model.forward, backend=pass_only, fullgraph=True), model,
-                 mk(model, "fp8_e4m3"), ids, mask, steps=1)
-    for before, after, report in pass_only.graphs:
-        assert report.found == 2 and report.rewritten == 0 and len(report.skipped) == 2
-        assert after == before  # graph unchanged
-        assert all("not recognised" in reason for _, reason in report.skipped)
-        assert all(site.startswith("model.layers.") for site, _ in report.skipped)
-    for e, g in zip(expected, got):
-        torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
+    mod = OneLayer(lambda q, k, v, mb, ma: F.scaled_dot_product_attention(q, k, v, attn_mask=mb), 4)
+    cache = kvcompile.QuantizedCache(_Cfg(4), max_batch_size=B, max_cache_len=L, kv_dtype="fp8_e4m3", device="cpu")
+    q, kv = torch.randn(B, HQ, 3, D), torch.randn(B, 4, 3, D)
+    mb, ma = _masks(3, 0)
+    backend = PassOnly("fp8_e4m3")
+    backend.graph_pass = mixed
+    with pytest.raises(Exception, match=r"holds V as torch.float8_e4m3fn codes \('fp8_e4m3'\)"):
+        torch.compile(mod, backend=backend, fullgraph=True)(q, kv, kv, cache, mb, ma)
 
 
-def test_patterns_are_explicit_and_uuid_is_stable():
-    assert {"sdpa[direct]", "sdpa[repeat_kv]", "eager[repeat_kv, mask]", "eager[direct]"} <= set(PATTERNS)
+def test_tables_are_explicit_and_uuid_is_stable():
+    assert {"dequantize", "repeat_kv", "repeat_interleave", "torch.repeat_interleave", "slice"} <= set(KV_SPELLINGS)
+    assert {"sdpa", "eager", "softcap", "sinks"} <= set(ATTENTION_FORMS)
     a, b, c = KVAttentionPass("fp8_e4m3"), KVAttentionPass("fp8_e4m3"), KVAttentionPass("q8_0")
     assert a.uuid() == b.uuid() != c.uuid()
 

@@ -111,10 +111,18 @@ ATTENTION = torch.ops.kvcompile.attention.default
 
 
 def op_counts(graph: torch.fx.Graph) -> dict:
-    c = {"sdpa": 0, "softmax": 0, "dequantize": 0, "kv_attention": 0, "matmul": 0}
+    """Attention ops, and the K/V spellings of :data:`kvcompile.passes.KV_SPELLINGS` by their node kinds."""
+    c = {"sdpa": 0, "softmax": 0, "dequantize": 0, "kv_attention": 0, "matmul": 0,
+         "expand": 0, "repeat_interleave": 0, "torch.repeat_interleave": 0, "getitem": 0, "contiguous": 0}
     for n in graph.nodes:
+        if n.op == "call_method" and n.target in ("expand", "repeat_interleave", "contiguous"):
+            c[n.target] += 1
         if n.op != "call_function":
             continue
+        if n.target is torch.repeat_interleave:
+            c["torch.repeat_interleave"] += 1
+        elif n.target is operator.getitem:
+            c["getitem"] += 1
         if n.target is SDPA:
             c["sdpa"] += 1
         elif n.target in (F.softmax, torch.softmax):
@@ -129,19 +137,65 @@ def op_counts(graph: torch.fx.Graph) -> dict:
 
 
 class PassOnly:
-    """torch.compile backend: KVAttentionPass then run the rewritten graph eagerly."""
+    """torch.compile backend: KVAttentionPass then run the rewritten graph eagerly.
 
-    def __init__(self, kv_dtype: str):
+    ``attention``: a function run in place of every emitted ``kvcompile::attention`` (same
+    arguments), e.g. :func:`attention_oracle` for features this build's kernels do not implement.
+    ``calls`` keeps the emitted nodes' arguments, one list per graph."""
+
+    def __init__(self, kv_dtype: str, attention=None):
         self.graph_pass = KVAttentionPass(kv_dtype)
         self.graphs = []  # (counts before, counts after, report)
+        self.calls = []  # per graph: [args of each emitted kvcompile::attention]
+        self.attention = attention
 
     def __call__(self, gm, example_inputs, **_):
         before = op_counts(gm.graph)
         report = self.graph_pass.apply(gm.graph)
         gm.graph.lint()
-        gm.recompile()
+        emitted = [n for n in gm.graph.nodes if n.target is ATTENTION]
+        self.calls.append([n.args for n in emitted])
         self.graphs.append((before, op_counts(gm.graph), report))
+        if self.attention is not None:
+            for n in emitted:
+                n.target = self.attention
+        gm.recompile()
         return gm.forward
+
+
+def attention_oracle(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale, sliding_window=0,
+                     softcap=0.0, sinks=None):
+    """``kvcompile::attention`` as its contract states it (window, softcap and sinks included), in float64."""
+    B, Hq, Tq, D = q.shape
+    Hkv, L = k_q.shape[1], k_q.shape[2]
+    k = kvcompile.formats.dequantize(k_q, k_scale, torch.float64).repeat_interleave(Hq // Hkv, dim=1)
+    v = kvcompile.formats.dequantize(v_q, v_scale, torch.float64).repeat_interleave(Hq // Hkv, dim=1)
+    s = torch.matmul(q.double(), k.transpose(-1, -2)) * (D ** -0.5 if scale is None else scale)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    kvl = kv_len.reshape(-1).expand(B).view(B, 1, 1, 1).long()
+    pos = torch.arange(L).view(1, 1, 1, L)
+    q_pos = kvl - Tq + torch.arange(Tq).view(1, 1, Tq, 1)
+    valid = pos < kvl
+    if is_causal:
+        valid = valid & (pos <= q_pos)
+    if sliding_window:
+        valid = valid & (pos > q_pos - sliding_window)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            valid = valid & attn_mask
+        else:
+            s = s + attn_mask.double()
+    s = s.masked_fill(~valid, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.double().view(1, Hq, 1, 1).expand(B, Hq, Tq, 1)], dim=-1)
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    p = torch.exp(s - m)
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-300)
+    if sinks is not None:
+        p = p[..., :-1]
+    return torch.matmul(p, v).to(q.dtype)
 
 
 def fresh_dynamo():

@@ -1,0 +1,320 @@
+"""Attention forms: what reads the K/V chains, and what it computes.
+
+Each form is one handler in :data:`ATTENTION_FORMS`. ``sdpa`` and ``eager`` start from the K
+and V chains (:mod:`.spellings`) and return an :class:`AttentionCall` (``None`` when the K
+chain's consumer is not theirs; :class:`Skip` with the reason when it is, but the site does
+something the op does not). ``softcap`` and ``sinks`` are stages of the eager chain:
+
+* ``sdpa``: ``F.scaled_dot_product_attention(q, K, V, attn_mask, dropout_p, is_causal, scale,
+  enable_gqa)``, positional or keyword;
+* ``eager``: ``matmul(q, K.transpose(2, 3))`` [``* s`` or ``/ s``] [softcap] [``+ mask``] ->
+  ``softmax(dim=-1[, dtype])`` [``.to(q.dtype)`` / ``dropout`` in either order] ->
+  ``matmul(P, V)`` (Llama's ``eager_attention_forward`` and its copies);
+* ``softcap`` (Gemma 2): ``scores / c -> tanh -> * c`` right after the scaling, before the mask;
+* ``sinks`` (gpt-oss): in place of the softmax, ``cat([scores, sink column], dim=-1)``
+  [``- max(dim=-1, keepdim=True)``] ``-> softmax -> [..., :-1]``, the column a ``[Hq]`` tensor
+  reshaped to ``[1, Hq, 1, 1]`` and expanded.
+
+Every intermediate of a form must have exactly one reader: an attention whose probabilities are
+returned (``output_attentions=True``) or read by anything else is left alone, with the reason.
+Anything else on the scores (a second additive term such as an ALiBi or position bias, a
+``masked_fill``, a different normalisation) does not match and is reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .graph import (
+    ADD, DIV, MATMUL, MUL, SUB, Skip, arg, constant, describe, is_call, known_eq, only_user, scalar_operand, shape,
+    val, value_users,
+)
+from .spellings import KVChain, index_entries, is_full
+
+SDPA = F.scaled_dot_product_attention
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+SOFTMAX = (F.softmax, torch.softmax, "softmax")
+DROPOUT = (F.dropout, torch.dropout)
+
+
+@dataclasses.dataclass
+class AttentionCall:
+    """What one attention site computes, in the op's terms (before the common checks of :mod:`.rewrite`)."""
+
+    form: str
+    anchor: fx.Node  # the node whose value the op replaces
+    q: fx.Node
+    key: fx.Node  # the K value attention reads (the K chain's end)
+    value: fx.Node
+    mask: Any = None
+    is_causal: bool = False
+    scale: Optional[float] = None
+    enable_gqa: bool = False
+    softcap: float = 0.0
+    sinks: Optional[fx.Node] = None
+    nodes: list = dataclasses.field(default_factory=list)  # the form's nodes (erased once dead)
+
+
+# ---------------------------------------------------------------------------------------------
+# SDPA
+# ---------------------------------------------------------------------------------------------
+
+
+def sdpa(k: KVChain, v: KVChain) -> Optional[AttentionCall]:
+    node = k.consumer
+    if not (node.op == "call_function" and node.target is SDPA):
+        return None
+    unknown = set(node.kwargs) - set(_SDPA_ARGS)
+    if unknown:
+        raise Skip(f"unsupported SDPA arguments {sorted(unknown)}")
+    a = dict(zip(_SDPA_ARGS, node.args))
+    a.update(node.kwargs)
+    if a.get("key") is not k.end:
+        return None  # k is not SDPA's key: the other order of the site's chains, or no attention over the cache
+    if a.get("value") is not v.end or v.consumer is not node:
+        raise Skip("the cache's V is not SDPA's value")
+    dropout = constant(a.get("dropout_p", 0.0), "dropout_p", (int, float))
+    if dropout != 0:
+        raise Skip(f"dropout_p={dropout} (the op has no dropout)")
+    is_causal = constant(a.get("is_causal", False), "is_causal", (bool,))
+    scale = a.get("scale")
+    if scale is not None:
+        scale = float(constant(scale, "scale", (int, float)))
+    mask = a.get("attn_mask")
+    if mask is not None and is_causal:
+        raise Skip("both attn_mask and is_causal")
+    return AttentionCall(
+        form="sdpa", anchor=node, q=a["query"], key=k.end, value=v.end, mask=mask, is_causal=is_causal,
+        scale=scale, enable_gqa=bool(constant(a.get("enable_gqa", False), "enable_gqa", (bool,))), nodes=[node],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the eager chain and its stages
+# ---------------------------------------------------------------------------------------------
+
+
+def _transposes_keys(node: fx.Node, x: fx.Node) -> bool:
+    """``x.transpose(2, 3)`` / ``x.transpose(-1, -2)`` / ``torch.transpose(x, 2, 3)``."""
+    if not (is_call(node, "transpose", torch.transpose) and node.args and node.args[0] is x):
+        return False
+    dims = [arg(node, 1, "dim0"), arg(node, 2, "dim1")]
+    return all(isinstance(d, int) for d in dims) and {d % 4 for d in dims} == {2, 3}
+
+
+def eager(k: KVChain, v: KVChain) -> Optional[AttentionCall]:
+    t = k.consumer
+    if not _transposes_keys(t, k.end):
+        return None
+    m1 = only_user(t, "K^T")
+    if not (is_call(m1, *MATMUL) and len(m1.args) == 2 and m1.args[1] is t):
+        raise Skip(f"K^T feeds {describe(m1)}, not matmul(q, K^T)")
+    call = AttentionCall(form="eager", anchor=m1, q=m1.args[0], key=k.end, value=v.end, nodes=[t, m1])
+    x = _scaling(m1, call)
+    x = softcap(x, call)
+    x = _mask(x, call)
+    nxt = only_user(x, "the attention scores")
+    if is_call(nxt, torch.cat):
+        p = sinks(x, nxt, call)
+    elif is_call(nxt, *SOFTMAX) and nxt.args[0] is x:
+        _check_softmax(nxt, call)
+        call.nodes.append(nxt)
+        p = nxt
+    else:
+        raise Skip(f"the attention scores feed {describe(nxt)} ({nxt.name}), not softmax: a score term the op does "
+                   "not have (a position bias such as ALiBi, masked_fill, another normalisation)")
+    p = _cast_and_dropout(p, call)
+    m2 = only_user(p, "the attention probabilities")
+    if not (is_call(m2, *MATMUL) and len(m2.args) == 2 and m2.args[0] is p and m2.args[1] is v.end
+            and v.consumer is m2):
+        raise Skip(f"the attention probabilities feed {describe(m2)} ({m2.name}), not matmul(P, V) over the cache's V")
+    call.nodes.append(m2)
+    call.anchor = m2
+    return call
+
+
+def _scaling(x: fx.Node, call: AttentionCall) -> fx.Node:
+    """``scores * s`` or ``scores / s`` (a constant); none means scale 1 (the query came pre-scaled)."""
+    nxt = only_user(x, "the attention scores")
+    mul, div = scalar_operand(nxt, MUL), scalar_operand(nxt, DIV)
+    if mul is not None and mul[0] is x:
+        call.scale = float(constant(mul[1], "score scaling", (int, float)))
+    elif div is not None and div[0] is x and not is_call(only_user(nxt, "the scaled scores"), torch.tanh):
+        call.scale = 1.0 / float(constant(div[1], "score scaling", (int, float)))
+    else:
+        call.scale = 1.0
+        return x
+    call.nodes.append(nxt)
+    return nxt
+
+
+def softcap(x: fx.Node, call: AttentionCall) -> fx.Node:
+    """Gemma 2's logit softcapping: ``scores / c -> tanh -> * c`` (the same constant c) -> op ``softcap=c``."""
+    div = only_user(x, "the scaled attention scores")
+    d = scalar_operand(div, DIV)
+    if d is None or d[0] is not x:
+        return x
+    tanh = only_user(div, "the softcap division")
+    if not (is_call(tanh, torch.tanh, "tanh") and tanh.args[0] is div):
+        return x  # not a softcap; the next stage reports what this division is
+    mul = only_user(tanh, "the softcap tanh")
+    m = scalar_operand(mul, MUL)
+    c = float(constant(d[1], "softcap", (int, float)))
+    if m is None or m[0] is not tanh or float(constant(m[1], "softcap", (int, float))) != c:
+        raise Skip(f"tanh(scores / {c}) is not multiplied back by {c} (not a logit softcap)")
+    if not c > 0:
+        raise Skip(f"softcap {c} is not positive")
+    call.softcap = c
+    call.form += "+softcap"
+    call.nodes.extend([div, tanh, mul])
+    return mul
+
+
+def _mask(x: fx.Node, call: AttentionCall) -> fx.Node:
+    nxt = only_user(x, "the attention scores")
+    if not (is_call(nxt, *ADD) and len(nxt.args) == 2 and not nxt.kwargs and x in nxt.args):
+        return x
+    other = nxt.args[1] if nxt.args[0] is x else nxt.args[0]
+    if not isinstance(val(other), torch.Tensor):
+        raise Skip(f"the attention scores are shifted by {other!r}, not by a mask tensor")
+    call.mask = other
+    call.nodes.append(nxt)
+    after = only_user(nxt, "the masked attention scores")
+    if is_call(after, *ADD, *SUB):
+        raise Skip("a second additive term on the attention scores (a position bias such as ALiBi?)")
+    return nxt
+
+
+def _check_softmax(node: fx.Node, call: AttentionCall) -> None:
+    dim = arg(node, 1, "dim")
+    if dim not in (-1, 3):
+        raise Skip(f"softmax over dim {dim!r}, not the key dim")
+    dtype = node.kwargs.get("dtype")
+    if node.target is F.softmax and len(node.args) > 3:
+        dtype = node.args[3]
+    elif node.target is torch.softmax and len(node.args) > 2:
+        dtype = node.args[2]
+    q = val(call.q)
+    if dtype not in (None, torch.float32, getattr(q, "dtype", None)):
+        raise Skip(f"softmax in {dtype}")
+
+
+def _cast_and_dropout(p: fx.Node, call: AttentionCall) -> fx.Node:
+    """``.to(q.dtype)`` and inference dropout, each at most once, in either order."""
+    seen = set()
+    while True:
+        nxt = only_user(p, "the attention probabilities")
+        if nxt.op == "call_method" and nxt.target == "to" and "to" not in seen:
+            dtype = nxt.args[1] if len(nxt.args) == 2 and not nxt.kwargs else nxt.kwargs.get("dtype")
+            if len(nxt.args) + len(nxt.kwargs) != 2 or not isinstance(dtype, torch.dtype):
+                raise Skip(f"the attention probabilities are converted with {describe(nxt)}{nxt.args[1:]}")
+            seen.add("to")
+        elif is_call(nxt, *DROPOUT) and "dropout" not in seen:
+            if nxt.target is torch.dropout:
+                p_drop, training = arg(nxt, 1, "p"), arg(nxt, 2, "train")
+            else:
+                p_drop, training = arg(nxt, 1, "p", 0.5), arg(nxt, 2, "training", True)
+            p_drop = constant(p_drop, "dropout p", (int, float))
+            training = constant(training, "dropout training", (bool,))
+            if p_drop != 0 and training:
+                raise Skip(f"dropout p={p_drop} in training mode (the op has no dropout)")
+            seen.add("dropout")
+        else:
+            break
+        call.nodes.append(nxt)
+        p = nxt
+    q, pv = val(call.q), val(p)
+    if isinstance(q, torch.Tensor) and isinstance(pv, torch.Tensor) and pv.dtype != q.dtype:
+        raise Skip(f"the attention probabilities are {pv.dtype}, the query {q.dtype}")
+    return p
+
+
+def sinks(x: fx.Node, cat: fx.Node, call: AttentionCall) -> fx.Node:
+    """gpt-oss attention sinks: a per-head logit column joins the softmax and is dropped after it ->
+    op ``sinks=<the [Hq] tensor>``. Returns the node holding the probabilities over the keys."""
+    pieces, dim = arg(cat, 0, "tensors"), arg(cat, 1, "dim", 0)
+    if not (isinstance(pieces, (list, tuple)) and len(pieces) == 2 and pieces[0] is x and dim in (-1, 3)):
+        raise Skip(f"the attention scores are concatenated as {pieces!r} on dim {dim!r}, not [scores, sinks] on "
+                   "the key dim")
+    call.sinks = _sink_source(pieces[1], call)
+    call.form += "+sinks"
+    call.nodes.append(cat)
+    users = value_users(cat)
+    if len(users) == 1:
+        sm = users[0]
+    else:
+        sm = _max_subtracted(cat, users, call)
+    if not (is_call(sm, *SOFTMAX) and len(sm.args) >= 1):
+        raise Skip(f"the scores with sinks feed {describe(sm)} ({sm.name}), not softmax")
+    _check_softmax(sm, call)
+    call.nodes.append(sm)
+    drop = only_user(sm, "the probabilities with sinks")
+    entries = index_entries(drop.args[1], 4) if is_call(drop, operator.getitem) and drop.args[0] is sm else None
+    a, b = shape(sm), shape(drop)
+    last = entries[3] if entries and None not in entries else None
+    if not (last is not None and all(is_full(e) for e in entries[:3]) and last.start in (None, 0)
+            and last.step in (None, 1) and a is not None and b is not None and known_eq(b[3], a[3] - 1)):
+        raise Skip(f"the sink column is not dropped after softmax ({describe(drop)} {drop.args[1:]!r})")
+    call.nodes.append(drop)
+    return drop
+
+
+def _max_subtracted(cat: fx.Node, users: list, call: AttentionCall) -> fx.Node:
+    """``c - c.max(dim=-1, keepdim=True).values`` (softmax is invariant to it): returns its reader."""
+    sub = next((u for u in users if is_call(u, *SUB) and len(u.args) == 2 and u.args[0] is cat), None)
+    mx = next((u for u in users if is_call(u, "max", torch.max, "amax", torch.amax)), None)
+    if sub is None or mx is None or len(users) != 2:
+        raise Skip("the scores with sinks are read by " + ", ".join(f"{describe(u)} ({u.name})" for u in users))
+    if arg(mx, 1, "dim") not in (-1, 3) or not arg(mx, 2, "keepdim", False):
+        raise Skip("the scores with sinks are shifted by a max that is not over the key dim")
+    m = mx
+    if mx.target in ("max", torch.max):
+        m = only_user(mx, "the row max")
+        if not (is_call(m, operator.getitem) and m.args[1] == 0 or is_call(m, getattr) and m.args[1] == "values"):
+            raise Skip(f"the row max is read as {describe(m)}")
+    if sub.args[1] is not m:
+        raise Skip("the scores with sinks are shifted by something other than their row max")
+    call.nodes.extend([mx, m, sub] if m is not mx else [mx, sub])
+    return only_user(sub, "the shifted scores with sinks")
+
+
+def _sink_source(col: Any, call: AttentionCall) -> fx.Node:
+    """The ``[Hq]`` tensor a sink column [B, Hq, Tq, 1] is broadcast from, through reshape / view /
+    unsqueeze (keeping one non-unit dim, Hq) and expand (broadcasting unit dims only)."""
+    q = val(call.q)
+    hq = q.shape[1]
+    c = shape(col)
+    if not (isinstance(col, fx.Node) and c is not None and len(c) == 4 and known_eq(c[1], hq) and c[3] == 1):
+        raise Skip(f"the column concatenated to the scores has shape {c}, not [B, Hq={hq}, Tq, 1]")
+    node = col
+    while True:
+        s = shape(node)
+        if s is not None and len(s) == 1 and known_eq(s[0], hq):
+            return node
+        if not (node.op == "call_method" and node.target in ("expand", "reshape", "view", "unsqueeze")):
+            raise Skip(f"the sink column comes from {describe(node)} ({node.name}), not a [Hq] tensor")
+        src = shape(node.args[0])
+        if src is None:
+            raise Skip(f"the sink column's {node.target} input has no shape")
+        if node.target == "expand":
+            if len(src) != len(s) or not all(known_eq(a, b) or a == 1 for a, b in zip(src, s)):
+                raise Skip(f"the sink column is expanded from {src} to {s}")
+        elif [d for d in s if d != 1] != [hq] or len(s) == 4 and not known_eq(s[1], hq):
+            raise Skip(f"the sink column is reshaped to {s}")
+        call.nodes.append(node)
+        node = node.args[0]
+
+
+#: name -> handler; ``sdpa`` and ``eager`` take (K chain, V chain), ``softcap`` and ``sinks`` are eager stages.
+ATTENTION_FORMS: dict[str, Callable] = {"sdpa": sdpa, "eager": eager, "softcap": softcap, "sinks": sinks}
+
+#: the forms tried on a site, in order.
+SITE_FORMS = (sdpa, eager)
+
+__all__ = ["ATTENTION_FORMS", "AttentionCall", "SITE_FORMS"]

@@ -1,0 +1,170 @@
+"""From a matched site to one ``kvcompile::attention`` call: the checks every form shares, and the emission.
+
+The op (contract in :func:`kvcompile.ops.attention`)::
+
+    attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale,
+              sliding_window, softcap, sinks)
+
+excludes keys at positions ``>= kv_len``; its ``is_causal`` puts query ``i`` at ``kv_len - Tq + i``
+(bottom-right). What the pass proves before emitting it:
+
+* shapes: q is ``[B, Hq, Tq, D]``, K and V codes one shape ``[B, Hkv, L, D]``, K and V repeated
+  by the same factor r, and ``Hq == Hkv * r`` (or a multiple of it under ``enable_gqa``);
+  K/V dequantized to q's dtype; V dequantized without an offset;
+* length: the op's key range must be the graph's. A slice ``[:, :, :n]`` bounds it: the op gets
+  ``min(kv_len, n)`` and a mask spanning n keys is padded to L (the padding lies past the
+  bound). SDPA's ``is_causal`` is top-left (query i sees keys ``<= i``); the pass proves
+  ``kv_len >= Tq`` from the graph (this layer's ``cumulative_length.add_(Tq)`` comes before the
+  attention) and passes ``min(kv_len, Tq)``, which is top-left exactly; the queries must not
+  outnumber the keys the graph keeps (``Tq <= n``). Without the proof the site is skipped;
+* K centering (the dequantize ``offset`` of K) is dropped: every key of one query shifts by the
+  same ``q . mu``, which softmax ignores. Not with softcap (tanh is not shift-invariant) or sinks
+  (the sink logit does not shift): those sites are skipped;
+* ``sliding_window`` is the K dequantize's (V's must agree); ``softcap`` and ``sinks`` come from
+  the form;
+* rotation: K stored rotated by R_k (dequantize un-rotates it) -> the op gets ``q @ R_k``; V
+  rotated by R_v -> the op's output is multiplied by ``R_v^T``; both in float32, cast back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .forms import AttentionCall
+from .graph import Skip, before, constant, copy_meta, known_eq, known_le, shape, val
+from .spellings import KVChain
+
+ATTENTION = torch.ops.kvcompile.attention.default
+
+
+def plan(call: AttentionCall, k: KVChain, v: KVChain) -> dict:
+    """The checks shared by every form; returns what :func:`emit` needs, or raises :class:`Skip`."""
+    q = val(call.q)
+    kc, vc = shape(k.source.codes), shape(v.source.codes)
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or kc is None or len(kc) != 4:
+        raise Skip("query is not a 4-D tensor" if kc is not None else "the cache codes have no shape")
+    if k.source.dtype != q.dtype or v.source.dtype != q.dtype:
+        raise Skip(f"K/V dequantized to {k.source.dtype}/{v.source.dtype} but the query is {q.dtype}")
+    if vc is None or len(vc) != 4 or not all(known_eq(a, b) for a, b in zip(kc, vc)):
+        raise Skip(f"K and V caches differ in shape ({kc} vs {vc})")
+    if not known_eq(q.shape[3], kc[3]):
+        raise Skip(f"query head_dim {q.shape[3]} != cache head_dim {kc[3]}")
+    if not known_eq(q.shape[0], kc[0]):
+        raise Skip(f"query batch {q.shape[0]} != cache batch {kc[0]}")
+    if v.source.offset is not None:
+        raise Skip("V is dequantized with an offset, which the op does not add back")
+    if k.source.offset is not None and (call.softcap or call.sinks is not None):
+        feature = "softcap" if call.softcap else "sinks"
+        raise Skip(f"K centering (k_offset) with {feature}: the offset shifts every key logit by q.mu, which "
+                   f"{feature} does not ignore; build the cache without k_offset for this model")
+    if k.repeat != v.repeat:
+        raise Skip(f"K repeated {k.repeat}x but V {v.repeat}x")
+    heads, hq = kc[1] * k.repeat, q.shape[1]
+    if not (known_eq(hq % heads, 0) if call.enable_gqa else known_eq(hq, heads)):
+        raise Skip(f"{hq} query heads over {heads} key heads (enable_gqa={call.enable_gqa})")
+
+    L = kc[2]
+    if (k.length is None) != (v.length is None) or k.length is not None and not known_eq(val(k.length), val(v.length)):
+        raise Skip(f"K and V keep different key counts ({k.length} vs {v.length})")
+    n = L if k.length is None else val(k.length)
+    sliced = not known_eq(n, L)
+    windows = [constant(c.source.sliding_window, "sliding_window", (int,)) for c in (k, v)]
+    if windows[0] != windows[1]:
+        raise Skip(f"K and V dequantized with different sliding windows {windows}")
+    return {
+        "mask": _mask(call.mask, n, L, sliced),
+        "kv_len": _length(call, k, q.shape[2], n, L, sliced),
+        "window": windows[0],
+    }
+
+
+def _mask(mask: Any, n: Any, L: Any, sliced: bool) -> Any:
+    """A mask over the graph's keys: bool (keep) or float (additive), at most 4-D, its last dim the
+    key count. Returns ``mask`` or, over a slice of n < L keys, ``("pad", mask, L - n)``."""
+    if mask is None:
+        return None
+    m = val(mask)
+    if not isinstance(m, torch.Tensor):
+        raise Skip(f"mask {mask!r} is not a tensor")
+    if m.dtype != torch.bool and not m.is_floating_point():
+        raise Skip(f"mask of dtype {m.dtype}")
+    if m.dim() > 4:
+        raise Skip(f"mask of rank {m.dim()}")
+    if not known_eq(m.shape[-1], n):
+        raise Skip(f"mask spans {m.shape[-1]} keys, the attention {n}")
+    if not sliced:
+        return mask
+    if not (isinstance(n, int) and isinstance(L, int)):
+        raise Skip(f"a mask over {n} of the cache's {L} keys, with symbolic sizes: nothing to pad it to the cache")
+    return ("pad", mask, L - n)
+
+
+def _length(call: AttentionCall, k: KVChain, tq: Any, n: Any, L: Any, sliced: bool) -> Any:
+    """The op's kv_len: ``kv_len``, ``("min", kv_len, bound)`` or :class:`Skip` (module docstring)."""
+    kv_len = k.source.kv_len
+    if not call.is_causal:
+        return ("min", kv_len, k.length) if sliced else kv_len
+    if not known_le(tq, n):
+        raise Skip(f"is_causal with {tq} queries over {n} keys: SDPA aligns top-left and the keys run out "
+                   "before the queries do")
+    stored = _stored_at_least(kv_len, tq, call.anchor)
+    if stored is None:
+        raise Skip(f"is_causal with {tq} queries over {n} keys: SDPA aligns top-left, the op bottom-right, and "
+                   "the graph does not prove kv_len >= Tq")
+    if known_eq(tq, L):
+        return kv_len  # Tq <= kv_len <= L = Tq: both alignments coincide
+    return ("min", kv_len, stored)
+
+
+def _stored_at_least(kv_len: fx.Node, tq: Any, anchor: fx.Node) -> Any:
+    """The ``T`` of this layer's ``cumulative_length.add_(T)`` with ``T == Tq`` before ``anchor``, or None."""
+    if not isinstance(kv_len, fx.Node):
+        return None
+    for user in kv_len.users:
+        if (user.op == "call_method" and user.target == "add_" and user.args[0] is kv_len and len(user.args) == 2
+                and known_eq(val(user.args[1]), tq) and before(user, anchor)):
+            return user.args[1]
+    return None
+
+
+def emit(call: AttentionCall, k: KVChain, v: KVChain, p: dict) -> fx.Node:
+    """Insert the op (and the rotations around it) before the anchor; returns the node replacing it."""
+    graph = call.anchor.graph
+    q_dtype = val(call.q).dtype
+    with graph.inserting_before(call.anchor):
+        q = call.q
+        if k.source.rotation is not None:  # scores = q K^T = (q R_k) (codes K)^T
+            q = _fp32_matmul(graph, q, k.source.rotation, q_dtype)
+        # contiguous q: the op's fake returns empty_like(q) (q's strides) while kernels write a dense
+        # [B, Hq, Tq, D] output; HF's q is a transposed view. Free when already dense.
+        q = graph.call_method("contiguous", (q,))
+        copy_meta(q, call.q, ("nn_module_stack", "stack_trace"))
+        kv_len = p["kv_len"]
+        if isinstance(kv_len, tuple):
+            _, length, bound = kv_len
+            kv_len = graph.call_method("clamp", (length,), {"max": bound})
+            copy_meta(kv_len, length, ("example_value", "val"))
+        mask = p["mask"]
+        if isinstance(mask, tuple):
+            _, mask, extra = mask
+            mask = graph.call_function(F.pad, (mask, (0, extra)))
+        out = graph.call_function(ATTENTION, (
+            q, k.source.codes, k.source.scale, v.source.codes, v.source.scale, kv_len, mask, call.is_causal,
+            call.scale, p["window"], float(call.softcap), call.sinks,
+        ))
+        copy_meta(out, call.anchor)
+        if v.source.rotation is not None:  # out = P V = (P codes V) R_v^T
+            r_t = graph.call_method("t", (v.source.rotation,))
+            out = _fp32_matmul(graph, out, r_t, q_dtype)
+            copy_meta(out, call.anchor)
+    call.anchor.replace_all_uses_with(out)
+    return out
+
+
+def _fp32_matmul(graph: fx.Graph, x: fx.Node, r: fx.Node, dtype: torch.dtype) -> fx.Node:
+    y = graph.call_function(torch.matmul, (graph.call_method("to", (x, torch.float32)), r))
+    return graph.call_method("to", (y, dtype))

@@ -1,0 +1,204 @@
+"""Features the pass reads off the graph and hands to ``kvcompile::attention``: Gemma 2's logit
+softcap and gpt-oss's attention sinks (real tiny models, eager attention), and cache rotations
+(a synthetic graph: the cache's dequantize un-rotates K / V; the op gets ``q @ R_k`` and its
+output is multiplied by ``R_v^T``).
+
+The op is checked by its emitted arguments; its numerics run through
+``test_pass_models.attention_oracle`` (the op's contract in float64, softcap / sinks / window
+included) in place of the op, against the model's own eager attention over the same cache. Each
+feature test also switches the feature off in the oracle and shows the result moves far past
+the tolerance: the test can tell the feature on from off.
+
+Tolerance: both sides read the same cache codes; eager computes in float32, the oracle in
+float64, so logits differ by float32 rounding (~1e-6); 2e-5 as in tests/test_pass.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+import transformers
+
+import kvcompile
+from kvcompile import formats
+from kvcompile.passes import KVAttentionPass
+from test_pass_models import _COMMON, ATTENTION, DEQUANTIZE, PassOnly, attention_oracle, fresh_dynamo
+
+ATOL = RTOL = 2e-5
+MAX_LEN = 32
+
+
+_OFF = {"feature": None}
+
+
+def switchable_oracle(*args):
+    """attention_oracle with one argument forced off when ``_OFF["feature"]`` names it ("softcap" / "sinks")."""
+    args = list(args)
+    if _OFF["feature"] == "softcap":
+        args[10] = 0.0
+    elif _OFF["feature"] == "sinks":
+        args[11] = None
+    return attention_oracle(*args)
+
+
+def _run(model, kv_dtype, forward):
+    """Prefill 6 tokens of a batch of 2 (no mask), then one decode step; logits of both calls."""
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    cache = kvcompile.QuantizedCache(model.config, max_batch_size=2, max_cache_len=MAX_LEN, kv_dtype=kv_dtype,
+                                     device="cpu")
+    with torch.no_grad():
+        return [forward(input_ids=ids[:, :6], cache=cache).logits,
+                forward(input_ids=ids[:, 6:], cache=cache).logits]
+
+
+def _feature_run(model, kv_dtype, off):
+    """Eager logits, the pass-rewritten logits with the oracle, the same with ``off`` switched off,
+    and the pass-only backend."""
+    fresh_dynamo()
+    expected = _run(model, kv_dtype, model.forward)
+    backend = PassOnly(kv_dtype, attention=switchable_oracle)
+    compiled = torch.compile(model.forward, backend=backend, fullgraph=True)
+    got = _run(model, kv_dtype, compiled)
+    _OFF["feature"] = off
+    try:
+        without = _run(model, kv_dtype, compiled)
+    finally:
+        _OFF["feature"] = None
+    return expected, got, without, backend
+
+
+def _assert_rewritten_and_close(backend, layers, form, expected, got, without):
+    assert len(backend.graphs) == 2
+    for _, after, report in backend.graphs:
+        assert (report.found, report.rewritten, report.skipped) == (layers, layers, []), report
+        assert report.patterns == {f"{form}[repeat_kv]": layers}, report.patterns
+        assert after["kv_attention"] == layers and after["dequantize"] == 0
+    for e, g, w in zip(expected, got, without):
+        torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
+        assert (w - e).abs().max() > 100 * ATOL, "switching the feature off must change the logits"
+
+
+def test_gemma2_softcap_is_passed_to_the_op():
+    """Gemma 2 eager: ``scores / c -> tanh -> * c`` before the mask becomes ``softcap=c``; the
+    scale is query_pre_attn_scalar ** -0.5. A small cap and wide init make the cap bite."""
+    cfg = transformers.Gemma2Config(**_COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                    sliding_window=64, attn_logit_softcapping=2.0, query_pre_attn_scalar=32,
+                                    initializer_range=0.2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    expected, got, without, backend = _feature_run(model, "fp8_e4m3", "softcap")
+    _assert_rewritten_and_close(backend, 2, "eager+softcap", expected, got, without)
+    for calls in backend.calls:
+        for args in calls:
+            assert args[0].target == "contiguous" and args[7] is False
+            assert args[8] == pytest.approx(32 ** -0.5) and args[10] == 2.0 and args[11] is None
+            assert isinstance(args[9], int) and args[9] in (0, cfg.sliding_window)
+
+
+def test_gpt_oss_sinks_are_passed_to_the_op():
+    """gpt-oss eager: the per-head sink column concatenated before softmax and dropped after it
+    becomes ``sinks=<the layer's sinks parameter>`` (a [Hq] graph input)."""
+    cfg = transformers.GptOssConfig(**_COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                    sliding_window=64, num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    for layer in model.model.layers:
+        torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
+    expected, got, without, backend = _feature_run(model, "q8_0", "sinks")
+    _assert_rewritten_and_close(backend, 2, "eager+sinks", expected, got, without)
+    for calls in backend.calls:
+        for i, args in enumerate(calls):
+            sinks = args[11]
+            assert sinks.op == "placeholder" and f"layers_modules_{i}_modules_self_attn_parameters_sinks" in sinks.name
+            assert tuple(sinks.meta["example_value"].shape) == (cfg.num_attention_heads,)
+            assert args[10] == 0.0 and args[8] == pytest.approx(32 ** -0.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# rotation: a hand-built graph (the rotated dequantize is the cache's, branch-independent)
+# ---------------------------------------------------------------------------------------------
+
+B, H, TQ, L, D = 2, 2, 3, 8, 32
+STORED = 6
+
+
+def _orthonormal(seed: int) -> torch.Tensor:
+    return torch.linalg.qr(torch.randn(D, D, generator=torch.Generator().manual_seed(seed)))[0].contiguous()
+
+
+def _rotated_graph(r_k, r_v):
+    """SDPA(q, dequantize(K codes, rotation=r_k), dequantize(V codes, rotation=r_v), mask) as an FX
+    graph with value metadata; the inputs hold codes of ``x @ R`` (``x`` itself without R)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, n, D, generator=g) for n in (TQ, L, L))
+    inputs = {"q": q}
+    truth = {}
+    for name, x, r in (("k", k, r_k), ("v", v, r_v)):
+        codes, scale = formats.quantize(x if r is None else x @ r, torch.float8_e4m3fn)
+        inputs[f"{name}_codes"], inputs[f"{name}_scale"] = codes, scale
+        stored = formats.dequantize(codes, scale, torch.float32)
+        stored = stored if r is None else stored @ r.T  # what dequantize(rotation=R) returns
+        truth[name] = torch.where(torch.arange(L).view(1, 1, L, 1) < STORED, stored, torch.zeros(()))
+    inputs["kv_len"] = torch.tensor(STORED)
+    inputs["mask"] = (torch.arange(L).view(1, L) <= torch.arange(STORED - TQ, STORED).view(TQ, 1)).expand(B, 1, TQ, L)
+    inputs["r_k"], inputs["r_v"] = r_k, r_v
+    graph = fx.Graph()
+    nodes = {}
+    for name, value in inputs.items():
+        if value is not None:
+            nodes[name] = graph.placeholder(name)
+            nodes[name].meta["val"] = value
+    dq = {}
+    for name in ("k", "v"):
+        rot = nodes.get(f"r_{name}")
+        dq[name] = graph.call_function(DEQUANTIZE, (nodes[f"{name}_codes"], nodes[f"{name}_scale"], None,
+                                                    nodes["kv_len"], torch.float32),
+                                       {"rotation": rot, "sliding_window": 0})
+        dq[name].meta["val"] = truth[name]
+    expected = F.scaled_dot_product_attention(q, truth["k"], truth["v"], attn_mask=inputs["mask"])
+    out = graph.call_function(F.scaled_dot_product_attention, (nodes["q"], dq["k"], dq["v"]),
+                              {"attn_mask": nodes["mask"]})
+    out.meta["val"] = expected
+    graph.output(out)
+    args = [value for value in inputs.values() if value is not None]
+    return graph, args, expected
+
+
+@pytest.mark.parametrize("rotated", ["k", "v", "kv"])
+def test_rotation_is_applied_around_the_op(rotated):
+    r_k = _orthonormal(1) if "k" in rotated else None
+    r_v = _orthonormal(2) if "v" in rotated else None
+    graph, args, expected = _rotated_graph(r_k, r_v)
+    report = KVAttentionPass("fp8_e4m3").apply(graph)
+    assert (report.found, report.rewritten) == (1, 1), report
+    graph.lint()
+    (op,) = [n for n in graph.nodes if n.target is ATTENTION]
+    q_in = op.args[0]
+    assert q_in.target == "contiguous"
+    if r_k is not None:  # contiguous(to(matmul(to(q, float32), R_k), q.dtype))
+        cast = q_in.args[0]
+        mm = cast.args[0]
+        assert cast.target == "to" and mm.target is torch.matmul and mm.args[1].name == "r_k"
+        assert mm.args[0].target == "to" and mm.args[0].args == (graph.find_nodes(op="placeholder")[0], torch.float32)
+    else:
+        assert q_in.args[0].name == "q"
+    (final,) = graph.find_nodes(op="output")[0].args[0:1]
+    if r_v is not None:  # to(matmul(to(op, float32), R_v.t()), q.dtype)
+        mm = final.args[0]
+        assert final.target == "to" and mm.target is torch.matmul and mm.args[0].args[0] is op
+        assert mm.args[1].target == "t" and mm.args[1].args[0].name == "r_v"
+    else:
+        assert final is op
+    got = fx.GraphModule(torch.nn.Module(), graph)(*args)
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL)
+
+    # off: the same codes read as if unrotated give another result
+    plain, plain_args, _ = _rotated_graph(r_k, r_v)
+    for n in plain.nodes:
+        if n.target is DEQUANTIZE:
+            n.kwargs = {"rotation": None, "sliding_window": 0}
+    KVAttentionPass("fp8_e4m3").apply(plain)
+    unrotated = fx.GraphModule(torch.nn.Module(), plain)(*plain_args)
+    assert (unrotated - expected).abs().max() > 100 * ATOL
