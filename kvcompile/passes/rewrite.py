@@ -72,14 +72,22 @@ def plan(call: AttentionCall, k: KVChain, v: KVChain) -> dict:
         raise Skip(f"K and V keep different key counts ({k.length} vs {v.length})")
     n = L if k.length is None else val(k.length)
     sliced = not known_eq(n, L)
-    windows = [constant(c.source.sliding_window, "sliding_window", (int,)) for c in (k, v)]
-    if windows[0] != windows[1]:
+    windows = [_window(c.source.sliding_window) for c in (k, v)]
+    if windows[0] is not windows[1] and windows[0] != windows[1]:
         raise Skip(f"K and V dequantized with different sliding windows {windows}")
     return {
         "mask": _mask(call.mask, n, L, sliced),
         "kv_len": _length(call, k, q.shape[2], n, L, sliced),
         "window": windows[0],
     }
+
+
+def _window(w: Any) -> Any:
+    """The layer's window: a constant int, or (``dynamic=True`` makes the layer's int attribute a
+    symbol) the SymInt node itself, which the op takes as it is (its schema says SymInt)."""
+    if isinstance(w, fx.Node) and isinstance(val(w), (int, torch.SymInt)):
+        return w
+    return constant(w, "sliding_window", (int,))
 
 
 def _mask(mask: Any, n: Any, L: Any, sliced: bool) -> Any:
