@@ -17,7 +17,8 @@ from typing import Any, Mapping
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import formats, ops
+from . import formats, hf, ops
+from .calibration import load_calibration
 
 __all__ = ["QuantizedCache", "QuantizedLayer", "v_codes_buffer"]
 
@@ -256,46 +257,6 @@ class QuantizedLayer(CacheLayerMixin):
         return f"QuantizedLayer({self.fmt.name}, B={self.max_batch_size}, Hkv={self.num_heads}, L={self.max_cache_len}, D={self.head_dim})"
 
 
-def _layer_shapes(config) -> tuple[int, int, int]:
-    num_layers = config.num_hidden_layers
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return num_layers, kv_heads, head_dim
-
-
-def _check_layer_types(config, max_cache_len: int) -> None:
-    """Refuse layers this cache cannot serve exactly (it stores every position: full attention only)."""
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(
-            "kvcompile.QuantizedCache serves decoder-only self-attention; encoder-decoder models "
-            "(cross-attention) are not supported"
-        )
-    num_layers = config.num_hidden_layers
-    layer_types = getattr(config, "layer_types", None)
-    window = getattr(config, "sliding_window", None)
-    if getattr(config, "use_sliding_window", True) is False:
-        window = None  # Qwen2-style configs carry a window they do not use
-    if layer_types is None:
-        layer_types = ["sliding_attention" if window is not None else "full_attention"] * num_layers
-        if getattr(config, "attention_chunk_size", None) is not None:
-            layer_types = ["chunked_attention"] * num_layers
-    for i, lt in enumerate(layer_types):
-        if lt == "full_attention":
-            continue
-        if lt == "sliding_attention" and window is not None and window >= max_cache_len:
-            continue  # the window never bites inside this cache: exactly full attention
-        if lt == "sliding_attention":
-            raise ValueError(
-                f"kvcompile.QuantizedCache: layer {i} uses sliding-window attention (window={window}) shorter "
-                f"than max_cache_len={max_cache_len}; the cache does not implement a rolling window. Use "
-                f"max_cache_len<={window}, or a full-attention model"
-            )
-        raise ValueError(
-            f"kvcompile.QuantizedCache: layer {i} has type {lt!r}; only full-attention layers are supported"
-        )
-
-
 class QuantizedCache(Cache):
     """An 8-bit KV cache for Hugging Face causal LMs.
 
@@ -336,7 +297,7 @@ class QuantizedCache(Cache):
                 f"kvcompile.QuantizedCache got unexpected arguments {sorted(kwargs)}; it takes config, "
                 "max_batch_size, max_cache_len, kv_dtype, device, granularity, calibration and v_layout"
             )
-        text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        text_config = hf.text_config(config)
         fmt = formats.get_format(kv_dtype, granularity)
         if max_cache_len is None:
             max_cache_len = getattr(text_config, "max_position_embeddings", None)
@@ -347,14 +308,18 @@ class QuantizedCache(Cache):
                 f"kvcompile.QuantizedCache: max_batch_size ({max_batch_size}) and max_cache_len ({max_cache_len}) "
                 "must be positive"
             )
-        _check_layer_types(text_config, max_cache_len)
-        num_layers, kv_heads, head_dim = _layer_shapes(text_config)
+        num_layers, kv_heads, head_dim = hf.layer_shapes(config)  # refuses what the cache cannot serve
+        for i, window in enumerate(hf.layer_windows(config)):
+            if 0 < window < max_cache_len:
+                raise ValueError(
+                    f"kvcompile.QuantizedCache: layer {i} uses sliding-window attention (window={window}) shorter "
+                    f"than max_cache_len={max_cache_len}; the cache does not implement a rolling window. Use "
+                    f"max_cache_len<={window}, or a full-attention model"
+                )
         fmt.check_head_dim(head_dim)
 
         calib = {}
         if calibration is not None:
-            from .calibration import load_calibration
-
             calib = load_calibration(calibration, num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim)
         if fmt.is_static and ("k_scale" not in calib or "v_scale" not in calib):
             raise ValueError(
