@@ -15,7 +15,8 @@ import torch
 import transformers
 
 import kvcompile
-from test_pass_models import cache_kwarg, fresh_dynamo, greedy, make_cache, make_model, prompt
+from models import cache_kwarg, tiny_model
+from test_pass_models import fresh_dynamo, greedy, make_cache, make_model, prompt
 
 ATOL = RTOL = 1e-4
 
@@ -150,10 +151,9 @@ def test_mode_and_options_are_forwarded(monkeypatch):
 
 def test_unrewritten_site_warns(caplog):
     """Softcapped eager attention (Gemma-2) stays as is, with one WARNING per site."""
-    cfg = transformers.Gemma2Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=64,
-                                    attn_logit_softcapping=50.0, max_position_embeddings=64)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    model = tiny_model("gemma2", "eager", vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=64,
+                       attn_logit_softcapping=50.0, max_position_embeddings=64)
     ids, mask = prompt(False)
     backend = kvcompile.backend("fp8_e4m3")
     with caplog.at_level(logging.INFO, logger="kvcompile"):

@@ -274,14 +274,12 @@ def test_dropout_is_skipped_with_reason():
 
 def test_softcapping_is_left_alone_and_reported():
     """Gemma-2's eager attention with logit softcapping is not a spelling the op implements."""
-    import transformers
+    from models import tiny_model
 
     fresh_dynamo()
-    cfg = transformers.Gemma2Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                    sliding_window=64, attn_logit_softcapping=50.0, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    model = tiny_model("gemma2", "eager", vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=64,
+                       attn_logit_softcapping=50.0, max_position_embeddings=64)
     ids, mask = prompt(False)
     from test_pass_models import make_cache as mk
 
