@@ -112,6 +112,8 @@ def info(out=print) -> None:
     out("  (bf16 cache: 2.000 bytes per element)")
     out("  defaults: QuantizedCache(kv_dtype='fp8_e4m3') uses token scales (block32 on request);")
     out("  q8_0 is always block32. K centering (calibration k_offset) works with every format.")
+    out("  sliding-window layers (Mistral, Phi-3, Gemma 2/3, gpt-oss, ...): compiled attention skips keys below")
+    out("  the window, but each layer still stores max_cache_len positions: memory grows with max_cache_len.")
     out("")
     out("attention tiles (kvcompile.tiles):")
     for line in _tile_lines(archs):

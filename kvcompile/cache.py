@@ -7,6 +7,11 @@ storage is 8-bit codes plus scales, written by ``kvcompile::store_kv``, and ``up
 returns ``kvcompile::dequantize(...)`` so that eager attention of any implementation is
 correct. Under ``torch.compile(backend=kvcompile.backend(...))`` the pass replaces attention
 over that dequantized K/V by ``kvcompile::attention``, which reads the codes directly.
+
+Sliding-window layers (the layer types and windows of :func:`kvcompile.hf.layer_windows`) keep all
+``max_cache_len`` positions like full layers (a rolling buffer is not implemented): the model's
+mask applies the window in eager mode, and the layer's ``sliding_window`` travels with
+``dequantize`` to the compiler pass so that the kernels skip the keys below it.
 """
 
 from __future__ import annotations
@@ -45,7 +50,14 @@ class QuantizedLayer(CacheLayerMixin):
     """One attention layer's 8-bit K/V: codes ``[B, Hkv, L, D]`` + scales, and its length.
 
     Attributes read by the compiler pass: ``k_codes``, ``k_scales``, ``v_codes``, ``v_scales``,
-    ``k_offset`` (or None), ``cumulative_length``, ``fmt``.
+    ``k_offset`` (or None), ``cumulative_length``, ``fmt``, ``sliding_window``.
+
+    ``sliding_window``: the window attention applies over this layer (query ``p`` sees keys
+    ``k > p - W``), 0 for full attention. A window no shorter than ``max_cache_len`` never excludes
+    a stored key and is recorded as 0. Every layer stores all ``max_cache_len`` positions: in eager
+    mode the model's mask applies the window; :meth:`update` hands it to ``kvcompile::dequantize``
+    for the compiler pass, and ``kvcompile::attention`` skips the keys below it. ``is_sliding`` is
+    True for a layer the config makes sliding (what transformers' masks read).
 
     ``v_layout``: ``"keys"`` stores V codes key-contiguous (a ``[B, Hkv, D, L16]`` buffer, ``L16``
     = ``L`` rounded up to 16, seen through a ``[B, Hkv, L, D]`` view), the layout the attention
@@ -70,11 +82,19 @@ class QuantizedLayer(CacheLayerMixin):
         v_static_scale: torch.Tensor | None = None,
         k_offset: torch.Tensor | None = None,
         v_layout: str = "auto",
+        sliding_window: int = 0,
     ):
         super().__init__()
         fmt.check_head_dim(head_dim)
         if v_layout not in V_LAYOUTS:
             raise ValueError(f"kvcompile.QuantizedCache: v_layout={v_layout!r} is not one of {list(V_LAYOUTS)}")
+        if not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 0:
+            raise ValueError(
+                f"kvcompile.QuantizedCache: layer {layer_idx} got sliding_window={sliding_window!r}; it must be an "
+                "int >= 0 (0 = full attention)"
+            )
+        self.is_sliding = sliding_window > 0
+        self.sliding_window = sliding_window if sliding_window < max_cache_len else 0
         self.v_keys = fmt.v_keys_contiguous if v_layout == "auto" else v_layout == "keys"
         self.fmt = fmt
         self.max_batch_size = max_batch_size
@@ -179,8 +199,11 @@ class QuantizedLayer(CacheLayerMixin):
         )
         self.cumulative_length.add_(key_states.shape[2])
         dtype = key_states.dtype
-        k = ops.dequantize(k_codes, k_scales, self.k_offset, self.cumulative_length, dtype)
-        v = ops.dequantize(v_codes, v_scales, None, self.cumulative_length, dtype)
+        # the window is metadata for the compiler pass (the result is the same with or without it);
+        # a full-attention layer leaves the argument out, so its graph is the plain 5-argument call
+        window = {"sliding_window": self.sliding_window} if self.sliding_window else {}
+        k = ops.dequantize(k_codes, k_scales, self.k_offset, self.cumulative_length, dtype, **window)
+        v = ops.dequantize(v_codes, v_scales, None, self.cumulative_length, dtype, **window)
         return k, v
 
     def live_buffers(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -254,14 +277,25 @@ class QuantizedLayer(CacheLayerMixin):
         return rest + self.v_codes.untyped_storage().nbytes()
 
     def __repr__(self):
-        return f"QuantizedLayer({self.fmt.name}, B={self.max_batch_size}, Hkv={self.num_heads}, L={self.max_cache_len}, D={self.head_dim})"
+        window = f", sliding_window={self.sliding_window}" if self.sliding_window else ""
+        return (
+            f"QuantizedLayer({self.fmt.name}, B={self.max_batch_size}, Hkv={self.num_heads}, L={self.max_cache_len}, "
+            f"D={self.head_dim}{window})"
+        )
 
 
 class QuantizedCache(Cache):
     """An 8-bit KV cache for Hugging Face causal LMs.
 
     Args:
-        config: the model config (``model.config``).
+        config: the model config (``model.config``). Its layer shapes, attention types and sliding
+            windows are read as transformers' own caches read them (:mod:`kvcompile.hf`); a model the
+            cache cannot serve (encoder-decoder, cross-attention, multi-head latent attention, ALiBi,
+            chunked or linear attention, K/V shared across layers) raises ``ValueError`` naming why.
+            Sliding-window layers (Mistral, Qwen2 with ``use_sliding_window``, Phi-3, Gemma 2/3,
+            gpt-oss, Cohere2) are served: attention skips keys below the window, but every layer
+            still stores ``max_cache_len`` positions, so memory grows with ``max_cache_len``, not
+            with the window.
         max_batch_size: the largest batch the cache serves (a smaller batch uses its leading rows).
         max_cache_len: positions per sequence (prompt + generated tokens).
         kv_dtype: one of :data:`kvcompile.KV_DTYPES` (``"fp8_e4m3"``, ``"q8_0"``).
@@ -309,13 +343,7 @@ class QuantizedCache(Cache):
                 "must be positive"
             )
         num_layers, kv_heads, head_dim = hf.layer_shapes(config)  # refuses what the cache cannot serve
-        for i, window in enumerate(hf.layer_windows(config)):
-            if 0 < window < max_cache_len:
-                raise ValueError(
-                    f"kvcompile.QuantizedCache: layer {i} uses sliding-window attention (window={window}) shorter "
-                    f"than max_cache_len={max_cache_len}; the cache does not implement a rolling window. Use "
-                    f"max_cache_len<={window}, or a full-attention model"
-                )
+        windows = hf.layer_windows(config)
         fmt.check_head_dim(head_dim)
 
         calib = {}
@@ -333,6 +361,7 @@ class QuantizedCache(Cache):
                 v_static_scale=calib["v_scale"][i] if fmt.is_static else None,
                 k_offset=calib["k_offset"][i] if "k_offset" in calib else None,
                 v_layout=v_layout,
+                sliding_window=windows[i],
             )
             for i in range(num_layers)
         ]
@@ -368,8 +397,21 @@ class QuantizedCache(Cache):
             if not layer.is_initialized:
                 layer.allocate(torch.device(device))
 
+    @property
+    def sliding_windows(self) -> list[int]:
+        """Per layer: the attention window inside this cache (0 = full attention; see QuantizedLayer)."""
+        return [layer.sliding_window for layer in self.layers]
+
     def __repr__(self):
+        windows = sorted({w for w in self.sliding_windows if w})
+        sliding = sum(1 for w in self.sliding_windows if w)
+        extra = ""
+        if sliding:
+            extra = (
+                f", sliding window {'/'.join(map(str, windows))} on {sliding} of {len(self.layers)} layers "
+                f"(each still stores max_cache_len positions)"
+            )
         return (
             f"kvcompile.QuantizedCache({self.fmt.name}, layers={len(self.layers)}, "
-            f"max_batch_size={self.max_batch_size}, max_cache_len={self.max_cache_len})"
+            f"max_batch_size={self.max_batch_size}, max_cache_len={self.max_cache_len}{extra})"
         )

@@ -132,14 +132,19 @@ def _(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset) -> None:
 
 @torch.library.custom_op("kvcompile::dequantize", mutates_args=())
 def dequantize(
-    codes: Tensor, scale: Tensor, offset: Optional[Tensor], kv_len: Tensor, dtype: torch.dtype
+    codes: Tensor, scale: Tensor, offset: Optional[Tensor], kv_len: Tensor, dtype: torch.dtype,
+    sliding_window: int = 0,
 ) -> Tensor:
     """codes [B, Hkv, L, D] -> values [B, Hkv, L, D] in ``dtype``; positions >= kv_len are zeros.
 
     ``offset`` ([Hkv, D], K centering) is added back, so the result is the value that was stored.
     This is the eager path of :class:`kvcompile.QuantizedCache`; the compiler pass replaces
     attention over its result by :func:`attention`, which reads the codes directly.
+    ``sliding_window`` is the cache layer's window (0 = full attention), metadata for the pass:
+    it does not change the result (the model's mask applies the window in eager mode).
     """
+    if sliding_window < 0:
+        raise ValueError(f"kvcompile.dequantize: sliding_window must be >= 0 (0 = full attention), got {sliding_window}")
     _check_codes_scale("dequantize", codes, scale)
     if kernel_backend(codes.device) == "triton":
         return _kernels().dequantize(codes, scale, offset, kv_len, dtype)
@@ -147,7 +152,7 @@ def dequantize(
 
 
 @dequantize.register_fake
-def _(codes, scale, offset, kv_len, dtype):
+def _(codes, scale, offset, kv_len, dtype, sliding_window=0):
     return codes.new_empty(codes.shape, dtype=dtype)
 
 

@@ -260,23 +260,35 @@ def test_head_dim_not_multiple_of_32_refused_for_block_formats():
 
 
 @pytest.mark.parametrize(
-    "cfg",
+    "family, overrides, windows",
     [
-        tiny_config("mistral", sliding_window=8),
-        tiny_config("gemma2", sliding_window=8),  # alternating sliding / full layers
-        tiny_config("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0),
+        ("mistral", dict(sliding_window=8), [8, 8]),
+        ("gemma2", dict(sliding_window=8), [8, 0]),  # alternating sliding / full layers
+        ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), [0, 8]),
+        ("qwen2", dict(sliding_window=8), [0, 0]),  # a window Qwen2 carries but does not use
     ],
-    ids=["mistral", "gemma2", "qwen2"],
+    ids=["mistral", "gemma2", "qwen2-window", "qwen2-window-unused"],
 )
-def test_sliding_window_shorter_than_cache_refused(cfg):
-    with pytest.raises(ValueError, match="sliding-window.*max_cache_len"):
-        QuantizedCache(cfg, max_batch_size=1, max_cache_len=16)
-    QuantizedCache(cfg, max_batch_size=1, max_cache_len=8)  # window >= cache: exactly full attention
+def test_sliding_window_layers_record_their_window(family, overrides, windows, monkeypatch):
+    """A sliding layer records its window and hands it to dequantize (metadata for the pass); it
+    still stores every position (no rolling buffer), so HF's mask sizes stay max_cache_len."""
+    cfg = tiny_config(family, **overrides)
+    cache = QuantizedCache(cfg, max_batch_size=1, max_cache_len=16, device="cpu")
+    assert cache.sliding_windows == windows
+    assert [layer.is_sliding for layer in cache.layers] == [w > 0 for w in windows]
+    assert ("sliding window 8" in repr(cache)) == any(windows)
+    import kvcompile.cache as cache_mod
 
-
-def test_qwen2_window_unused_is_accepted():
-    # Qwen2 carries a sliding_window it does not use (use_sliding_window=False): full attention
-    QuantizedCache(tiny_config("qwen2", sliding_window=4), max_batch_size=1, max_cache_len=16)
+    seen = []
+    real = cache_mod.ops.dequantize
+    monkeypatch.setattr(cache_mod.ops, "dequantize", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    for i, layer in enumerate(cache.layers):
+        k, v = cache.update(_kv(T=12), _kv(T=12), i)
+        assert k.shape == v.shape == (1, 2, 16, 32) and layer.get_mask_sizes(1) == (16, 0)
+        assert seen[-2:] == [{"sliding_window": windows[i]} if windows[i] else {}] * 2
+        assert layer.nbytes == cache.layers[0].nbytes  # the same storage whatever the window
+    # a window no shorter than the cache never excludes a stored key: recorded as full attention
+    assert QuantizedCache(cfg, max_batch_size=1, max_cache_len=8).sliding_windows == [0, 0]
 
 
 @pytest.mark.parametrize(
