@@ -13,8 +13,8 @@ and Cohere2 from their local/global pattern), otherwise every layer is ``sliding
 ``attention_chunk_size`` is, else ``full_attention``. A sliding layer's window is its config's
 ``sliding_window``; transformers' masks let query ``p`` see keys ``k > p - W``.
 
-Every check raises ``ValueError`` naming what the model does that the cache cannot store or the
-attention op cannot compute, and what to use instead. Nothing here imports the rest of kvcompile.
+Every check raises :class:`UnsupportedModelError` (a ``ValueError``) naming what the model does
+that the cache cannot store or the attention op cannot compute, and what to use instead. Nothing here imports the rest of kvcompile.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 
 __all__ = [
     "SUPPORTED_LAYER_TYPES",
+    "UnsupportedModelError",
     "cache_kwarg",
     "check_config",
     "layer_shapes",
@@ -61,6 +62,14 @@ _REFUSED_LAYER_TYPES = {
 }
 
 
+class UnsupportedModelError(ValueError):
+    """A model the cache cannot serve: ``reason`` says what the model does, ``fix`` what to use instead."""
+
+    def __init__(self, reason: str, fix: str = _USE_HF_CACHE):
+        self.reason, self.fix = reason, fix
+        super().__init__(f"kvcompile.QuantizedCache: {reason}; {fix}")
+
+
 def text_config(config) -> Any:
     """The decoder's config (``config.get_text_config(decoder=True)`` for multimodal wrappers)."""
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -76,9 +85,9 @@ def _layer_configs(text) -> list:
 def _num_layers(text) -> int:
     n = getattr(text, "num_hidden_layers", None)
     if not isinstance(n, int) or n < 1:
-        raise ValueError(
-            f"kvcompile: the config ({type(text).__name__}) has no num_hidden_layers; kvcompile.QuantizedCache "
-            "needs a decoder-only transformer config (model.config)"
+        raise UnsupportedModelError(
+            f"the config ({type(text).__name__}) has no num_hidden_layers",
+            "pass the model's decoder config (model.config of a transformers causal LM)",
         )
     return n
 
@@ -88,8 +97,18 @@ def _types_and_kwargs(text) -> tuple[list[str], list[dict]]:
         from transformers.cache_utils import get_layer_types_and_kwargs
     except ImportError:  # transformers before per-layer cache construction: the same rules, one config
         get_layer_types_and_kwargs = None
-    if get_layer_types_and_kwargs is not None and hasattr(text, "per_layer_config"):
-        return get_layer_types_and_kwargs(text)
+    try:
+        if get_layer_types_and_kwargs is not None and hasattr(text, "per_layer_config"):
+            return get_layer_types_and_kwargs(text)
+        return _types_and_kwargs_fallback(text)
+    except AttributeError as e:  # e.g. sliding_attention layers in a config without sliding_window
+        raise UnsupportedModelError(
+            f"the layer types of {type(text).__name__} cannot be read ({e})",
+            "give the config the attribute its layer types need (sliding_window for sliding_attention layers)",
+        ) from e
+
+
+def _types_and_kwargs_fallback(text) -> tuple[list[str], list[dict]]:
     n = _num_layers(text)
     types = getattr(text, "layer_types", None)
     if types is None:
@@ -120,51 +139,50 @@ def _truthy_attr(cfg, *names) -> Any:
 
 
 def check_config(config) -> None:
-    """Raise ``ValueError`` (naming the reason and the fix) for a model the cache cannot serve."""
+    """Raise :class:`UnsupportedModelError` (a ``ValueError`` naming the reason and the fix) for a
+    model the cache cannot serve."""
     if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(
-            f"kvcompile.QuantizedCache serves decoder-only self-attention; {type(config).__name__} is an "
-            "encoder-decoder model (its decoder cross-attends to the encoder, an EncoderDecoderCache); "
-            + _USE_HF_CACHE
+        raise UnsupportedModelError(
+            f"{type(config).__name__} is an encoder-decoder model: its decoder cross-attends to the encoder "
+            "(an EncoderDecoderCache), and the cache serves decoder-only self-attention"
         )
     text = text_config(config)
     name = type(text).__name__
     cross = _truthy_attr(text, "add_cross_attention", "cross_attention_layers")
     if cross:
-        raise ValueError(
-            f"kvcompile.QuantizedCache: {name} has cross-attention ({cross[0]}={cross[1]}); the cache serves "
-            f"self-attention K/V only; {_USE_HF_CACHE}"
+        raise UnsupportedModelError(
+            f"{name} has cross-attention ({cross[0]}={cross[1]}), and the cache serves self-attention K/V only"
         )
     if getattr(text, "kv_lora_rank", None) is not None:
-        raise ValueError(
-            f"kvcompile.QuantizedCache: {name} uses multi-head latent attention (kv_lora_rank={text.kv_lora_rank}: "
-            "DeepSeek-V2/V3, Kimi K2, MiniCPM3): K and V come from a compressed latent with different head dims, "
-            f"which the cache's one-shape K/V store and kvcompile::attention do not serve; {_USE_HF_CACHE}"
+        raise UnsupportedModelError(
+            f"{name} uses multi-head latent attention (kv_lora_rank={text.kv_lora_rank}: DeepSeek-V2/V3, Kimi K2, "
+            "MiniCPM3): K and V come from a compressed latent with different head dims, which the cache's "
+            "one-shape K/V store and kvcompile::attention do not serve"
         )
     model_type = getattr(text, "model_type", "") or ""
     alibi = model_type == "bloom" or getattr(text, "alibi", False) or getattr(getattr(text, "attn_config", None), "alibi", False)
     alibi = alibi or getattr(text, "position_embedding_type", None) == "alibi"
     if alibi:
-        raise ValueError(
-            f"kvcompile.QuantizedCache: {name} uses ALiBi (a per-head linear position bias added to the attention "
-            f"scores: Bloom, MPT, Falcon with alibi=True), which kvcompile::attention does not apply; {_USE_HF_CACHE}"
+        raise UnsupportedModelError(
+            f"{name} uses ALiBi (a per-head linear position bias added to the attention scores: Bloom, MPT, "
+            "Falcon with alibi=True), which kvcompile::attention does not apply"
         )
     if getattr(text, "is_causal", True) is False or getattr(text, "use_bidirectional_attention", False):
-        raise ValueError(
-            f"kvcompile.QuantizedCache: {name} attends bidirectionally (is_causal=False / "
-            "use_bidirectional_attention=True); the cache serves causal decoding only; "
-            "run the model without a cache (it is an encoder)"
+        raise UnsupportedModelError(
+            f"{name} attends bidirectionally (is_causal=False / use_bidirectional_attention=True), and the "
+            "cache serves causal decoding only",
+            "run the model without a cache (it is an encoder)",
         )
     shared = getattr(text, "num_kv_shared_layers", 0)
     if shared:
-        raise ValueError(
-            f"kvcompile.QuantizedCache: {name} shares K/V across layers (num_kv_shared_layers={shared}: Gemma 3n, "
-            f"Gemma 4): those layers read another layer's cache entries directly; {_USE_HF_CACHE}"
+        raise UnsupportedModelError(
+            f"{name} shares K/V across layers (num_kv_shared_layers={shared}: Gemma 3n, Gemma 4): those layers "
+            "read another layer's cache entries directly"
         )
     if getattr(text, "num_attention_heads", None) is None:
-        raise ValueError(
-            f"kvcompile.QuantizedCache: {name} has no attention heads (a recurrent model such as Mamba or RWKV); "
-            "it keeps no K/V cache to quantize"
+        raise UnsupportedModelError(
+            f"{name} has no attention heads (a recurrent model such as Mamba or RWKV): it keeps no K/V to quantize",
+            "run it without kvcompile",
         )
     types, kwargs = _types_and_kwargs(text)
     for i, (t, kw) in enumerate(zip(types, kwargs)):
@@ -172,15 +190,15 @@ def check_config(config) -> None:
             if t == "sliding_attention":
                 w = kw.get("sliding_window")
                 if not isinstance(w, int) or isinstance(w, bool) or w < 1:
-                    raise ValueError(
-                        f"kvcompile.QuantizedCache: layer {i} of {name} is a sliding-attention layer but its "
-                        f"sliding_window is {w!r}; set config.sliding_window to the window (a positive int)"
+                    raise UnsupportedModelError(
+                        f"layer {i} of {name} is a sliding-attention layer but its sliding_window is {w!r}",
+                        "set config.sliding_window to the window (a positive int)",
                     )
             continue
         why = _REFUSED_LAYER_TYPES.get(t, f"an attention type kvcompile does not know ({t!r})")
-        raise ValueError(
-            f"kvcompile.QuantizedCache: layer {i} of {name} has type {t!r}: {why}; the cache serves "
-            f"{' and '.join(SUPPORTED_LAYER_TYPES)} layers only; {_USE_HF_CACHE}"
+        raise UnsupportedModelError(
+            f"layer {i} of {name} has type {t!r}: {why}; the cache serves "
+            f"{' and '.join(SUPPORTED_LAYER_TYPES)} layers only"
         )
     _per_layer_shapes(text)  # raises for layers of different shapes
 
@@ -194,22 +212,20 @@ def _per_layer_shapes(text) -> tuple[int, int]:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         v_head_dim = getattr(cfg, "v_head_dim", None)
         if v_head_dim is not None and v_head_dim != head_dim:
-            raise ValueError(
-                f"kvcompile.QuantizedCache: {name} has K head dim {head_dim} and V head dim {v_head_dim}; the cache "
-                f"stores K and V of one shape; {_USE_HF_CACHE}"
+            raise UnsupportedModelError(
+                f"{name} has K head dim {head_dim} and V head dim {v_head_dim}, and the cache stores K and V of one shape"
             )
         shapes.append((kv_heads, head_dim))
     if len(set(shapes)) != 1:
-        raise ValueError(
-            f"kvcompile.QuantizedCache: the layers of {name} differ in (kv heads, head dim): "
-            f"{sorted(set(shapes))}; the cache and its calibration files assume one shape for every layer; "
-            + _USE_HF_CACHE
+        raise UnsupportedModelError(
+            f"the layers of {name} differ in (kv heads, head dim): {sorted(set(shapes))}, and the cache and its "
+            "calibration files assume one shape for every layer"
         )
     return shapes[0]
 
 
 def layer_shapes(config) -> tuple[int, int, int]:
-    """``(num_layers, kv_heads, head_dim)`` of the decoder; refuses (``ValueError``) what the cache
+    """``(num_layers, kv_heads, head_dim)`` of the decoder; refuses (:class:`UnsupportedModelError`) what the cache
     cannot serve (see :func:`check_config`)."""
     check_config(config)
     text = text_config(config)
@@ -219,7 +235,7 @@ def layer_shapes(config) -> tuple[int, int, int]:
 
 def layer_windows(config) -> list[int]:
     """Per decoder layer: 0 for full attention, ``W`` for a sliding window of ``W`` keys (query ``p``
-    sees keys ``k > p - W``). Refuses (``ValueError``) what the cache cannot serve (see
+    sees keys ``k > p - W``). Refuses (:class:`UnsupportedModelError`) what the cache cannot serve (see
     :func:`check_config`)."""
     check_config(config)
     types, kwargs = _types_and_kwargs(text_config(config))
