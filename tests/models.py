@@ -12,6 +12,8 @@ patterns). Windows, softcapping and the like are the caller's overrides too.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from typing import Any
 
 import torch
@@ -75,11 +77,20 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 def tiny_config(family: str, **overrides):
     """The tiny config of ``family`` (a key of :data:`FAMILIES`): BASE, the family's needs, then ``overrides``."""
     cls_name, needs = FAMILIES[family]
+    cls = getattr(transformers, cls_name)
     kw = {**BASE, **needs, **overrides}
+    if "head_dim" not in kw and _has_field(cls, "head_dim"):  # else Gemma's default 256, gpt-oss's 64, ...
+        kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
     layer_types = kw.get("layer_types")
     if layer_types is not None and len(layer_types) != kw["num_hidden_layers"]:
         kw["layer_types"] = [layer_types[i % len(layer_types)] for i in range(kw["num_hidden_layers"])]
-    return getattr(transformers, cls_name)(**kw)
+    return cls(**kw)
+
+
+def _has_field(cls, name: str) -> bool:
+    if dataclasses.is_dataclass(cls):
+        return any(f.name == name for f in dataclasses.fields(cls))
+    return name in inspect.signature(cls.__init__).parameters
 
 
 def tiny_model(family_or_config, attn: str = "sdpa", *, seed: int = 0, dtype: torch.dtype | None = None,
