@@ -26,6 +26,7 @@ import torch
 import transformers
 
 import kvcompile
+from kvcompile.hf import cache_kwarg
 
 
 def build(layers: int, attn: str):
@@ -39,7 +40,7 @@ def build(layers: int, attn: str):
 def run_once(model, backend, kv_dtype: str, prompt: int, max_len: int):
     torch._dynamo.reset()
     cache = kvcompile.QuantizedCache(model.config, max_batch_size=1, max_cache_len=max_len, kv_dtype=kv_dtype, device="cpu")
-    kw = "cache" if "cache" in __import__("inspect").signature(model.forward).parameters else "past_key_values"
+    kw = cache_kwarg(model)
     f = torch.compile(model.forward, backend=backend, fullgraph=True)
     ids = torch.randint(0, model.config.vocab_size, (1, prompt))
     times = []

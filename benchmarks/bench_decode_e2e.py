@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import inspect
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ import time
 import torch
 
 import kvcompile
+from kvcompile.hf import cache_kwarg
 
 
 def make_model(layers: int, vocab: int, device, dtype):
@@ -41,10 +41,6 @@ def make_model(layers: int, vocab: int, device, dtype):
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(dtype).eval()
     return model
-
-
-def cache_kwarg(model) -> str:
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def fill_static(cache, ctx: int, B: int, cfg, device, dtype):

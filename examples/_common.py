@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import kvcompile
-from kvcompile.calibration import cache_kwarg
+from kvcompile.hf import cache_kwarg
 
 __all__ = [
     "DEFAULT_MODEL",

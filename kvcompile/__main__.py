@@ -115,6 +115,8 @@ def info(out=print) -> None:
     out("  default (rotate=None; head_dim a multiple of 8), the others unrotated. K and V may differ")
     out("  (k_dtype=, v_dtype=) when they share one scale granularity. K centering (calibration k_offset)")
     out("  works with every format.")
+    out("  sliding-window layers (Mistral, Phi-3, Gemma 2/3, gpt-oss, ...): compiled attention skips keys below")
+    out("  the window, but each layer still stores max_cache_len positions: memory grows with max_cache_len.")
     out("")
     out("attention tiles (kvcompile.tiles):")
     for line in _tile_lines(archs):

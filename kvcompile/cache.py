@@ -7,6 +7,11 @@ storage is 8-bit codes plus scales, written by ``kvcompile::store_kv``, and ``up
 returns ``kvcompile::dequantize(...)`` so that eager attention of any implementation is
 correct. Under ``torch.compile(backend=kvcompile.backend(...))`` the pass replaces attention
 over that dequantized K/V by ``kvcompile::attention``, which reads the codes directly.
+
+Sliding-window layers (the layer types and windows of :func:`kvcompile.hf.layer_windows`) keep all
+``max_cache_len`` positions like full layers (a rolling buffer is not implemented): the model's
+mask applies the window in eager mode, and the layer's ``sliding_window`` travels with
+``dequantize`` to the compiler pass so that the kernels skip the keys below it.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from typing import Any, Mapping
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import formats, ops, rotation
+from . import formats, hf, ops, rotation
+from .calibration import load_calibration
 
 __all__ = ["QuantizedCache", "QuantizedLayer", "v_codes_buffer"]
 
@@ -51,6 +57,13 @@ class QuantizedLayer(CacheLayerMixin):
     ``fmt`` is K's format (``k_fmt``); ``v_fmt`` is V's, which may differ when the two share one
     scale granularity (:func:`formats.check_pair`). ``fmt`` stays for code that predates K and V
     formats chosen apart; ``k_fmt`` / ``v_fmt`` say which side is meant.
+
+    ``sliding_window``: the window attention applies over this layer (query ``p`` sees keys
+    ``k > p - W``), 0 for full attention. A window no shorter than ``max_cache_len`` never excludes
+    a stored key and is recorded as 0. Every layer stores all ``max_cache_len`` positions: in eager
+    mode the model's mask applies the window; :meth:`update` hands it to ``kvcompile::dequantize``
+    for the compiler pass, and ``kvcompile::attention`` skips the keys below it. ``is_sliding`` is
+    True for a layer the config makes sliding (what transformers' masks read).
 
     ``v_layout``: ``"keys"`` stores V codes key-contiguous (a ``[B, Hkv, D, L16]`` buffer, ``L16``
     = ``L`` rounded up to 16, seen through a ``[B, Hkv, L, D]`` view), the layout the attention
@@ -104,7 +117,14 @@ class QuantizedLayer(CacheLayerMixin):
         self.fmt = self.k_fmt = fmt
         self.v_fmt = v_fmt
         self.k_rotate, self.v_rotate = bool(k_rotate), bool(v_rotate)
-        self.sliding_window = int(sliding_window)
+        if not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 0:
+            raise ValueError(
+                f"kvcompile.QuantizedCache: layer {layer_idx} got sliding_window={sliding_window!r}; it must be an "
+                "int >= 0 (0 = full attention)"
+            )
+        self.is_sliding = sliding_window > 0
+        # a window no shorter than the cache never excludes a stored key: recorded as full attention
+        self.sliding_window = sliding_window if sliding_window < max_cache_len else 0
         self.max_batch_size = max_batch_size
         self.max_cache_len = max_cache_len
         self.num_heads = num_kv_heads
@@ -296,47 +316,10 @@ class QuantizedLayer(CacheLayerMixin):
         return k if k == v else f"K {k}/V {v}"
 
     def __repr__(self):
-        return (f"QuantizedLayer({self.format_name}, B={self.max_batch_size}, Hkv={self.num_heads}, "
-                f"L={self.max_cache_len}, D={self.head_dim})")
-
-
-def _layer_shapes(config) -> tuple[int, int, int]:
-    num_layers = config.num_hidden_layers
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return num_layers, kv_heads, head_dim
-
-
-def _check_layer_types(config, max_cache_len: int) -> None:
-    """Refuse layers this cache cannot serve exactly (it stores every position: full attention only)."""
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(
-            "kvcompile.QuantizedCache serves decoder-only self-attention; encoder-decoder models "
-            "(cross-attention) are not supported"
-        )
-    num_layers = config.num_hidden_layers
-    layer_types = getattr(config, "layer_types", None)
-    window = getattr(config, "sliding_window", None)
-    if getattr(config, "use_sliding_window", True) is False:
-        window = None  # Qwen2-style configs carry a window they do not use
-    if layer_types is None:
-        layer_types = ["sliding_attention" if window is not None else "full_attention"] * num_layers
-        if getattr(config, "attention_chunk_size", None) is not None:
-            layer_types = ["chunked_attention"] * num_layers
-    for i, lt in enumerate(layer_types):
-        if lt == "full_attention":
-            continue
-        if lt == "sliding_attention" and window is not None and window >= max_cache_len:
-            continue  # the window never bites inside this cache: exactly full attention
-        if lt == "sliding_attention":
-            raise ValueError(
-                f"kvcompile.QuantizedCache: layer {i} uses sliding-window attention (window={window}) shorter "
-                f"than max_cache_len={max_cache_len}; the cache does not implement a rolling window. Use "
-                f"max_cache_len<={window}, or a full-attention model"
-            )
-        raise ValueError(
-            f"kvcompile.QuantizedCache: layer {i} has type {lt!r}; only full-attention layers are supported"
+        window = f", sliding_window={self.sliding_window}" if self.sliding_window else ""
+        return (
+            f"QuantizedLayer({self.format_name}, B={self.max_batch_size}, Hkv={self.num_heads}, L={self.max_cache_len}, "
+            f"D={self.head_dim}{window})"
         )
 
 
@@ -344,7 +327,14 @@ class QuantizedCache(Cache):
     """An 8-bit KV cache for Hugging Face causal LMs.
 
     Args:
-        config: the model config (``model.config``).
+        config: the model config (``model.config``). Its layer shapes, attention types and sliding
+            windows are read as transformers' own caches read them (:mod:`kvcompile.hf`); a model the
+            cache cannot serve (encoder-decoder, cross-attention, multi-head latent attention, ALiBi,
+            chunked or linear attention, K/V shared across layers) raises ``ValueError`` naming why.
+            Sliding-window layers (Mistral, Qwen2 with ``use_sliding_window``, Phi-3, Gemma 2/3,
+            gpt-oss, Cohere2) are served: attention skips keys below the window, but every layer
+            still stores ``max_cache_len`` positions, so memory grows with ``max_cache_len``, not
+            with the window.
         max_batch_size: the largest batch the cache serves (a smaller batch uses its leading rows).
         max_cache_len: positions per sequence (prompt + generated tokens).
         kv_dtype: one of :data:`kvcompile.KV_DTYPES` (``"fp8_e4m3"``, ``"q8_0"``, ``"int8"``) for K and
@@ -400,7 +390,7 @@ class QuantizedCache(Cache):
             )
         if rotate not in (None, True, False):
             raise TypeError(f"kvcompile.QuantizedCache: rotate must be None, True or False, got {rotate!r}")
-        text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        text_config = hf.text_config(config)
         k_name, v_name = formats.resolve_kv_dtypes(kv_dtype, k_dtype, v_dtype)
         k_fmt, v_fmt = formats.get_format(k_name, granularity), formats.get_format(v_name, granularity)
         formats.check_pair(k_fmt, v_fmt)
@@ -414,8 +404,8 @@ class QuantizedCache(Cache):
                 f"kvcompile.QuantizedCache: max_batch_size ({max_batch_size}) and max_cache_len ({max_cache_len}) "
                 "must be positive"
             )
-        _check_layer_types(text_config, max_cache_len)
-        num_layers, kv_heads, head_dim = _layer_shapes(text_config)
+        num_layers, kv_heads, head_dim = hf.layer_shapes(config)  # refuses what the cache cannot serve
+        windows = hf.layer_windows(config)
         k_fmt.check_head_dim(head_dim)
         v_fmt.check_head_dim(head_dim)
         k_rotate = k_fmt.kv_dtype == "int8" if rotate is None else rotate
@@ -437,8 +427,6 @@ class QuantizedCache(Cache):
 
         calib = {}
         if calibration is not None:
-            from .calibration import load_calibration
-
             calib = load_calibration(calibration, num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim)
         if fmt.is_static and ("k_scale" not in calib or "v_scale" not in calib):
             raise ValueError(
@@ -453,6 +441,7 @@ class QuantizedCache(Cache):
                 k_offset=calib["k_offset"][i] if "k_offset" in calib else None,
                 v_layout=v_layout,
                 v_fmt=v_fmt, k_rotate=k_rotate, v_rotate=v_rotate,
+                sliding_window=windows[i],
             )
             for i in range(num_layers)
         ]
@@ -497,8 +486,21 @@ class QuantizedCache(Cache):
             if not layer.is_initialized:
                 layer.allocate(torch.device(device))
 
+    @property
+    def sliding_windows(self) -> list[int]:
+        """Per layer: the attention window inside this cache (0 = full attention; see QuantizedLayer)."""
+        return [layer.sliding_window for layer in self.layers]
+
     def __repr__(self):
+        windows = sorted({w for w in self.sliding_windows if w})
+        sliding = sum(1 for w in self.sliding_windows if w)
+        extra = ""
+        if sliding:
+            extra = (
+                f", sliding window {'/'.join(map(str, windows))} on {sliding} of {len(self.layers)} layers "
+                f"(each still stores max_cache_len positions)"
+            )
         return (
             f"kvcompile.QuantizedCache({self.layers[0].format_name}, layers={len(self.layers)}, "
-            f"max_batch_size={self.max_batch_size}, max_cache_len={self.max_cache_len})"
+            f"max_batch_size={self.max_batch_size}, max_cache_len={self.max_cache_len}{extra})"
         )

@@ -34,10 +34,11 @@ at the positions the model writes them) and keeps streaming per-channel statisti
 from __future__ import annotations
 
 import os
-import inspect
 from typing import Any, Iterable, Mapping
 
 import torch
+
+from .hf import cache_kwarg, layer_shapes
 
 __all__ = ["calibrate", "load_calibration", "save_calibration", "CALIBRATION_KEYS", "FILE_METADATA"]
 
@@ -167,17 +168,6 @@ def _recording_cache(model, stats: dict[int, _KVStats]):
     return _RecordingCache(config=model.config)
 
 
-def cache_kwarg(model) -> str:
-    """The name under which ``model.forward`` takes a cache: ``cache`` (transformers >= 5.24) or
-    ``past_key_values`` (older 5.x)."""
-    fwd = getattr(model.forward, "_torchdynamo_orig_callable", model.forward)
-    try:
-        params = inspect.signature(fwd).parameters
-    except (TypeError, ValueError):
-        return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def _as_id_rows(item: Any, tokenizer) -> list[torch.Tensor]:
     """One calibration item -> a list of 1-D token-id tensors (padding removed)."""
     if isinstance(item, str):
@@ -236,7 +226,6 @@ def calibrate(
         (float32, CPU), usable as ``QuantizedCache(..., calibration=...)`` and by
         :func:`save_calibration`.
     """
-    from .cache import _layer_shapes
     from .formats import FP8_E4M3_MAX
 
     if margin < 1.0 or not torch.isfinite(torch.tensor(margin)):
@@ -249,8 +238,7 @@ def calibrate(
     if not windows:
         raise ValueError("kvcompile.calibrate: no tokens to calibrate on")
 
-    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    num_layers, kv_heads, head_dim = _layer_shapes(config)
+    num_layers, kv_heads, head_dim = layer_shapes(model.config)
     device = next(model.parameters()).device
     kwarg = cache_kwarg(model)
     stats: dict[int, _KVStats] = {}

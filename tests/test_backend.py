@@ -15,7 +15,8 @@ import torch
 import transformers
 
 import kvcompile
-from test_pass_models import cache_kwarg, fresh_dynamo, greedy, make_cache, make_model, prompt
+from models import cache_kwarg, tiny_model
+from test_pass_models import fresh_dynamo, greedy, make_cache, make_model, prompt
 
 ATOL = RTOL = 1e-4
 

@@ -12,27 +12,17 @@ q8_0's block-32 scales apply), vocab 128. Real sizes for orientation:
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import pytest
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    BartConfig,
-    DynamicCache,
-    Gemma2Config,
-    GemmaConfig,
-    LlamaConfig,
-    MistralConfig,
-    Phi3Config,
-    Qwen2Config,
-    Qwen3Config,
-    T5Config,
-)
+from transformers import BartConfig, DynamicCache, T5Config
 
 import kvcompile
 from kvcompile import KV_DTYPES, QuantizedCache, get_format, save_calibration
+from models import cache_kwarg
+from models import tiny_config as family_config
+from models import tiny_model as family_model
 from utils import max_rel_err
 
 TINY = dict(
@@ -44,15 +34,11 @@ MAX_LEN = 16
 
 
 def tiny_config(family: str, **overrides):
-    cls = {
-        "llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-        "phi3": Phi3Config, "gemma": GemmaConfig,
-    }[family]
     kw = dict(TINY)
     if family == "mistral":
         kw["sliding_window"] = MAX_LEN  # == max_cache_len: the window never bites, exactly full attention
     kw.update(overrides)
-    return cls(**kw)
+    return family_config(family, **kw)
 
 
 _MODELS: dict = {}
@@ -61,16 +47,8 @@ _MODELS: dict = {}
 def tiny_model(family: str, attn: str = "sdpa"):
     key = (family, attn)
     if key not in _MODELS:
-        torch.manual_seed(0)
-        cfg = tiny_config(family)
-        cfg._attn_implementation = attn
-        _MODELS[key] = AutoModelForCausalLM.from_config(cfg).eval()
+        _MODELS[key] = family_model(tiny_config(family), attn)
     return _MODELS[key]
-
-
-def cache_kwarg(model) -> str:
-    """transformers >= 5.2x names the forward kwarg ``cache``; 5.17 calls it ``past_key_values``."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def left_padded_batch(B=2, T=8, pads=(0, 3), seed=0):
@@ -178,10 +156,8 @@ def test_logits_close_to_dynamic_cache(family, attn, monkeypatch):
 
 def test_bf16_model():
     # the GPU path runs bf16 models: the cache takes bf16 K/V and returns bf16 K/V
-    torch.manual_seed(0)
     cfg = tiny_config("llama")
-    cfg._attn_implementation = "sdpa"
-    model = AutoModelForCausalLM.from_config(cfg).eval().to(torch.bfloat16)
+    model = family_model(cfg, "sdpa", dtype=torch.bfloat16)
     ids, am = left_padded_batch()
     toks = greedy_tokens(model, ids, am, 4)
     ref = run_steps(model, DynamicCache(config=cfg), ids, am, toks)
@@ -284,23 +260,35 @@ def test_head_dim_not_multiple_of_32_refused_for_block_formats():
 
 
 @pytest.mark.parametrize(
-    "cfg",
+    "family, overrides, windows",
     [
-        MistralConfig(**TINY, sliding_window=8),
-        Gemma2Config(**TINY, sliding_window=8),  # alternating sliding / full layers
-        Qwen2Config(**TINY, use_sliding_window=True, sliding_window=8, max_window_layers=0),
+        ("mistral", dict(sliding_window=8), [8, 8]),
+        ("gemma2", dict(sliding_window=8), [8, 0]),  # alternating sliding / full layers
+        ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), [0, 8]),
+        ("qwen2", dict(sliding_window=8), [0, 0]),  # a window Qwen2 carries but does not use
     ],
-    ids=["mistral", "gemma2", "qwen2"],
+    ids=["mistral", "gemma2", "qwen2-window", "qwen2-window-unused"],
 )
-def test_sliding_window_shorter_than_cache_refused(cfg):
-    with pytest.raises(ValueError, match="sliding-window.*max_cache_len"):
-        QuantizedCache(cfg, max_batch_size=1, max_cache_len=16)
-    QuantizedCache(cfg, max_batch_size=1, max_cache_len=8)  # window >= cache: exactly full attention
+def test_sliding_window_layers_record_their_window(family, overrides, windows, monkeypatch):
+    """A sliding layer records its window and hands it to dequantize (metadata for the pass); it
+    still stores every position (no rolling buffer), so HF's mask sizes stay max_cache_len."""
+    cfg = tiny_config(family, **overrides)
+    cache = QuantizedCache(cfg, max_batch_size=1, max_cache_len=16, device="cpu")
+    assert cache.sliding_windows == windows
+    assert [layer.is_sliding for layer in cache.layers] == [w > 0 for w in windows]
+    assert ("sliding window 8" in repr(cache)) == any(windows)
+    import kvcompile.cache as cache_mod
 
-
-def test_qwen2_window_unused_is_accepted():
-    # Qwen2 carries a sliding_window it does not use (use_sliding_window=False): full attention
-    QuantizedCache(Qwen2Config(**TINY, sliding_window=4), max_batch_size=1, max_cache_len=16)
+    seen = []
+    real = cache_mod.ops.dequantize
+    monkeypatch.setattr(cache_mod.ops, "dequantize", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    for i, layer in enumerate(cache.layers):
+        k, v = cache.update(_kv(T=12), _kv(T=12), i)
+        assert k.shape == v.shape == (1, 2, 16, 32) and layer.get_mask_sizes(1) == (16, 0)
+        assert seen[-2:] == [{"sliding_window": windows[i]} if windows[i] else {}] * 2
+        assert layer.nbytes == cache.layers[0].nbytes  # the same storage whatever the window
+    # a window no shorter than the cache never excludes a stored key: recorded as full attention
+    assert QuantizedCache(cfg, max_batch_size=1, max_cache_len=8).sliding_windows == [0, 0]
 
 
 @pytest.mark.parametrize(

@@ -12,27 +12,16 @@ import pytest
 import torch
 
 import kvcompile
+from models import cache_kwarg, tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def _model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     # Llama-3-8B attention shape per layer (32 q heads, 8 kv heads, d128), 2 layers, small MLP/vocab.
-    cfg = LlamaConfig(
-        vocab_size=1024, hidden_size=4096, intermediate_size=1024, num_hidden_layers=2,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
-    )
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
-
-
-def _cache_kwarg(model) -> str:
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return tiny_model("llama", "sdpa", dtype=torch.bfloat16, device="cuda", vocab_size=1024, hidden_size=4096,
+                      intermediate_size=1024, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=128, max_position_embeddings=4096)
 
 
 class _RecordCounter:
@@ -77,7 +66,7 @@ def test_graph_replay_matches_eager_without_recapture(kv_dtype):
     """
     torch._dynamo.reset()
     model = _model()
-    kw = _cache_kwarg(model)
+    kw = cache_kwarg(model)
     B, prompt_len, steps, max_len = 2, 100, 300, 512
     ids = torch.randint(0, 1024, (B, prompt_len), device="cuda")
 
@@ -133,7 +122,7 @@ def test_live_batch_runs_on_the_next_captured_size():
     kernels on identical inputs)."""
     torch._dynamo.reset()
     model = _model()
-    kw = _cache_kwarg(model)
+    kw = cache_kwarg(model)
     kv_dtype, prompt_len, steps, max_len = "fp8_e4m3", 40, 40, 256
     ids = torch.randint(0, 1024, (4, prompt_len), device="cuda")
 

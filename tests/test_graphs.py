@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import kvcompile
-from test_pass_models import cache_kwarg, greedy, make_cache, make_model, prompt
+from models import cache_kwarg
+from test_pass_models import greedy, make_cache, make_model, prompt
 
 ATOL = RTOL = 1e-4
 

@@ -12,29 +12,23 @@ import operator
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
 
 import kvcompile
 from kvcompile.passes import KVAttentionPass
+from models import cache_kwarg, tiny_model
 
 VOCAB = 96
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=128)
 
-# family -> (config class, tiny kwargs, kv_dtype the cache uses in tests)
+# family -> (tiny kwargs on top of _COMMON, kv_dtype the cache uses in tests); real sizes in models.py
 FAMILIES = {
-    # Llama-3-8B: hidden 4096, 32 layers, 32 q / 8 kv heads, head_dim 128 (GQA)
-    "llama": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2), "fp8_e4m3"),
-    # Mistral-7B: hidden 4096, 32 layers, 32 / 8 heads, sliding window 4096 (MQA here)
-    "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=1, sliding_window=4096), "fp8_e4m3"),
-    # Qwen2-7B: hidden 3584, 28 layers, 28 / 4 heads, head_dim 128, qkv bias
-    "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2), "fp8_e4m3"),
-    # Qwen3-8B: hidden 4096, 36 layers, 32 / 8 heads, head_dim 128, q/k RMSNorm
-    "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32), "q8_0"),
-    # Phi-3-mini: hidden 3072, 32 layers, 32 / 32 heads (MHA), head_dim 96, fused qkv
-    "phi3": ("Phi3Config", dict(num_attention_heads=4, num_key_value_heads=4, sliding_window=None,
-                                pad_token_id=0, bos_token_id=1, eos_token_id=2), "fp8_e4m3"),
-    # Gemma-2B: hidden 2048, 18 layers, 8 q / 1 kv head (MQA), head_dim 256, query_pre_attn_scalar
-    "gemma": ("GemmaConfig", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=32), "q8_0"),
+    "llama": (dict(num_attention_heads=4, num_key_value_heads=2), "fp8_e4m3"),  # GQA
+    "mistral": (dict(num_attention_heads=4, num_key_value_heads=1, sliding_window=4096), "fp8_e4m3"),  # MQA
+    "qwen2": (dict(num_attention_heads=4, num_key_value_heads=2), "fp8_e4m3"),
+    "qwen3": (dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32), "q8_0"),
+    "phi3": (dict(num_attention_heads=4, num_key_value_heads=4, sliding_window=None,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2), "fp8_e4m3"),  # MHA
+    "gemma": (dict(num_attention_heads=4, num_key_value_heads=1, head_dim=32), "q8_0"),  # MQA
 }
 
 MAX_LEN = 32
@@ -43,21 +37,8 @@ PROMPT = 6
 
 
 def make_model(family: str, attn: str, seed: int = 0):
-    cls_name, kw, kv_dtype = FAMILIES[family]
-    cfg = getattr(transformers, cls_name)(**_COMMON, **kw)
-    cfg._attn_implementation = attn
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
-    return model, kv_dtype
-
-
-def cache_kwarg(model) -> str:
-    """``cache`` (transformers >= 5.2x) or ``past_key_values`` (5.17 on the GPU box)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def generate_cache_kwarg(model) -> str:
-    return cache_kwarg(model)
+    kw, kv_dtype = FAMILIES[family]
+    return tiny_model(family, attn, seed=seed, **_COMMON, **kw), kv_dtype
 
 
 def make_cache(model, kv_dtype: str, max_len: int = MAX_LEN, batch: int = BATCH, padded: bool = False):

@@ -1,0 +1,255 @@
+"""What kvcompile reads from a Hugging Face model: layer shapes, attention types and windows, the
+cache keyword, and the checks that refuse a model the cache cannot serve.
+
+    num_layers, kv_heads, head_dim = layer_shapes(config)
+    windows = layer_windows(config)        # per layer: 0 = full attention, W = sliding window W
+    kwarg = cache_kwarg(model)             # "cache" (transformers >= 5.2x) or "past_key_values"
+
+Layer types come from transformers' own rules (``get_layer_types_and_kwargs``, what
+``StaticCache``/``DynamicCache`` build their layers from): ``config.layer_types`` when the config
+has it (Qwen2 derives it from ``use_sliding_window`` / ``max_window_layers``, Gemma 2/3, gpt-oss
+and Cohere2 from their local/global pattern), otherwise every layer is ``sliding_attention`` when
+``config.sliding_window`` is set (Mistral, Phi-3, Starcoder2), ``chunked_attention`` when
+``attention_chunk_size`` is, else ``full_attention``. A sliding layer's window is its config's
+``sliding_window``; transformers' masks let query ``p`` see keys ``k > p - W``.
+
+Every check raises :class:`UnsupportedModelError` (a ``ValueError``) naming what the model does
+that the cache cannot store or the attention op cannot compute, and what to use instead. Nothing here imports the rest of kvcompile.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+__all__ = [
+    "SUPPORTED_LAYER_TYPES",
+    "UnsupportedModelError",
+    "cache_kwarg",
+    "check_config",
+    "layer_shapes",
+    "layer_types",
+    "layer_windows",
+    "text_config",
+]
+
+#: Layer types the cache serves: every position is stored; a sliding layer's window is applied by
+#: the model's mask in eager mode and by ``kvcompile::attention`` in compiled code.
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+_USE_HF_CACHE = "use transformers' own cache (DynamicCache / StaticCache) for this model"
+
+# layer type -> why the cache cannot serve it
+_REFUSED_LAYER_TYPES = {
+    "chunked_attention": (
+        "chunked attention (attention_chunk_size, Llama 4): each query sees only the keys of its own "
+        "chunk, a mask kvcompile::attention does not apply"
+    ),
+    "linear_attention": "a recurrent / linear-attention (Mamba, GDN, lightning) layer: it keeps a state, not K/V",
+    "conv": "a convolution layer: it keeps a conv state, not K/V",
+    "hybrid": "an attention layer fused with a recurrent state (Zamba2, Falcon-H1): the cache keeps K/V only",
+    "hybrid_sliding": "an attention layer fused with a recurrent state (Zamba2, Falcon-H1): the cache keeps K/V only",
+    "dummy": (
+        "a layer without a K/V cache of its own (it reuses another layer's K/V, or has no attention); "
+        "the cache needs one K/V store per layer"
+    ),
+    "indexed_attention": "sparse attention through a learned indexer (DeepSeek-V3.2 DSA): the cache keeps no indexer keys",
+    "compressed_sparse_attention": "compressed sparse attention (DeepSeek-V4): not a K/V store per token",
+    "heavily_compressed_attention": "compressed attention (DeepSeek-V4): not a K/V store per token",
+    "minimax_m3_sparse": "lightning-index sparse attention (MiniMax-M3): the cache keeps no index keys",
+    "reference_sliding_attention": "a full prefill plus a ring-buffered window over generated tokens (UnlimitedOCR)",
+    "window_attention": "non-overlapping window attention (vision encoders): not causal decoding",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """A model the cache cannot serve: ``reason`` says what the model does, ``fix`` what to use instead."""
+
+    def __init__(self, reason: str, fix: str = _USE_HF_CACHE):
+        self.reason, self.fix = reason, fix
+        super().__init__(f"kvcompile.QuantizedCache: {reason}; {fix}")
+
+
+def text_config(config) -> Any:
+    """The decoder's config (``config.get_text_config(decoder=True)`` for multimodal wrappers)."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def _layer_configs(text) -> list:
+    """One config per layer: transformers' per-layer view where it has one (heterogeneous configs)."""
+    if hasattr(text, "per_layer_config"):
+        return list(text.per_layer_config)
+    return [text] * _num_layers(text)
+
+
+def _num_layers(text) -> int:
+    n = getattr(text, "num_hidden_layers", None)
+    if not isinstance(n, int) or n < 1:
+        raise UnsupportedModelError(
+            f"the config ({type(text).__name__}) has no num_hidden_layers",
+            "pass the model's decoder config (model.config of a transformers causal LM)",
+        )
+    return n
+
+
+def _types_and_kwargs(text) -> tuple[list[str], list[dict]]:
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+    except ImportError:  # transformers before per-layer cache construction: the same rules, one config
+        get_layer_types_and_kwargs = None
+    try:
+        if get_layer_types_and_kwargs is not None and hasattr(text, "per_layer_config"):
+            return get_layer_types_and_kwargs(text)
+        return _types_and_kwargs_fallback(text)
+    except AttributeError as e:  # e.g. sliding_attention layers in a config without sliding_window
+        raise UnsupportedModelError(
+            f"the layer types of {type(text).__name__} cannot be read ({e})",
+            "give the config the attribute its layer types need (sliding_window for sliding_attention layers)",
+        ) from e
+
+
+def _types_and_kwargs_fallback(text) -> tuple[list[str], list[dict]]:
+    n = _num_layers(text)
+    types = getattr(text, "layer_types", None)
+    if types is None:
+        if getattr(text, "sliding_window", None) is not None:
+            types = ["sliding_attention"] * n
+        elif getattr(text, "attention_chunk_size", None) is not None:
+            types = ["chunked_attention"] * n
+        else:
+            types = ["full_attention"] * n
+    remap = {"mamba": "linear_attention", "attention": "full_attention", "moe": "dummy", "mlp": "dummy"}
+    types = [remap.get(t, t) for t in types]
+    kwargs = [{"sliding_window": text.sliding_window} if t == "sliding_attention" else {} for t in types]
+    return types, kwargs
+
+
+def layer_types(config) -> list[str]:
+    """Attention type per decoder layer, as transformers' own caches read it."""
+    types, _ = _types_and_kwargs(text_config(config))
+    return list(types)
+
+
+def _truthy_attr(cfg, *names) -> Any:
+    for name in names:
+        value = getattr(cfg, name, None)
+        if value:
+            return name, value
+    return None
+
+
+def check_config(config) -> None:
+    """Raise :class:`UnsupportedModelError` (a ``ValueError`` naming the reason and the fix) for a
+    model the cache cannot serve."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"{type(config).__name__} is an encoder-decoder model: its decoder cross-attends to the encoder "
+            "(an EncoderDecoderCache), and the cache serves decoder-only self-attention"
+        )
+    text = text_config(config)
+    name = type(text).__name__
+    cross = _truthy_attr(text, "add_cross_attention", "cross_attention_layers")
+    if cross:
+        raise UnsupportedModelError(
+            f"{name} has cross-attention ({cross[0]}={cross[1]}), and the cache serves self-attention K/V only"
+        )
+    if getattr(text, "kv_lora_rank", None) is not None:
+        raise UnsupportedModelError(
+            f"{name} uses multi-head latent attention (kv_lora_rank={text.kv_lora_rank}: DeepSeek-V2/V3, Kimi K2, "
+            "MiniCPM3): K and V come from a compressed latent with different head dims, which the cache's "
+            "one-shape K/V store and kvcompile::attention do not serve"
+        )
+    model_type = getattr(text, "model_type", "") or ""
+    alibi = model_type == "bloom" or getattr(text, "alibi", False) or getattr(getattr(text, "attn_config", None), "alibi", False)
+    alibi = alibi or getattr(text, "position_embedding_type", None) == "alibi"
+    if alibi:
+        raise UnsupportedModelError(
+            f"{name} uses ALiBi (a per-head linear position bias added to the attention scores: Bloom, MPT, "
+            "Falcon with alibi=True), which kvcompile::attention does not apply"
+        )
+    if getattr(text, "is_causal", True) is False or getattr(text, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(
+            f"{name} attends bidirectionally (is_causal=False / use_bidirectional_attention=True), and the "
+            "cache serves causal decoding only",
+            "run the model without a cache (it is an encoder)",
+        )
+    shared = getattr(text, "num_kv_shared_layers", 0)
+    if shared:
+        raise UnsupportedModelError(
+            f"{name} shares K/V across layers (num_kv_shared_layers={shared}: Gemma 3n, Gemma 4): those layers "
+            "read another layer's cache entries directly"
+        )
+    if getattr(text, "num_attention_heads", None) is None:
+        raise UnsupportedModelError(
+            f"{name} has no attention heads (a recurrent model such as Mamba or RWKV): it keeps no K/V to quantize",
+            "run it without kvcompile",
+        )
+    types, kwargs = _types_and_kwargs(text)
+    for i, (t, kw) in enumerate(zip(types, kwargs)):
+        if t in SUPPORTED_LAYER_TYPES:
+            if t == "sliding_attention":
+                w = kw.get("sliding_window")
+                if not isinstance(w, int) or isinstance(w, bool) or w < 1:
+                    raise UnsupportedModelError(
+                        f"layer {i} of {name} is a sliding-attention layer but its sliding_window is {w!r}",
+                        "set config.sliding_window to the window (a positive int)",
+                    )
+            continue
+        why = _REFUSED_LAYER_TYPES.get(t, f"an attention type kvcompile does not know ({t!r})")
+        raise UnsupportedModelError(
+            f"layer {i} of {name} has type {t!r}: {why}; the cache serves "
+            f"{' and '.join(SUPPORTED_LAYER_TYPES)} layers only"
+        )
+    _per_layer_shapes(text)  # raises for layers of different shapes
+
+
+def _per_layer_shapes(text) -> tuple[int, int]:
+    name = type(text).__name__
+    shapes = []
+    for cfg in _layer_configs(text):
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        v_head_dim = getattr(cfg, "v_head_dim", None)
+        if v_head_dim is not None and v_head_dim != head_dim:
+            raise UnsupportedModelError(
+                f"{name} has K head dim {head_dim} and V head dim {v_head_dim}, and the cache stores K and V of one shape"
+            )
+        shapes.append((kv_heads, head_dim))
+    if len(set(shapes)) != 1:
+        raise UnsupportedModelError(
+            f"the layers of {name} differ in (kv heads, head dim): {sorted(set(shapes))}, and the cache and its "
+            "calibration files assume one shape for every layer"
+        )
+    return shapes[0]
+
+
+def layer_shapes(config) -> tuple[int, int, int]:
+    """``(num_layers, kv_heads, head_dim)`` of the decoder; refuses (:class:`UnsupportedModelError`) what the cache
+    cannot serve (see :func:`check_config`)."""
+    check_config(config)
+    text = text_config(config)
+    kv_heads, head_dim = _per_layer_shapes(text)
+    return _num_layers(text), kv_heads, head_dim
+
+
+def layer_windows(config) -> list[int]:
+    """Per decoder layer: 0 for full attention, ``W`` for a sliding window of ``W`` keys (query ``p``
+    sees keys ``k > p - W``). Refuses (:class:`UnsupportedModelError`) what the cache cannot serve (see
+    :func:`check_config`)."""
+    check_config(config)
+    types, kwargs = _types_and_kwargs(text_config(config))
+    return [int(kw["sliding_window"]) if t == "sliding_attention" else 0 for t, kw in zip(types, kwargs)]
+
+
+def cache_kwarg(model) -> str:
+    """The keyword under which ``model`` (a transformers model, its ``forward``, or a wrapper of it such
+    as ``torch.compile``'s or :class:`kvcompile.BatchPaddedForward`) takes a cache: ``"cache"``
+    (transformers >= 5.2x, where ``past_key_values`` is deprecated) or ``"past_key_values"`` (older 5.x)."""
+    fwd = model.forward if hasattr(model, "forward") and not inspect.isfunction(model) else model
+    fwd = getattr(fwd, "_torchdynamo_orig_callable", fwd)
+    try:
+        params = inspect.signature(fwd).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"

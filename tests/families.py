@@ -1,0 +1,160 @@
+"""The family matrix: the Hugging Face families kvcompile serves (``tests/test_families.py`` runs
+every row) and the ones it refuses (with :mod:`kvcompile.hf`'s reason).
+
+    PYTHONPATH=. python tests/families.py     # prints the README's table of families
+
+The table is generated from these two lists: a supported row's attention column comes from
+:func:`kvcompile.hf.layer_windows` on its example model's config (transformers' default config of
+the class with the example's published layer count and window), a refused row's reason from the
+:class:`kvcompile.hf.UnsupportedModelError` its config raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import transformers
+
+W = 4  # the tiny window: the test prompt (8 tokens) and decode run past it
+
+_FULL2 = ["full_attention", "full_attention"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One supported family of the matrix."""
+
+    name: str  # test id
+    family: str  # key of models.FAMILIES
+    label: str  # the family in the table
+    example: str  # a published model of this layout
+    tiny: dict  # overrides on models.tiny_config (window, softcap, ...)
+    no_window: dict | None = None  # overrides that remove the window (the control); None: no window
+    real: dict = dataclasses.field(default_factory=dict)  # overrides on transformers' default config: the example's layout
+    attn: tuple = ("sdpa", "eager")  # the attention implementations transformers has for it
+    note: str = ""  # what else the attention does
+
+    @property
+    def windowed(self) -> bool:
+        return self.no_window is not None
+
+
+ROWS: list[Row] = [
+    Row("llama", "llama", "Llama", "Llama-3.1-8B", {}, real=dict(num_hidden_layers=32)),
+    Row("qwen2", "qwen2", "Qwen2 / Qwen2.5", "Qwen2.5-7B", {}, real=dict(num_hidden_layers=28)),
+    Row("qwen2_window", "qwen2", "Qwen2 (use_sliding_window=True)", "Qwen2-7B config with use_sliding_window",
+        dict(num_hidden_layers=2, use_sliding_window=True, sliding_window=W, max_window_layers=1),
+        no_window=dict(use_sliding_window=False),
+        real=dict(num_hidden_layers=28, use_sliding_window=True, sliding_window=4096, max_window_layers=21)),
+    Row("qwen3", "qwen3", "Qwen3", "Qwen3-8B", {}, real=dict(num_hidden_layers=36)),
+    Row("mistral", "mistral", "Mistral", "Mistral-7B-v0.1", dict(sliding_window=W), no_window=dict(sliding_window=None),
+        real=dict(num_hidden_layers=32, sliding_window=4096)),
+    Row("phi3", "phi3", "Phi-3", "Phi-3-mini-4k-instruct", dict(sliding_window=W), no_window=dict(sliding_window=None),
+        real=dict(num_hidden_layers=32, sliding_window=2047)),
+    Row("gemma", "gemma", "Gemma", "gemma-7b", {}, real=dict(num_hidden_layers=28)),
+    Row("gemma2", "gemma2", "Gemma 2", "gemma-2-9b", dict(sliding_window=W, attn_logit_softcapping=50.0),
+        no_window=dict(layer_types=_FULL2), real=dict(num_hidden_layers=42, sliding_window=4096),
+        attn=("eager",), note="attention logit softcap 50"),
+    Row("gemma3", "gemma3", "Gemma 3 (text)", "gemma-3-4b", dict(sliding_window=W), no_window=dict(layer_types=_FULL2),
+        real=dict(num_hidden_layers=34, sliding_window=1024)),
+    Row("gpt_oss", "gpt_oss", "gpt-oss", "gpt-oss-20b", dict(sliding_window=W), no_window=dict(layer_types=_FULL2),
+        real=dict(num_hidden_layers=24, sliding_window=128), attn=("eager",), note="a learned sink logit per head"),
+    Row("granite", "granite", "Granite", "granite-3.0-8b", {}, real=dict(num_hidden_layers=40)),
+    Row("olmo2", "olmo2", "OLMo 2", "OLMo-2-1124-7B", {}, real=dict(num_hidden_layers=32)),
+    Row("stablelm", "stablelm", "StableLM", "stablelm-2-1_6b", {}, real=dict(num_hidden_layers=24)),
+    Row("cohere", "cohere", "Cohere (Command-R)", "c4ai-command-r-v01", {}, real=dict(num_hidden_layers=40)),
+    Row("cohere2", "cohere2", "Cohere2 (Command-R7B)", "c4ai-command-r7b-12-2024", dict(sliding_window=W),
+        no_window=dict(layer_types=_FULL2), real=dict(num_hidden_layers=32, sliding_window=4096)),
+    Row("starcoder2", "starcoder2", "Starcoder2", "starcoder2-7b", dict(sliding_window=W),
+        no_window=dict(sliding_window=None), real=dict(num_hidden_layers=32, sliding_window=4096)),
+    Row("mixtral", "mixtral", "Mixtral", "Mixtral-8x7B-v0.1", {}, real=dict(num_hidden_layers=32, sliding_window=None)),
+    Row("qwen3_moe", "qwen3_moe", "Qwen3-MoE", "Qwen3-30B-A3B", {}, real=dict(num_hidden_layers=48)),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """A family the cache refuses at construction; ``match``: a regex its error must contain."""
+
+    label: str
+    example: str
+    config: Callable[[], Any]
+    match: str
+
+
+def _cfg(name: str, **kw) -> Callable[[], Any]:
+    return lambda: getattr(transformers, name)(**kw)
+
+
+REFUSED: list[Refused] = [
+    Refused("T5", "t5-base", _cfg("T5Config"), "encoder-decoder"),
+    Refused("BART", "bart-large", _cfg("BartConfig"), "encoder-decoder"),
+    Refused("Whisper", "whisper-large-v3", _cfg("WhisperConfig"), "encoder-decoder"),
+    Refused("Llama 3.2 Vision (Mllama)", "Llama-3.2-11B-Vision", _cfg("MllamaConfig"), "cross-attention"),
+    Refused("DeepSeek-V2 / V3, Kimi K2", "DeepSeek-V3", _cfg("DeepseekV3Config"), "multi-head latent attention"),
+    Refused("MiniCPM3", "MiniCPM3-4B", _cfg("MiniCPM3Config"), "multi-head latent attention"),
+    Refused("Llama 4", "Llama-4-Scout-17B-16E", _cfg("Llama4TextConfig"), "chunked attention"),
+    Refused("Bloom", "bloom-7b1", _cfg("BloomConfig"), "ALiBi"),
+    Refused("MPT", "mpt-7b", _cfg("MptConfig"), "ALiBi"),
+    Refused("Falcon (alibi=True)", "falcon-rw-1b", _cfg("FalconConfig", alibi=True), "ALiBi"),
+    Refused("Gemma 3n", "gemma-3n-E4B", _cfg("Gemma3nTextConfig"), "shares K/V"),
+    Refused("Jamba", "Jamba-v0.1", _cfg("JambaConfig"), "recurrent / linear-attention"),
+    Refused("Qwen3-Next", "Qwen3-Next-80B-A3B", _cfg("Qwen3NextConfig"), "recurrent / linear-attention"),
+    Refused("Falcon-H1", "Falcon-H1-7B", _cfg("FalconH1Config"), "recurrent state"),
+    Refused("Mamba", "mamba-2.8b", _cfg("MambaConfig"), "no attention heads"),
+]
+
+
+def real_config(row: Row):
+    """transformers' default config of the row's class with the example's layout overrides."""
+    from models import FAMILIES
+
+    return getattr(transformers, FAMILIES[row.family][0])(**row.real)
+
+
+def attention_summary(row: Row) -> str:
+    from kvcompile import hf
+
+    windows = hf.layer_windows(real_config(row))
+    n, sliding = len(windows), [w for w in windows if w]
+    if not sliding:
+        text = f"full attention, {n} layers"
+    else:
+        text = f"window {'/'.join(str(w) for w in sorted(set(sliding)))} on {len(sliding)} of {n} layers"
+        if len(sliding) < n:
+            text += f", full on {n - len(sliding)}"
+    return text + (f"; {row.note}" if row.note else "")
+
+
+def refusal_reason(entry: Refused) -> str:
+    from kvcompile import hf
+
+    try:
+        hf.check_config(entry.config())
+    except hf.UnsupportedModelError as e:
+        return e.reason
+    raise AssertionError(f"{entry.label}: kvcompile.hf accepts {entry.example}'s config; it is listed as refused")
+
+
+def table() -> str:
+    lines = [
+        "| Family | Example | Attention (example's config) | Tested with | kvcompile |",
+        "|---|---|---|---|---|",
+    ]
+    for row in ROWS:
+        status = "supported"
+        if row.windowed:
+            status += " (sliding layers store max_cache_len positions: memory grows with max_cache_len)"
+        lines.append(f"| {row.label} | {row.example} | {attention_summary(row)} | {', '.join(row.attn)} | {status} |")
+    for entry in REFUSED:
+        lines.append(f"| {entry.label} | {entry.example} | | | refused: {refusal_reason(entry)} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    print(table())

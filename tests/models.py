@@ -1,0 +1,110 @@
+"""The one tiny-model factory of the tests (no tests here): ``tiny_config`` / ``tiny_model``.
+
+Every family is its real transformers architecture shrunk to a few layers and a hidden size of
+128 (4 query heads, 2 kv heads, head_dim 32: 32 so that q8_0's block-32 scales apply), so that
+Dynamo tracing stays within CI's 2 cores. Real sizes are in the comments. A test module that needs
+other sizes passes them as overrides (``tiny_config("llama", hidden_size=64, head_dim=32)``); the
+families here fix only what the architecture needs to build small (expert counts, layer
+patterns). Windows, softcapping and the like are the caller's overrides too.
+
+``cache_kwarg`` is :func:`kvcompile.hf.cache_kwarg` (the keyword a model takes its cache under).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+import torch
+import transformers
+
+from kvcompile.hf import cache_kwarg
+
+__all__ = ["BASE", "FAMILIES", "cache_kwarg", "tiny_config", "tiny_model"]
+
+BASE = dict(
+    vocab_size=96, hidden_size=128, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+
+_TWO = ["sliding_attention", "full_attention"]  # a local/global pair: the smallest hybrid
+
+# family -> (transformers config class, what the architecture needs beyond BASE)
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    # Llama-3.1-8B: hidden 4096, 32 layers, 32 q / 8 kv heads, head_dim 128
+    "llama": ("LlamaConfig", {}),
+    # Qwen2.5-7B: hidden 3584, 28 layers, 28 q / 4 kv heads, head_dim 128, qkv bias;
+    # use_sliding_window=True makes layers >= max_window_layers slide
+    "qwen2": ("Qwen2Config", {}),
+    # Qwen3-8B: hidden 4096, 36 layers, 32 q / 8 kv heads, head_dim 128, q/k RMSNorm
+    "qwen3": ("Qwen3Config", {}),
+    # Mistral-7B-v0.1: hidden 4096, 32 layers, 32 q / 8 kv heads, head_dim 128, sliding window 4096
+    "mistral": ("MistralConfig", {}),
+    # Phi-3-mini-4k: hidden 3072, 32 layers, 32 q / 32 kv heads (MHA), head_dim 96, fused qkv, window 2047
+    "phi3": ("Phi3Config", {}),
+    # Gemma-7B: hidden 3072, 28 layers, 16 q / 16 kv heads, head_dim 256, embeddings * sqrt(hidden)
+    "gemma": ("GemmaConfig", {}),
+    # Gemma-2-9B: hidden 3584, 42 layers alternating window-4096 / global, 16 q / 8 kv heads,
+    # head_dim 256, attention logit softcap 50 (eager only: transformers has no SDPA path for it)
+    "gemma2": ("Gemma2Config", dict(num_hidden_layers=2, layer_types=_TWO)),
+    # Gemma-3-4B (text): hidden 2560, 34 layers, 5 window-1024 layers per global one, 8 q / 4 kv heads,
+    # head_dim 256, q/k RMSNorm
+    "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=2, layer_types=_TWO)),
+    # gpt-oss-20b: hidden 2880, 24 layers alternating window-128 / global, 64 q / 8 kv heads,
+    # head_dim 64, a learned sink logit per head, 32 experts top-4 (eager only in transformers)
+    "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=2, layer_types=_TWO, num_local_experts=4,
+                                     num_experts_per_tok=2)),
+    # Granite-3.0-8B: hidden 4096, 40 layers, 32 q / 8 kv heads, embedding/residual/attention multipliers
+    "granite": ("GraniteConfig", {}),
+    # OLMo-2-7B: hidden 4096, 32 layers, 32 heads (MHA), q/k RMSNorm after the projections
+    "olmo2": ("Olmo2Config", {}),
+    # StableLM-2-1.6B: hidden 2048, 24 layers, 32 heads (MHA), partial rotary (25%)
+    "stablelm": ("StableLmConfig", {}),
+    # Command-R (35B): hidden 8192, 40 layers, 64 heads (MHA), parallel attention/MLP block
+    "cohere": ("CohereConfig", {}),
+    # Command-R7B: hidden 4096, 32 layers, 3 window-4096 layers per global one (global layers: no RoPE)
+    "cohere2": ("Cohere2Config", dict(num_hidden_layers=2, layer_types=_TWO)),
+    # StarCoder2-7B: hidden 4608, 32 layers, 36 q / 4 kv heads, sliding window 4096, LayerNorm, biases
+    "starcoder2": ("Starcoder2Config", {}),
+    # Mixtral-8x7B: hidden 4096, 32 layers, 32 q / 8 kv heads, 8 experts top-2
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    # Qwen3-30B-A3B: hidden 2048, 48 layers, 32 q / 4 kv heads, head_dim 128, 128 experts top-8
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)),
+}
+
+
+def tiny_config(family: str, **overrides):
+    """The tiny config of ``family`` (a key of :data:`FAMILIES`): BASE, the family's needs, then ``overrides``."""
+    cls_name, needs = FAMILIES[family]
+    cls = getattr(transformers, cls_name)
+    kw = {**BASE, **needs, **overrides}
+    if "head_dim" not in kw and _has_field(cls, "head_dim"):  # else Gemma's default 256, gpt-oss's 64, ...
+        kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
+    layer_types = kw.get("layer_types")
+    if layer_types is not None and len(layer_types) != kw["num_hidden_layers"]:
+        kw["layer_types"] = [layer_types[i % len(layer_types)] for i in range(kw["num_hidden_layers"])]
+    return cls(**kw)
+
+
+def _has_field(cls, name: str) -> bool:
+    if dataclasses.is_dataclass(cls):
+        return any(f.name == name for f in dataclasses.fields(cls))
+    return name in inspect.signature(cls.__init__).parameters
+
+
+def tiny_model(family_or_config, attn: str = "sdpa", *, seed: int = 0, dtype: torch.dtype | None = None,
+               device: str | torch.device | None = None, **overrides):
+    """A random causal LM (eval mode) from :func:`tiny_config` (or from a config given as is), its
+    weights drawn after ``torch.manual_seed(seed)``; ``attn`` is the attention implementation."""
+    if isinstance(family_or_config, str):
+        cfg = tiny_config(family_or_config, **overrides)
+    else:
+        if overrides:
+            raise TypeError("tiny_model: overrides apply to a family name, not to a ready config")
+        cfg = family_or_config
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
+    if dtype is not None or device is not None:
+        model = model.to(device=device, dtype=dtype)
+    return model.eval()

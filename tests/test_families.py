@@ -1,0 +1,291 @@
+"""The family matrix: every supported family (tests/families.py) x attention implementation x
+kv_dtype, through the calls a user makes (CPU).
+
+Each row runs one tiny model (tests/models.py; real sizes in the comments there) three ways:
+
+* ``model(ids, cache=cache)`` with no attention_mask: prefill 8 tokens, then 3 decode steps;
+* the same with a left-padded 2-D attention_mask (row 0 has 3 pads);
+* ``model.generate(ids, attention_mask=mask, cache=cache)`` (4 greedy tokens).
+
+and checks:
+
+* every graph torch.compile produces (prefill and decode, forward and generate) has every
+  attention site rewritten: ``found == rewritten == layers``;
+* compiled logits equal eager logits over the same kind of cache (1e-4: both evaluate attention in
+  float32 over bit-identical codes; they differ by float32 rounding, ~1e-6);
+* eager logits equal transformers' own ``DynamicCache`` (for sliding layers its
+  ``DynamicSlidingWindowLayer``, which keeps only the window) fed the same 8-bit values (the
+  dequantized K/V the QuantizedCache held for each call's new tokens): :data:`HF_TOL`;
+* for a window row, a control (same weights, window removed) differs from the windowed model by
+  far more than those tolerances, so each window check can tell the window on from off. Prompts
+  and decode run past the window (window 4, 8-token prompt, cache of 16).
+
+The compile here is the kvcompile backend with Inductor replaced by running the rewritten graph as
+is (the pass runs on the Dynamo graph before Inductor, so the rewrite and its numerics are the
+same; test_backend.py covers Inductor). One compile per row is shared by the checks. The first
+(attention implementation, kv_dtype) of each row runs in CI; the rest are ``slow`` (set
+KVCOMPILE_SLOW=1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from unittest import mock
+
+import pytest
+import torch
+import transformers
+
+import kvcompile
+from families import ROWS, Row
+from models import cache_kwarg, tiny_config, tiny_model
+from utils import max_rel_err
+
+KV_DTYPES = [k for k in ("fp8_e4m3", "q8_0", "int8") if k in kvcompile.KV_DTYPES]
+B, PROMPT, STEPS, MAX_LEN, PAD = 2, 8, 3, 16, 3
+ATOL = RTOL = 1e-4  # compiled vs eager over the same cache (see the module docstring)
+# eager over QuantizedCache vs HF's DynamicCache holding the same dequantized values: both
+# attention paths run in float32 on equal K/V; ours attends over all 16 slots with the padding and
+# window masked, HF's over the tokens it keeps; measured <= 6e-7 of max|logits| over the whole
+# matrix. (Letting HF's run quantize its own K/V instead is not exact: a 1e-7 difference in a
+# layer's input can flip one rounding, 1.1e-4 on gemma3-eager-q8_0; hence the replay.)
+HF_TOL = 1e-5
+CONTROL_MIN = 100 * HF_TOL  # a window control must differ by at least this much
+
+SLOW = [pytest.mark.slow, pytest.mark.skipif(os.environ.get("KVCOMPILE_SLOW") != "1",
+                                             reason="a rarely-varying combination: set KVCOMPILE_SLOW=1")]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    row: Row
+    attn: str
+    kv_dtype: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.row.name}-{self.attn}-{self.kv_dtype}"
+
+
+def _cases(windowed_only: bool = False) -> list:
+    out = []
+    for i, row in enumerate(ROWS):
+        if windowed_only and not row.windowed:
+            continue
+        fast = (row.attn[i % len(row.attn)], KV_DTYPES[(i // 2) % len(KV_DTYPES)])  # one per row in CI, rotating
+        for attn in row.attn:
+            for kv in KV_DTYPES:
+                case = Case(row, attn, kv)
+                marks = () if (attn, kv) == fast else SLOW
+                out.append(pytest.param(case, id=case.id, marks=marks))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# drivers
+# ---------------------------------------------------------------------------------------------
+
+
+class RecordingCache(kvcompile.QuantizedCache):
+    """A QuantizedCache that also keeps, per layer, the values it returns for each call's new tokens."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.written: dict[int, list] = {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        end = int(self.layers[layer_idx].cumulative_length)
+        new = slice(end - key_states.shape[2], end)
+        self.written.setdefault(layer_idx, []).append((k[:, :, new].clone(), v[:, :, new].clone()))
+        return k, v
+
+
+class ReplayDynamicCache(transformers.DynamicCache):
+    """transformers' own DynamicCache (``DynamicSlidingWindowLayer`` for sliding layers: it keeps only
+    the window) fed, call by call, the 8-bit values a :class:`RecordingCache` held for the same tokens."""
+
+    def __init__(self, config, written: dict):
+        super().__init__(config=config)
+        self.queue = {i: list(calls) for i, calls in written.items()}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = self.queue[layer_idx].pop(0)
+        assert k.shape == key_states.shape, (k.shape, key_states.shape)
+        return super().update(k, v, layer_idx, *args, **kwargs)
+
+
+def _prompt():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 96, (B, PROMPT), generator=g)
+    mask = torch.ones(B, PROMPT, dtype=torch.long)
+    mask[0, :PAD] = 0
+    return ids, mask
+
+
+def _steps(forward, model, cache, ids, mask, toks):
+    """Prefill then one decode step per token of ``toks``; logits at real positions of each call.
+    ``mask=None``: the plainest call, ``forward(input_ids=..., cache=...)``."""
+    kw = cache_kwarg(model)
+    extra = {} if mask is None else {"attention_mask": mask}
+    outs = []
+    with torch.no_grad():
+        logits = forward(input_ids=ids, **extra, **{kw: cache}).logits
+        outs.append(logits[mask.bool()] if mask is not None else logits.flatten(0, 1))
+        for tok in toks:
+            if mask is not None:
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+                extra = {"attention_mask": mask}
+            outs.append(forward(input_ids=tok, **extra, **{kw: cache}).logits[:, -1])
+    return outs
+
+
+def _greedy_tokens(model, cache, ids):
+    """STEPS greedy tokens of the unmasked eager run (every other run is fed the same tokens)."""
+    kw = cache_kwarg(model)
+    toks = []
+    with torch.no_grad():
+        logits = model(input_ids=ids, **{kw: cache}).logits
+        for _ in range(STEPS):
+            toks.append(logits[:, -1:].argmax(-1))
+            logits = model(input_ids=toks[-1], **{kw: cache}).logits
+    return toks
+
+
+def _generate(model, cache, ids, mask):
+    kw = cache_kwarg(model)
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=STEPS + 1, min_new_tokens=STEPS + 1,
+                              do_sample=False, return_dict_in_generate=True, output_scores=True, pad_token_id=0,
+                              **{kw: cache})
+
+
+def _err(got: list, want: list) -> float:
+    return max(max_rel_err(g, w) for g, w in zip(got, want))
+
+
+@contextlib.contextmanager
+def _pass_then_eager():
+    """kvcompile.backend with Inductor's compile_fx replaced by the rewritten graph itself."""
+    with mock.patch("torch._inductor.compile_fx.compile_fx", lambda gm, example_inputs, **kw: gm.forward):
+        yield
+
+
+@dataclasses.dataclass
+class Result:
+    layers: int
+    eager: dict  # "nomask" / "mask" -> logits per call, over QuantizedCache
+    hf: dict  # the same over ReplayDynamicCache (the same 8-bit values)
+    control: list | None  # window removed, unmasked, over QuantizedCache
+    compiled: dict | None = None
+    reports: dict | None = None  # "forward" / "generate" -> backend reports
+    generate: tuple | None = None  # (eager output, compiled output)
+    error: BaseException | None = None  # raised while compiling / running compiled
+
+
+_MODELS: dict = {}
+_RESULTS: dict = {}
+
+
+def _model(row: Row, attn: str, window: bool = True):
+    key = (row.name, attn, window)
+    if key not in _MODELS:
+        overrides = dict(row.tiny) if window else {**row.tiny, **row.no_window}
+        _MODELS[key] = tiny_model(tiny_config(row.family, **overrides), attn)
+        if not window:  # same weights as the windowed model (seeded alike; load them to be sure)
+            _MODELS[key].load_state_dict(_model(row, attn).state_dict())
+    return _MODELS[key]
+
+
+def _result(case: Case) -> Result:
+    if case.id in _RESULTS:
+        return _RESULTS[case.id]
+    row, kv = case.row, case.kv_dtype
+    model = _model(row, case.attn)
+    cfg = model.config
+    qcache = lambda: kvcompile.QuantizedCache(cfg, max_batch_size=B, max_cache_len=MAX_LEN, kv_dtype=kv)  # noqa: E731
+    ids, mask = _prompt()
+    toks = _greedy_tokens(model, qcache(), ids)
+    res = Result(layers=cfg.num_hidden_layers, eager={}, hf={}, control=None)
+    for m, mk in (("nomask", None), ("mask", mask)):
+        recording = RecordingCache(cfg, max_batch_size=B, max_cache_len=MAX_LEN, kv_dtype=kv)
+        res.eager[m] = _steps(model.forward, model, recording, ids, mk, toks)
+        res.hf[m] = _steps(model.forward, model, ReplayDynamicCache(cfg, recording.written), ids, mk, toks)
+    if row.windowed:
+        control = _model(row, case.attn, window=False)
+        res.control = _steps(control.forward, control, qcache(), ids, None, toks)
+    torch._dynamo.reset()
+    try:
+        backend = kvcompile.backend(kv)
+        compiled = torch.compile(model.forward, backend=backend, fullgraph=True)
+        with _pass_then_eager():
+            res.compiled = {"nomask": _steps(compiled, model, qcache(), ids, None, toks)}
+            n = len(backend.report())
+            eager_gen = _generate(model, qcache(), ids, mask)
+            model.forward = compiled
+            try:
+                res.generate = (eager_gen, _generate(model, qcache(), ids, mask))
+            finally:
+                del model.forward
+        res.reports = {"forward": backend.report()[:n], "generate": backend.report()[n:]}
+    except Exception as e:  # the checks that need the compiled run re-raise it; the eager ones still run
+        res.error = e
+    finally:
+        torch._dynamo.reset()
+    _RESULTS[case.id] = res
+    return res
+
+
+def _compiled(res: Result) -> Result:
+    if res.error is not None:
+        raise AssertionError(f"the compiled run failed: {type(res.error).__name__}: {res.error}") from res.error
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# checks
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", _cases())
+def test_every_graph_is_rewritten(case):
+    res = _compiled(_result(case))
+    bad = []
+    for call, reports in res.reports.items():
+        with_cache = [r for r in reports if r["found"]]
+        assert len(with_cache) >= 2, f"{call}: expected a prefill and a decode graph over the cache, got {reports}"
+        for i, r in enumerate(reports):
+            if (r["found"], r["rewritten"], r["skipped"]) != (res.layers, res.layers, []):
+                reasons = sorted({reason for _, reason in r["skipped"]})
+                bad.append(f"{call} graph {i}: {r['rewritten']}/{r['found']} of {res.layers} rewritten; {reasons}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("case", _cases())
+def test_compiled_equals_eager(case):
+    res = _compiled(_result(case))
+    for i, (e, g) in enumerate(zip(res.eager["nomask"], res.compiled["nomask"])):
+        torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL, msg=lambda m: f"no mask, call {i}: {m}")
+    eager_gen, compiled_gen = res.generate
+    assert torch.equal(compiled_gen.sequences, eager_gen.sequences)
+    for i, (e, g) in enumerate(zip(eager_gen.scores, compiled_gen.scores)):
+        torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL, msg=lambda m: f"generate step {i}: {m}")
+
+
+@pytest.mark.parametrize("case", _cases())
+def test_eager_equals_transformers_cache(case):
+    res = _result(case)
+    for m in ("nomask", "mask"):
+        err = _err(res.eager[m], res.hf[m])
+        assert err <= HF_TOL, f"{m}: eager over QuantizedCache vs HF's DynamicCache on the same values: {err:.3g}"
+
+
+@pytest.mark.parametrize("case", _cases(windowed_only=True))
+def test_window_control_tells_the_window_apart(case):
+    """The same weights without the window give logits far outside every tolerance above, so the
+    checks that compare against the windowed model would catch a path that drops the window."""
+    res = _result(case)
+    assert _err(res.control, res.eager["nomask"]) > CONTROL_MIN
+    assert _err(res.control, res.hf["nomask"]) > CONTROL_MIN

@@ -1,0 +1,166 @@
+"""kvcompile.hf: layer shapes and windows as transformers' own caches read them, the refusals
+(each naming the reason and the fix), the cache keyword, and an import graph without cycles."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import pathlib
+import types
+
+import pytest
+import torch
+import transformers
+
+import kvcompile
+from families import REFUSED, ROWS, real_config, refusal_reason
+from kvcompile import hf
+from models import cache_kwarg, tiny_config, tiny_model
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _windows_of_static_cache(config, max_cache_len: int = 1 << 20) -> list[int]:
+    """transformers' StaticCache: a sliding layer holds min(window, max_cache_len) positions."""
+    cache = transformers.StaticCache(config=config, max_cache_len=max_cache_len)
+    return [layer.max_cache_len if layer.is_sliding else 0 for layer in cache.layers]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
+def test_windows_match_transformers_static_cache(row):
+    """Per-layer windows equal the ones StaticCache builds its sliding layers with, for the tiny
+    config, its window-removed control and the example model's config."""
+    configs = [tiny_config(row.family, **row.tiny), real_config(row)]
+    if row.windowed:
+        configs.append(tiny_config(row.family, **{**row.tiny, **row.no_window}))
+    for cfg in configs:
+        assert hf.layer_windows(cfg) == _windows_of_static_cache(cfg)
+        assert hf.layer_types(cfg) == ["sliding_attention" if w else "full_attention" for w in hf.layer_windows(cfg)]
+    tiny, control = hf.layer_windows(configs[0]), hf.layer_windows(configs[-1])
+    if row.windowed:  # the test matrix's window rows slide somewhere, and their controls nowhere
+        assert any(tiny) and not any(control)
+    else:
+        assert not any(tiny)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
+def test_layer_shapes_are_what_the_model_writes(row):
+    """(layers, kv heads, head_dim) equal the K the tiny model writes into a cache."""
+    cfg = tiny_config(row.family, **row.tiny)
+    model = tiny_model(cfg, row.attn[0])
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[3, 4, 5]]), use_cache=True, **{cache_kwarg(model): cache})
+    written = {(layer.keys.shape[1], layer.keys.shape[3]) for layer in cache.layers}
+    layers, kv_heads, head_dim = hf.layer_shapes(model.config)
+    assert layers == len(cache.layers) and written == {(kv_heads, head_dim)}
+
+
+def test_qwen2_window_follows_use_sliding_window_and_max_window_layers():
+    cfg = lambda **kw: tiny_config("qwen2", num_hidden_layers=4, sliding_window=8, **kw)  # noqa: E731
+    assert hf.layer_windows(cfg()) == [0, 0, 0, 0]  # the window Qwen2 carries by default is off
+    assert hf.layer_windows(cfg(use_sliding_window=True, max_window_layers=2)) == [0, 0, 8, 8]
+    assert hf.layer_windows(cfg(use_sliding_window=True, max_window_layers=0)) == [8, 8, 8, 8]
+
+
+@pytest.mark.parametrize("entry", REFUSED, ids=[e.label for e in REFUSED])
+def test_refused_families_name_the_reason_and_the_fix(entry):
+    with pytest.raises(hf.UnsupportedModelError, match=entry.match) as e:
+        kvcompile.QuantizedCache(entry.config(), max_batch_size=1, max_cache_len=16)
+    assert isinstance(e.value, ValueError) and e.value.fix in str(e.value)
+    assert entry.match.split()[0] in refusal_reason(entry)
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        (lambda: transformers.GPT2Config(add_cross_attention=True), "cross-attention"),
+        (lambda: tiny_config("gemma3", use_bidirectional_attention=True), "bidirectional"),
+        (lambda: transformers.Gemma4TextConfig(), r"differ in \(kv heads, head dim\)"),
+        (lambda: tiny_config("llama", v_head_dim=64, head_dim=32), "V head dim 64"),
+        (lambda: tiny_config("llama", num_hidden_layers=2, layer_types=["sliding_attention"] * 2),
+         "sliding_window"),
+        (lambda: tiny_config("llama", num_hidden_layers=2, layer_types=["full_attention", "window_attention"]),
+         "non-overlapping window"),
+        (lambda: types.SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, hidden_size=64,
+                                       layer_types=["full_attention", "mystery_attention"]),
+         "does not know.*mystery_attention"),
+        (lambda: transformers.RwkvConfig(), "no attention heads"),
+    ],
+    ids=["cross-attention", "bidirectional", "per-layer-shapes", "v-head-dim", "window-missing", "window-attention",
+         "unknown-type", "rwkv"],
+)
+def test_other_refusals(config, match):
+    with pytest.raises(hf.UnsupportedModelError, match=match):
+        hf.layer_shapes(config())
+
+
+def test_cache_kwarg_sees_through_wrappers():
+    model = tiny_model("llama")
+    want = "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters else "past_key_values"
+    compiled = torch.compile(model.forward, backend="eager")
+    padded = kvcompile.BatchPaddedForward(compiled, max_batch_size=2)
+    for thing in (model, model.forward, compiled, padded):
+        assert cache_kwarg(thing) == want
+    model.forward = padded  # a model whose forward was replaced by a wrapper
+    assert cache_kwarg(model) == want
+
+    def old_forward(input_ids=None, past_key_values=None):
+        pass
+
+    def new_forward(input_ids=None, cache=None):
+        pass
+
+    assert cache_kwarg(old_forward) == "past_key_values" and cache_kwarg(new_forward) == "cache"
+    assert cache_kwarg(print) == "past_key_values"  # no signature: the spelling every 5.x version takes
+
+
+def _module_imports(path: pathlib.Path, package: str) -> set[str]:
+    """kvcompile modules imported at module level (function-level imports are lazy, not cycles)."""
+    tree = ast.parse(path.read_text())
+    here = package.split(".")
+    out = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+                names = [mod] + [f"{mod}.{a.name}" for a in node.names]
+            else:
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        out.update(n for n in names if n.startswith("kvcompile"))
+    return out
+
+
+def test_kvcompile_has_no_import_cycle():
+    pkg = ROOT / "kvcompile"
+    modules = {}
+    for path in pkg.rglob("*.py"):
+        rel = path.relative_to(ROOT).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        package = name if rel.name == "__init__" else ".".join(rel.parts[:-1])
+        modules[name] = (path, package)
+    graph = {}
+    for name, (path, package) in modules.items():
+        deps = {d for d in _module_imports(path, package) if d in modules and d != name}
+        graph[name] = {d for d in deps if not name.startswith(d + ".")}  # a submodule importing its package
+    assert "kvcompile.cache" not in graph["kvcompile.calibration"]
+    assert "kvcompile.hf" in graph["kvcompile.cache"] and "kvcompile.hf" in graph["kvcompile.calibration"]
+    state: dict[str, int] = {}
+
+    def visit(node, stack):
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                raise AssertionError(f"import cycle: {' -> '.join(stack + [node, dep])}")
+            if dep not in state:
+                visit(dep, stack + [node])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
