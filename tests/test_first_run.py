@@ -1,0 +1,180 @@
+"""The first ten minutes: every mistake a new user makes is named by kvcompile, the cache's size is
+known before it is allocated, and what the examples need ships inside the package.
+
+Each bad-input test asserts that the message names the problem and the fix, and that the error is
+kvcompile's (raised before torch or Dynamo reach the input).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import warnings
+from contextlib import redirect_stdout
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import kvcompile
+from kvcompile import QuantizedCache
+from kvcompile.cache import CacheSizeWarning
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2)
+# SmolLM2-135M's attention shapes (30 layers, 3 kv heads of 64): the shipped calibration's model
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192)
+
+
+def config(**overrides):
+    return LlamaConfig(**dict(TINY, **overrides))
+
+
+_MODEL = {}
+
+
+def tiny_model():
+    if not _MODEL:
+        torch.manual_seed(0)
+        cfg = config()
+        cfg._attn_implementation = "sdpa"
+        _MODEL["m"] = LlamaForCausalLM(cfg).eval()
+    return _MODEL["m"]
+
+
+IDS = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+
+
+def kv(cache) -> dict:
+    """The cache as the keyword this transformers' forward/generate takes (``cache``, or 5.17's name)."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(tiny_model().forward).parameters else "past_key_values"
+    return {name: cache}
+
+
+# ------------------------------------------------------------------------------------------------
+# arguments of QuantizedCache
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,kw", [("max_cache_len", dict(max_cache_len=64.0)),
+                                     ("max_batch_size", dict(max_batch_size=2.0)),
+                                     ("max_cache_len", dict(max_cache_len=True))])
+def test_non_int_sizes_refused(name, kw):
+    args = dict(max_batch_size=1, max_cache_len=16, device="cpu")
+    args.update(kw)
+    with pytest.raises(TypeError, match=f"kvcompile.QuantizedCache: {name} must be an int"):
+        QuantizedCache(config(), **args)
+
+
+def test_float_size_names_the_int_to_use():
+    with pytest.raises(TypeError, match=r"got float 64.0 \(use 64\)"):
+        QuantizedCache(config(), max_batch_size=1, max_cache_len=64.0)
+
+
+@pytest.mark.parametrize("kw", [dict(max_cache_len=0), dict(max_batch_size=-1)])
+def test_non_positive_sizes_refused(kw):
+    args = dict(max_batch_size=1, max_cache_len=16)
+    args.update(kw)
+    with pytest.raises(ValueError, match="must be a positive int"):
+        QuantizedCache(config(), **args)
+
+
+def test_integer_like_sizes_accepted():
+    cache = QuantizedCache(config(), max_batch_size=np.int64(2), max_cache_len=torch.tensor(16), device="cpu")
+    assert (cache.max_batch_size, cache.max_cache_len) == (2, 16)
+    assert type(cache.max_cache_len) is int and cache.layers[0].k_codes.shape[:3] == (2, 2, 16)
+
+
+def test_model_instead_of_config_refused():
+    with pytest.raises(TypeError, match="pass model.config"):
+        QuantizedCache(tiny_model(), max_batch_size=1, max_cache_len=16)
+
+
+@pytest.mark.parametrize("cfg", ["HuggingFaceTB/SmolLM2-135M-Instruct", TINY], ids=["name", "dict"])
+def test_name_or_dict_instead_of_config_refused(cfg):
+    with pytest.raises(TypeError, match="config must be a transformers config object.*AutoConfig"):
+        QuantizedCache(cfg, max_batch_size=1, max_cache_len=16)
+
+
+def test_unknown_device_refused():
+    with pytest.raises(ValueError, match="device='gpu' is not a torch device; use e.g. 'cuda'"):
+        QuantizedCache(config(), max_batch_size=1, max_cache_len=16, device="gpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_refused():
+    with pytest.raises(ValueError, match="device='cuda' but CUDA is not available.*device='cpu'"):
+        QuantizedCache(config(), max_batch_size=1, max_cache_len=16, device="cuda")
+
+
+# ------------------------------------------------------------------------------------------------
+# under generate()
+# ------------------------------------------------------------------------------------------------
+
+
+def test_meta_cache_sizes_but_refuses_to_run():
+    meta = QuantizedCache(config(), max_batch_size=2, max_cache_len=16, kv_dtype="q8_0", device="meta")
+    real = QuantizedCache(config(), max_batch_size=2, max_cache_len=16, kv_dtype="q8_0", device="cpu")
+    assert meta.nbytes == real.nbytes > 0
+    with pytest.raises(ValueError, match="device='meta': it holds no storage.*device='cuda' or 'cpu'"):
+        tiny_model().generate(IDS, max_new_tokens=2, do_sample=False, **kv(meta))
+
+
+def test_beam_search_names_num_beams():
+    cache = QuantizedCache(config(), max_batch_size=1, max_cache_len=16)
+    with pytest.raises(ValueError, match="batch of 2 exceeds max_batch_size=1.*batch x num_beams"):
+        tiny_model().generate(IDS, max_new_tokens=2, num_beams=2, do_sample=False, **kv(cache))
+
+
+def test_generating_past_max_cache_len_names_max_new_tokens():
+    cache = QuantizedCache(config(), max_batch_size=1, max_cache_len=10)
+    with pytest.raises(ValueError, match="max_cache_len>=11 .*prompt tokens \\+ max_new_tokens"):
+        tiny_model().generate(IDS, max_new_tokens=6, min_new_tokens=6, do_sample=False, **kv(cache))
+
+
+
+# ------------------------------------------------------------------------------------------------
+# max_cache_len omitted: a warning that names the bytes
+# ------------------------------------------------------------------------------------------------
+
+
+def test_omitted_max_cache_len_warns_with_the_bytes():
+    cfg = LlamaConfig(**SMOLLM2)
+    with pytest.warns(CacheSizeWarning) as rec:
+        cache = QuantizedCache(cfg, max_batch_size=1)
+    assert cache.max_cache_len == 8192 and cache.nbytes == 0  # nothing allocated (device=None)
+    msg = str(rec[0].message)
+    mib = cache.planned_nbytes() / 2**20
+    assert f"max_position_embeddings=8192 positions x max_batch_size=1: {mib:,.1f} MiB" in msg, msg
+    assert "Pass max_cache_len=<prompt tokens + max_new_tokens>" in msg and "python -m kvcompile info" in msg
+    assert rec[0].filename == __file__  # points at the caller's line
+    # what the warning announced is what the cache then allocates
+    cache.early_initialization(1, 3, 64, torch.float32, "cpu")
+    assert cache.nbytes == cache.planned_nbytes()
+
+
+def test_given_max_cache_len_does_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheSizeWarning)
+        QuantizedCache(config(), max_batch_size=1, max_cache_len=16)
+
+
+@pytest.mark.parametrize("kw", [dict(kv_dtype="fp8_e4m3"), dict(kv_dtype="q8_0"),
+                                dict(kv_dtype="fp8_e4m3", granularity="block32"),
+                                dict(kv_dtype="fp8_e4m3", v_layout="head_dim")],
+                         ids=["fp8", "q8_0", "block32", "fp8-head_dim"])
+def test_planned_nbytes_is_what_allocation_holds(kw):
+    cache = QuantizedCache(config(), max_batch_size=3, max_cache_len=37, **kw)
+    planned = cache.planned_nbytes(per_layer=True)
+    assert cache.nbytes == 0 and len(planned) == 2
+    cache.early_initialization(3, 2, 32, torch.float32, "cpu")
+    assert [layer.nbytes for layer in cache.layers] == planned
