@@ -141,6 +141,22 @@ def test_generating_past_max_cache_len_names_max_new_tokens():
         tiny_model().generate(IDS, max_new_tokens=6, min_new_tokens=6, do_sample=False, **kv(cache))
 
 
+@pytest.mark.usefixtures("dynamo_reset_around")
+def test_format_mismatch_is_the_first_line():
+    """A q8_0 cache under an fp8_e4m3 backend: the first call fails with kvcompile's message as the first
+    line, not Dynamo's BackendCompilerFailed wrapper, and before Inductor compiles anything."""
+    from kvcompile.passes import KVDtypeMismatch
+
+    model = tiny_model()
+    cache = QuantizedCache(model.config, max_batch_size=1, max_cache_len=16, kv_dtype="q8_0")
+    backend = kvcompile.backend(kv_dtype="fp8_e4m3")
+    compiled = torch.compile(model.forward, backend=backend)
+    with pytest.raises(KVDtypeMismatch) as e, torch.no_grad():
+        compiled(input_ids=IDS, use_cache=True, **kv(cache))
+    first = str(e.value).splitlines()[0]
+    assert "kv_dtype='q8_0'" in first and "Build the backend with kv_dtype='q8_0'" in first, first
+    assert backend.report() == []  # the graph never reached the pass's report, nor Inductor
+
 
 # ------------------------------------------------------------------------------------------------
 # max_cache_len omitted: a warning that names the bytes
