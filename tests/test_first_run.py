@@ -22,6 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import kvcompile
 from kvcompile import QuantizedCache
 from kvcompile.cache import CacheSizeWarning
+from kvcompile.calibration import shipped_calibrations
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -114,6 +115,42 @@ def test_unknown_device_refused():
 def test_cuda_without_cuda_refused():
     with pytest.raises(ValueError, match="device='cuda' but CUDA is not available.*device='cpu'"):
         QuantizedCache(config(), max_batch_size=1, max_cache_len=16, device="cuda")
+
+
+# ------------------------------------------------------------------------------------------------
+# calibration: shipped by name, wrong types named
+# ------------------------------------------------------------------------------------------------
+
+
+def test_calibration_of_the_wrong_type_refused():
+    with pytest.raises(TypeError, match="calibration: got a list; pass the dict kvcompile.calibrate"):
+        QuantizedCache(config(), max_batch_size=1, max_cache_len=16, calibration=[1, 2, 3])
+
+
+def test_shipped_calibration_by_name():
+    assert "smollm2-135m-instruct" in shipped_calibrations()
+    cfg = LlamaConfig(**SMOLLM2)
+    cache = QuantizedCache(cfg, max_batch_size=1, max_cache_len=16, device="cpu", calibration="smollm2-135m-instruct")
+    by_path = kvcompile.load_calibration(
+        os.path.join(os.path.dirname(kvcompile.__file__), "data", "calibration", "smollm2-135m-instruct.safetensors"),
+        num_layers=30, num_kv_heads=3, head_dim=64)
+    assert cache.layers[29].k_offset.shape == (3, 64)
+    assert torch.equal(cache.layers[29].k_offset, by_path["k_offset"][29])
+    # static scales from the shipped file
+    static = QuantizedCache(cfg, max_batch_size=1, max_cache_len=16, device="cpu", granularity="static",
+                            calibration="smollm2-135m-instruct")
+    assert torch.equal(static.layers[3].k_scales, by_path["k_scale"][3])
+
+
+def test_unknown_calibration_name_lists_the_shipped_ones():
+    with pytest.raises(ValueError, match=r"'smollm2-135m'.*no such file.*shipped: \['smollm2-135m-instruct'"):
+        QuantizedCache(LlamaConfig(**SMOLLM2), max_batch_size=1, max_cache_len=16, calibration="smollm2-135m")
+
+
+def test_shipped_calibration_for_another_model_refused():
+    # the tiny model has 2 layers of 2 kv heads: the SmolLM2 file does not fit it
+    with pytest.raises(ValueError, match="has shape .*calibrate this model again"):
+        QuantizedCache(config(), max_batch_size=1, max_cache_len=16, calibration="smollm2-135m-instruct")
 
 
 # ------------------------------------------------------------------------------------------------
