@@ -231,3 +231,50 @@ def test_planned_nbytes_is_what_allocation_holds(kw):
     assert cache.nbytes == 0 and len(planned) == 2
     cache.early_initialization(3, 2, 32, torch.float32, "cpu")
     assert [layer.nbytes for layer in cache.layers] == planned
+
+
+# ------------------------------------------------------------------------------------------------
+# python -m kvcompile info --config
+# ------------------------------------------------------------------------------------------------
+
+
+def _info(*args) -> str:
+    from kvcompile.__main__ import main
+
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        assert main(["info", *args]) == 0
+    return buf.getvalue()
+
+
+def test_info_config_prints_the_cache_bytes(tmp_path):
+    LlamaConfig(**SMOLLM2).save_pretrained(tmp_path)
+    out = _info("--config", str(tmp_path / "config.json"), "--max-cache-len", "128", "--kv-dtype", "q8_0")
+    cache = QuantizedCache(LlamaConfig(**SMOLLM2), max_batch_size=1, max_cache_len=128, kv_dtype="q8_0", device="cpu")
+    per_layer = cache.layers[0].nbytes
+    assert "layers 0-29" in out and f"{per_layer:,d} bytes" in out, out
+    total_line = next(line for line in out.splitlines() if line.strip().startswith("total"))
+    assert f"{cache.nbytes:,d} bytes" in total_line, out
+    assert f"({cache.nbytes / cache.bf16_nbytes():.3f}x)" in out
+    assert "max_cache_len 128 (given)" in out
+
+
+def test_info_config_allocates_nothing(tmp_path):
+    # a Llama-3.1-8B-shaped config at its full 131072 positions, batch 64: 528 GiB if it were allocated
+    LlamaConfig(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                max_position_embeddings=131072).save_pretrained(tmp_path)
+    out = _info("--config", str(tmp_path), "--batch", "64")
+    assert "max_cache_len 131072 (from max_position_embeddings: pass --max-cache-len to choose)" in out
+    assert "(528.00 GiB)" in out and "8.25 GiB" in out, out  # total; per batch row
+
+
+def test_info_config_cli_offline(tmp_path):
+    LlamaConfig(**TINY).save_pretrained(tmp_path)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-m", "kvcompile", "info", "--config", str(tmp_path), "--max-cache-len", "64"],
+                       capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "layers 0-1" in r.stdout and "bf16 cache of the same capacity" in r.stdout
+    bad = subprocess.run([sys.executable, "-m", "kvcompile", "info", "--config", "nobody/no-such-model"],
+                         capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=300)
+    assert bad.returncode != 0 and "info works offline: pass a local model directory or its config.json" in bad.stderr
