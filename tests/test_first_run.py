@@ -278,3 +278,50 @@ def test_info_config_cli_offline(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "kvcompile", "info", "--config", "nobody/no-such-model"],
                          capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=300)
     assert bad.returncode != 0 and "info works offline: pass a local model directory or its config.json" in bad.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# the examples: what they need comes from inside the install
+# ------------------------------------------------------------------------------------------------
+
+
+def _examples_common():
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import _common
+    finally:
+        sys.path.pop(0)
+    return _common
+
+
+def test_default_text_is_python_prose():
+    common = _examples_common()
+    text = common.read_text(None)
+    from pydoc_data.topics import topics
+
+    assert len(text) > 100_000 and topics["assert"] in text
+    assert "pydoc_data.topics" in common.DEFAULT_TEXT  # what --help says the default is
+
+
+def test_examples_refer_to_nothing_outside_the_repository():
+    for d in ("examples", "kvcompile", "benchmarks"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, d)):
+            for f in files:
+                if f.endswith((".py", ".sh", ".md")):
+                    src = open(os.path.join(dirpath, f), encoding="utf-8").read()
+                    assert "../shared" not in src and "shared/data" not in src, os.path.join(dirpath, f)
+
+
+@pytest.mark.parametrize("missing", ["gguf", "accelerate"])
+def test_missing_examples_extra_is_named(monkeypatch, missing):
+    common = _examples_common()
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
+    with pytest.raises(SystemExit, match=rf"needs {missing}, which come with kvcompile's `examples` extra: "
+                                         rf"pip install \"\.\[examples\]\" in the kvcompile checkout, or "
+                                         rf"pip install {missing}$"):
+        common.load_model(None, device="cpu")
+    with pytest.raises(SystemExit, match=rf"the GGUF file x.gguf needs {missing}"):
+        common.load_model("some/dir", gguf_file="x.gguf", device="cpu")
