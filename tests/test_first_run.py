@@ -325,3 +325,30 @@ def test_missing_examples_extra_is_named(monkeypatch, missing):
         common.load_model(None, device="cpu")
     with pytest.raises(SystemExit, match=rf"the GGUF file x.gguf needs {missing}"):
         common.load_model("some/dir", gguf_file="x.gguf", device="cpu")
+
+
+def test_generate_runs_from_any_directory_and_splits_prefill_from_decode(tmp_path):
+    """examples/generate.py from a directory outside the checkout, against the kvcompile on the path."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "generate.py"), "--tiny", "--no-compile",
+                        "--max-new-tokens", "5", "--device", "cpu", "--max-cache-len", "100"],
+                       capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("prefill:"))
+    assert " tokens in " in line and "| decode: 4 tokens in " in line and line.endswith("tokens/s"), line
+    assert "max_cache_len=100" in r.stdout
+
+
+def test_generate_result_times_prefill_and_decode_apart():
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import generate
+    finally:
+        sys.path.pop(0)
+    common = _examples_common()
+    model, tok = common.tiny_model()
+    res = generate.run(model, tok, max_new_tokens=4, compile=False, device="cpu", out=lambda *a: None)
+    assert res["new_tokens"] == 4 and res["decode_tokens"] == 3  # the first new token comes from the prefill
+    assert res["prefill_s"] > 0 and res["decode_s"] > 0
+    assert res["decode_tokens_per_s"] == pytest.approx(3 / res["decode_s"])
+    assert res["prefill_s"] + res["decode_s"] <= res["seconds"]
