@@ -247,8 +247,9 @@ class QuantizedLayer(CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError(
-            "kvcompile.QuantizedCache has a fixed batch (max_batch_size); generation modes that grow or shrink "
-            "the batch in the cache (contrastive search, assisted decoding) are not supported"
+            "kvcompile.QuantizedCache has a fixed batch (max_batch_size): contrastive search, which repeats the "
+            "cache's rows per candidate and then selects among them, is not supported. Modes that work: greedy, "
+            "sampling, beam search, assisted or prompt-lookup decoding (README: Generation modes)"
         )
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
