@@ -99,8 +99,11 @@ class StepTimer(BaseStreamer):
 
 
 def run(model, tok, *, prompt=DEFAULT_PROMPT, max_new_tokens=48, kv_dtype="fp8_e4m3", granularity=None,
-        calibration=None, compile=True, chat=True, device=None, max_cache_len=None, out=print) -> dict:
-    """Generate once (after a warm-up when compiling); returns what it printed, as a dict."""
+        calibration=None, compile=True, chat=True, device=None, max_cache_len=None, ignore_eos=False,
+        out=print) -> dict:
+    """Generate once (after a warm-up when compiling); returns what it printed, as a dict.
+
+    ``ignore_eos``: generate exactly ``max_new_tokens`` (benchmarks)."""
     device = device or str(next(model.parameters()).device)
     ids = _prompt_ids(tok, prompt, chat).to(device)
     T = ids.shape[1]
@@ -117,12 +120,16 @@ def run(model, tok, *, prompt=DEFAULT_PROMPT, max_new_tokens=48, kv_dtype="fp8_e
                   pad_token_id=getattr(tok, "eos_token_id", None) or 0)
     if getattr(tok, "eos_token_id", None) is None:
         gen_kw["eos_token_id"] = None
+    if ignore_eos:
+        gen_kw["min_new_tokens"] = max_new_tokens
     try:
         warmup_s = None
         if compile:  # compile the prefill and decode graphs before timing
             t0 = time.perf_counter()
             with torch.no_grad():
-                model.generate(ids, **{kwarg: cache}, **dict(gen_kw, max_new_tokens=2))
+                warm_kw = dict(gen_kw, max_new_tokens=2)
+                warm_kw.pop("min_new_tokens", None)
+                model.generate(ids, **{kwarg: cache}, **warm_kw)
             warmup_s = time.perf_counter() - t0
             cache.reset()
         steps = StepTimer()
