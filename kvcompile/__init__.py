@@ -33,6 +33,12 @@ __version__ = "0.1.0"
 
 def backend(kv_dtype: str = "fp8_e4m3", **options):
     """A torch.compile backend that rewrites attention over a kvcompile cache (see kvcompile.passes)."""
+    for name in ("mode", "fullgraph", "dynamic"):  # torch.compile's own options, given to the wrong call
+        if name in options:
+            raise TypeError(
+                f"kvcompile.backend() takes no {name}=; it is torch.compile's: "
+                f"torch.compile(model.forward, backend=kvcompile.backend(kv_dtype=...), {name}=...)"
+            )
     from .backend import KVCompileBackend
 
     # Importing the submodule kvcompile.backend binds it as the package attribute ``backend``,

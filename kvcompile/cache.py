@@ -413,6 +413,10 @@ class QuantizedCache(Cache):
         v_layout: how V codes are laid out in memory: ``"auto"`` (default: key-contiguous for
             token and static scales, head_dim-contiguous otherwise, the faster layout of each on the H200, see
             BENCHMARKS.md), ``"keys"`` or ``"head_dim"``. ``v_codes`` is ``[B, Hkv, L, D]`` either way.
+
+    Like transformers' ``StaticCache``, a cache passed to ``generate()`` keeps what it holds: a second
+    call continues from it (its prompt must then start with the cached tokens). Call ``cache.reset()``
+    before reusing it for an unrelated prompt.
     """
 
     def __init__(
@@ -518,6 +522,14 @@ class QuantizedCache(Cache):
     def bf16_nbytes(self) -> int:
         """Bytes a bf16 cache of the same capacity would hold (for comparisons)."""
         return sum(2 * 2 * l.max_batch_size * l.num_heads * l.max_cache_len * l.head_dim for l in self.layers)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx >= len(self.layers):
+            raise ValueError(
+                f"kvcompile.QuantizedCache: the model wrote attention layer {layer_idx}, but the cache was built for "
+                f"{len(self.layers)} layers; build it from this model's config (QuantizedCache(model.config, ...))"
+            )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def early_initialization(self, batch_size, num_heads, head_dim, dtype, device):
         for layer in self.layers:

@@ -352,3 +352,21 @@ def test_generate_result_times_prefill_and_decode_apart():
     assert res["prefill_s"] > 0 and res["decode_s"] > 0
     assert res["decode_tokens_per_s"] == pytest.approx(3 / res["decode_s"])
     assert res["prefill_s"] + res["decode_s"] <= res["seconds"]
+
+
+# ------------------------------------------------------------------------------------------------
+# more mistakes found by trying the API as a new user
+# ------------------------------------------------------------------------------------------------
+
+
+def test_cache_of_another_model_names_the_layers():
+    fewer = QuantizedCache(config(num_hidden_layers=1), max_batch_size=1, max_cache_len=16)
+    with pytest.raises(ValueError, match="wrote attention layer 1, but the cache was built for 1 layers.*"
+                                         r"QuantizedCache\(model.config"):
+        tiny_model().generate(IDS, max_new_tokens=2, do_sample=False, **kv(fewer))
+
+
+@pytest.mark.parametrize("option", ["mode", "fullgraph", "dynamic"])
+def test_torch_compile_options_given_to_the_backend(option):
+    with pytest.raises(TypeError, match=rf"kvcompile.backend\(\) takes no {option}=; it is torch.compile's"):
+        kvcompile.backend(kv_dtype="q8_0", **{option: True})
