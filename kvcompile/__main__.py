@@ -149,18 +149,19 @@ def _mib(n: float) -> str:
     return f"{n / 2**10:,.2f} KiB"
 
 
-def cache_size_lines(config, *, max_cache_len=None, batch=1, kv_dtype="fp8_e4m3", granularity=None,
+def cache_size_lines(config, *, max_cache_len=None, batch=1, kv_dtype=None, granularity=None,
                      calibration=None) -> list[str]:
     """What ``QuantizedCache(config, batch, max_cache_len, kv_dtype, ...)`` would hold, layer by layer,
-    measured on the meta device (nothing is allocated)."""
+    measured on the meta device (nothing is allocated). ``kv_dtype=None``: the cache's default format."""
     import warnings
 
     from .cache import CacheSizeWarning, QuantizedCache
 
+    fmt_kw = {} if kv_dtype is None else {"kv_dtype": kv_dtype}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CacheSizeWarning)  # said below, in words that fit here
-        cache = QuantizedCache(config, max_batch_size=batch, max_cache_len=max_cache_len, kv_dtype=kv_dtype,
-                               granularity=granularity, calibration=calibration)
+        cache = QuantizedCache(config, max_batch_size=batch, max_cache_len=max_cache_len, granularity=granularity,
+                               calibration=calibration, **fmt_kw)
     sizes = cache.planned_nbytes(per_layer=True)
     total, bf16 = sum(sizes), cache.bf16_nbytes()
     name = getattr(config, "_name_or_path", "") or type(config).__name__
@@ -195,7 +196,7 @@ def main(argv=None) -> int:
                     help="positions per sequence (default: the config's max_position_embeddings, what QuantizedCache "
                          "allocates when max_cache_len is omitted)")
     ip.add_argument("--batch", type=int, default=1, help="max_batch_size (default 1)")
-    ip.add_argument("--kv-dtype", default="fp8_e4m3", help="cache format (default fp8_e4m3)")
+    ip.add_argument("--kv-dtype", default=None, help="cache format (default: QuantizedCache's default)")
     ip.add_argument("--granularity", default=None, help="token / block32 / static (default: the format's)")
     ip.add_argument("--calibration", default=None,
                     help="calibration file or shipped name (static scales need one)")
