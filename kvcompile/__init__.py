@@ -38,6 +38,12 @@ def backend(kv_dtype: str | None = None, *, k_dtype: str | None = None, v_dtype:
 
     ``kv_dtype`` names the cache's format (``None``: :data:`DEFAULT_KV_DTYPE`); ``k_dtype`` /
     ``v_dtype`` override one side, as in :class:`QuantizedCache`."""
+    for name in ("mode", "fullgraph", "dynamic"):  # torch.compile's own options, given to the wrong call
+        if name in options:
+            raise TypeError(
+                f"kvcompile.backend() takes no {name}=; it is torch.compile's: "
+                f"torch.compile(model.forward, backend=kvcompile.backend(kv_dtype=...), {name}=...)"
+            )
     from .compile_backend import KVCompileBackend
 
     return KVCompileBackend(kv_dtype=kv_dtype, k_dtype=k_dtype, v_dtype=v_dtype, **options)

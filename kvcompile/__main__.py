@@ -1,5 +1,10 @@
 """``python -m kvcompile info``: the GPU, the attention tiles chosen for it, and the KV formats.
 
+``python -m kvcompile info --config MODEL_DIR_OR_CONFIG_JSON --max-cache-len N [--batch B]
+[--kv-dtype ...]``: the bytes a ``QuantizedCache`` for that model would hold, per layer and in
+total, against a bf16 cache of the same capacity, computed without allocating anything and without
+network (the config is read from a local directory, a ``config.json``, or the Hugging Face cache).
+
 ``python -m kvcompile sass``: compile the attention kernel (``--kernel store``: the store kernel)
 for an arch (no GPU needed) and print its registers, shared memory and SASS opcode counts
 (:mod:`kvcompile.kernels.aot`).
@@ -123,10 +128,83 @@ def info(out=print) -> None:
         out("  " + line)
 
 
+def _load_config(src: str):
+    """A transformers config from a local model directory, a config json, or the local Hugging Face cache."""
+    import os
+
+    from transformers import AutoConfig
+
+    try:
+        if os.path.isfile(src):
+            return AutoConfig.from_pretrained(src)
+        return AutoConfig.from_pretrained(src, local_files_only=True)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SystemExit(
+            f"kvcompile info: cannot read a model config from {src!r} ({first}). info works offline: pass a local "
+            "model directory or its config.json (a hub id works once it is in the local Hugging Face cache)"
+        ) from None
+
+
+def _mib(n: float) -> str:
+    """Bytes in the binary unit that reads best (KiB / MiB / GiB)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n / 2**10:,.2f} KiB"
+
+
+def cache_size_lines(config, *, max_cache_len=None, batch=1, kv_dtype=None, granularity=None,
+                     calibration=None) -> list[str]:
+    """What ``QuantizedCache(config, batch, max_cache_len, kv_dtype, ...)`` would hold, layer by layer,
+    measured on the meta device (nothing is allocated). ``kv_dtype=None``: the cache's default format."""
+    import warnings
+
+    from .cache import CacheSizeWarning, QuantizedCache
+
+    fmt_kw = {} if kv_dtype is None else {"kv_dtype": kv_dtype}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheSizeWarning)  # said below, in words that fit here
+        cache = QuantizedCache(config, max_batch_size=batch, max_cache_len=max_cache_len, granularity=granularity,
+                               calibration=calibration, **fmt_kw)
+    sizes = cache.planned_nbytes(per_layer=True)
+    total, bf16 = sum(sizes), cache.bf16_nbytes()
+    name = getattr(config, "_name_or_path", "") or type(config).__name__
+    lines = [f"QuantizedCache for {name} ({type(config).__name__}): {len(sizes)} layers"]
+    src = "given" if max_cache_len is not None else "from max_position_embeddings: pass --max-cache-len to choose"
+    lines.append(f"  kv_dtype {cache.fmt.name}, max_batch_size {cache.max_batch_size}, "
+                 f"max_cache_len {cache.max_cache_len} ({src})")
+    start = 0
+    for i in range(1, len(sizes) + 1):  # runs of layers of one size
+        if i == len(sizes) or sizes[i] != sizes[start]:
+            layer = cache.layers[start]
+            span = f"layer {start}" if i - start == 1 else f"layers {start}-{i - 1}"
+            lines.append(f"  {span:14s} {sizes[start]:>14,d} bytes ({_mib(sizes[start])}) each: "
+                         f"{layer.num_heads} kv heads x head_dim {layer.head_dim} x {layer.max_cache_len} positions")
+            start = i
+    lines.append(f"  total          {total:>14,d} bytes ({_mib(total)}); a bf16 cache of the same capacity: "
+                 f"{_mib(bf16)} ({total / bf16:.3f}x)")
+    per_row = total / cache.max_batch_size
+    lines.append(f"  per sequence (batch row): {_mib(per_row)}, {per_row / cache.max_cache_len:,.0f} bytes per position")
+    return lines
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvcompile", description="kvcompile utilities")
     sub = p.add_subparsers(dest="cmd")
-    sub.add_parser("info", help="GPU/arch, attention tiles per head dim and format, KV formats")
+    ip = sub.add_parser("info", help="GPU/arch, attention tiles per head dim and format, KV formats; with --config: "
+                                     "the bytes a cache for that model would hold")
+    ip.add_argument("--config", default=None, metavar="MODEL_OR_CONFIG",
+                    help="a local model directory or config.json (no network): print the cache's bytes per layer and "
+                         "in total instead of the device report")
+    ip.add_argument("--max-cache-len", type=int, default=None,
+                    help="positions per sequence (default: the config's max_position_embeddings, what QuantizedCache "
+                         "allocates when max_cache_len is omitted)")
+    ip.add_argument("--batch", type=int, default=1, help="max_batch_size (default 1)")
+    ip.add_argument("--kv-dtype", default=None, help="cache format (default: QuantizedCache's default)")
+    ip.add_argument("--granularity", default=None, help="token / block32 / static (default: the format's)")
+    ip.add_argument("--calibration", default=None,
+                    help="calibration file or shipped name (static scales need one)")
     sp = sub.add_parser("sass", help="compile the attention (or store) kernel for an arch (no GPU) and summarize "
                                      "its SASS")
     sp.add_argument("--kernel", choices=("attention", "store"), default="attention",
@@ -143,6 +221,16 @@ def main(argv=None) -> int:
                     help="V codes key- or head_dim-contiguous (auto: QuantizedCache's choice for the format)")
     sp.add_argument("--top", type=int, default=24, help="opcodes to list")
     args = p.parse_args(argv)
+    if args.cmd == "info" and args.config is not None:
+        config = _load_config(args.config)
+        try:
+            lines = cache_size_lines(config, max_cache_len=args.max_cache_len, batch=args.batch,
+                                     kv_dtype=args.kv_dtype, granularity=args.granularity,
+                                     calibration=args.calibration)
+        except (TypeError, ValueError) as e:
+            p.error(str(e))
+        print("\n".join(lines))
+        return 0
     if args.cmd in (None, "info"):
         info()
         return 0

