@@ -1,5 +1,5 @@
-"""Needle in a haystack: is a code planted deep in a long Shakespeare context still retrieved
-when the KV cache is 8-bit?
+"""Needle in a haystack: is a code planted deep in a long context still retrieved
+when the KV cache is 8-bit? (The haystack: --text, default pydoc_data.topics, inside Python.)
 
     python examples/needle.py                                  # ~4k and ~7k tokens, 3 depths
     python examples/needle.py --contexts 4000 7000 --depths 0.1 0.3 0.5 0.7 0.9
