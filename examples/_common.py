@@ -19,6 +19,7 @@ from kvcompile.hf import cache_kwarg
 __all__ = [
     "DEFAULT_MODEL",
     "DEFAULT_TEXT",
+    "DEFAULT_VARIANTS",
     "ByteTokenizer",
     "build_cache",
     "cache_kwarg",
@@ -138,18 +139,24 @@ def model_and_text(args, model=None, tok=None):
     return model, tok, device, read_text(args.text)
 
 
+def builtin_text() -> str:
+    """:data:`DEFAULT_TEXT`: every ``pydoc_data.topics`` text, in sorted topic order."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
 def read_text(path: str | os.PathLike | None) -> str:
-    """The text at ``path``, or (``None``) :data:`DEFAULT_TEXT`: the ~465k characters of English prose in
+    """The text at ``path``, or (``None``) :func:`builtin_text`: the ~465k characters of English prose in
     Python's ``pydoc_data.topics``, in topic order (the exact text follows the Python version)."""
     if not path:
         try:
-            from pydoc_data.topics import topics
+            return builtin_text()
         except ImportError:
             raise SystemExit("this Python has no pydoc_data.topics to take a default text from; pass --text <file>")
-        return "\n\n".join(topics[k] for k in sorted(topics))
     p = Path(path)
     if not p.exists():
-        raise SystemExit(f"text file {p} not found; pass --text <file>")
+        raise SystemExit(f"text file {p} not found; pass --text <file> (or no --text: {DEFAULT_TEXT})")
     return p.read_text(encoding="utf-8", errors="replace")
 
 
@@ -161,18 +168,31 @@ def encode(tok, text: str) -> list[int]:
 # cache variants compared by perplexity.py / needle.py
 # ---------------------------------------------------------------------------------------------
 
-# name -> QuantizedCache options (None: a full-precision transformers StaticCache).
-# "calib" marks variants that need kvcompile.calibrate() output.
+# name -> QuantizedCache options (None: a full-precision transformers StaticCache; "round": a
+# full-precision StaticCache that rounds K/V to that dtype first, the floor for 8-bit formats).
+# "calib" marks variants that need kvcompile.calibrate() output. "+rot": Hadamard-rotated
+# (kvcompile.rotation; int8's default); K:/V: name K's and V's formats when they differ.
 VARIANTS: dict[str, dict | None] = {
     "full": None,
+    "bf16": dict(round=torch.bfloat16),
+    "fp16": dict(round=torch.float16),
     "fp8_e4m3/token": dict(kv_dtype="fp8_e4m3", granularity="token"),
+    "fp8_e4m3/token+rot": dict(kv_dtype="fp8_e4m3", granularity="token", rotate=True),
     "fp8_e4m3/token+center": dict(kv_dtype="fp8_e4m3", granularity="token", calib=("k_offset",)),
     "fp8_e4m3/block32": dict(kv_dtype="fp8_e4m3", granularity="block32"),
     "fp8_e4m3/block32+center": dict(kv_dtype="fp8_e4m3", granularity="block32", calib=("k_offset",)),
     "fp8_e4m3/static+center": dict(kv_dtype="fp8_e4m3", granularity="static", calib=("k_scale", "v_scale", "k_offset")),
     "q8_0": dict(kv_dtype="q8_0"),
     "q8_0+center": dict(kv_dtype="q8_0", calib=("k_offset",)),
+    "int8": dict(kv_dtype="int8", rotate=False),
+    "int8+rot": dict(kv_dtype="int8", rotate=True),
+    "int8+rot+center": dict(kv_dtype="int8", rotate=True, calib=("k_offset",)),
+    "K:int8+rot,V:fp8_e4m3": dict(k_dtype="int8", v_dtype="fp8_e4m3"),
 }
+# what perplexity.py compares when --variants is not given: every format without calibration,
+# rotation on and off for int8 and fp8, one K/V pair, and the 16-bit floor
+DEFAULT_VARIANTS = ("full", "bf16", "fp8_e4m3/token", "fp8_e4m3/token+rot", "q8_0", "int8", "int8+rot",
+                    "K:int8+rot,V:fp8_e4m3")
 
 
 def variant_cache(name: str, model, max_cache_len: int, device, calibration: dict | None, batch: int = 1):
@@ -182,6 +202,8 @@ def variant_cache(name: str, model, max_cache_len: int, device, calibration: dic
         from transformers import StaticCache
 
         return StaticCache(config=model.config, max_cache_len=max_cache_len)
+    if "round" in opts:
+        return rounded_cache(model, max_cache_len, opts["round"])
     opts = dict(opts)
     need = opts.pop("calib", ())
     calib = None
@@ -193,7 +215,21 @@ def variant_cache(name: str, model, max_cache_len: int, device, calibration: dic
                                     device=device, calibration=calib, **opts)
 
 
-def build_cache(model, *, kv_dtype: str, max_cache_len: int, device, granularity: str | None = None,
+def rounded_cache(model, max_cache_len: int, dtype: torch.dtype):
+    """A full-precision StaticCache that stores K/V rounded to ``dtype`` (bf16 / fp16): what a
+    16-bit cache keeps, with the model's own dtype around it."""
+    from transformers import StaticCache
+
+    class _Rounded(StaticCache):
+        def update(self, key_states, value_states, *args, **kwargs):
+            k = key_states.to(dtype).to(key_states.dtype)
+            v = value_states.to(dtype).to(value_states.dtype)
+            return super().update(k, v, *args, **kwargs)
+
+    return _Rounded(config=model.config, max_cache_len=max_cache_len)
+
+
+def build_cache(model, *, kv_dtype: str | None, max_cache_len: int, device, granularity: str | None = None,
                 calibration=None, batch: int = 1):
     return kvcompile.QuantizedCache(model.config, max_batch_size=batch, max_cache_len=max_cache_len,
                                     kv_dtype=kv_dtype, device=device, granularity=granularity,

@@ -1,7 +1,8 @@
 """Generate text with an 8-bit KV cache read directly by attention inside torch.compile.
 
-    python examples/generate.py                                   # SmolLM2-135M-Instruct, fp8_e4m3
+    python examples/generate.py                                   # SmolLM2-135M-Instruct, the default format
     python examples/generate.py --kv-dtype q8_0 --prompt "Write a haiku about the sea."
+    python examples/generate.py --k-dtype int8 --v-dtype fp8_e4m3   # K and V in different formats
     python examples/generate.py --model HuggingFaceTB/SmolLM2-360M-Instruct --no-compile
 
 Prints the generated text, the prefill time and the decode tokens/s (apart), the cache's bytes
@@ -40,7 +41,10 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--max-cache-len", type=int, default=None,
                    help="positions the cache holds (default: prompt tokens + --max-new-tokens)")
-    p.add_argument("--kv-dtype", default="fp8_e4m3", help=f"one of {list(kvcompile.KV_DTYPES)}")
+    p.add_argument("--kv-dtype", default=None,
+                   help=f"one of {list(kvcompile.KV_DTYPES)} (default: {kvcompile.DEFAULT_KV_DTYPE})")
+    p.add_argument("--k-dtype", default=None, help="K's format, overriding --kv-dtype (K and V apart)")
+    p.add_argument("--v-dtype", default=None, help="V's format, overriding --kv-dtype")
     p.add_argument("--granularity", default=None, help="scale granularity (token, block32, static); default per format")
     p.add_argument("--calibration", default=None,
                    help="safetensors file from kvcompile.calibrate / perplexity.py --save-calibration (K centering "
@@ -98,9 +102,9 @@ class StepTimer(BaseStreamer):
         return self.times[1] - self.times[0], len(self.times) - 2, self.times[-1] - self.times[1]
 
 
-def run(model, tok, *, prompt=DEFAULT_PROMPT, max_new_tokens=48, kv_dtype="fp8_e4m3", granularity=None,
+def run(model, tok, *, prompt=DEFAULT_PROMPT, max_new_tokens=48, kv_dtype=None, granularity=None,
         calibration=None, compile=True, chat=True, device=None, max_cache_len=None, ignore_eos=False,
-        out=print) -> dict:
+        out=print, k_dtype=None, v_dtype=None) -> dict:
     """Generate once (after a warm-up when compiling); returns what it printed, as a dict.
 
     ``ignore_eos``: generate exactly ``max_new_tokens`` (benchmarks)."""
@@ -108,12 +112,12 @@ def run(model, tok, *, prompt=DEFAULT_PROMPT, max_new_tokens=48, kv_dtype="fp8_e
     ids = _prompt_ids(tok, prompt, chat).to(device)
     T = ids.shape[1]
     cache = kvcompile.QuantizedCache(model.config, max_batch_size=1, max_cache_len=max_cache_len or T + max_new_tokens,
-                                     kv_dtype=kv_dtype, device=device, granularity=granularity,
-                                     calibration=calibration)
+                                     kv_dtype=kv_dtype, device=device, k_dtype=k_dtype, v_dtype=v_dtype,
+                                     granularity=granularity, calibration=calibration)
     backend = None
     orig_forward = model.forward
     if compile:
-        backend = kvcompile.backend(kv_dtype=kv_dtype)
+        backend = kvcompile.backend(kv_dtype=kv_dtype, k_dtype=k_dtype, v_dtype=v_dtype)
         model.forward = torch.compile(model.forward, backend=backend)
     kwarg = _common.cache_kwarg(model)
     gen_kw = dict(max_new_tokens=max_new_tokens, do_sample=False, disable_compile=True,
@@ -190,7 +194,8 @@ def main(argv=None, model=None, tok=None) -> dict:
         calibration = None
     return run(model, tok, prompt=args.prompt, max_new_tokens=args.max_new_tokens, kv_dtype=args.kv_dtype,
                granularity=args.granularity, calibration=calibration, compile=not args.no_compile,
-               chat=not args.no_chat, device=device, max_cache_len=args.max_cache_len)
+               chat=not args.no_chat, device=device, max_cache_len=args.max_cache_len, k_dtype=args.k_dtype,
+               v_dtype=args.v_dtype)
 
 
 if __name__ == "__main__":

@@ -149,7 +149,7 @@ def main(argv=None, model=None, tok=None) -> list[dict]:
     model, tok, device, text = _common.model_and_text(args, model, tok)
     calib = None
     if any(_common.VARIANTS[v] and _common.VARIANTS[v].get("calib") for v in args.variants):
-        from kvcompile.cache import _layer_shapes
+        from kvcompile.hf import layer_shapes as _layer_shapes
 
         if args.calibration:
             L, H, D = _layer_shapes(model.config)

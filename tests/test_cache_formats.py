@@ -233,3 +233,32 @@ def test_int8_model_close_to_dynamic_cache(monkeypatch):
     cache = QuantizedCache(model.config, max_batch_size=2, max_cache_len=MAX_LEN, kv_dtype="int8")
     broken = logits_error(ref, run_steps(model, cache, ids, am, toks), am)
     assert broken > 5 * errs["int8"], (broken, errs)
+
+
+# ------------------------------------------------------------------------------------------------
+# kvcompile.backend: the same keywords
+# ------------------------------------------------------------------------------------------------
+
+
+def test_backend_takes_k_and_v_dtypes():
+    b = kvcompile.backend()
+    assert (b.k_dtype, b.v_dtype, b.kv_dtype) == (formats.DEFAULT_KV_DTYPE,) * 3
+    b = kvcompile.backend(k_dtype="int8", v_dtype="fp8_e4m3")
+    assert (b.k_dtype, b.v_dtype, b.kv_dtype) == ("int8", "fp8_e4m3", "int8/fp8_e4m3")
+    assert repr(b) == "kvcompile.backend(k_dtype='int8', v_dtype='fp8_e4m3')"
+    b = kvcompile.backend("int8")
+    assert b.kv_dtype == "int8" and repr(b) == "kvcompile.backend(kv_dtype='int8')"
+    assert kvcompile.backend("fp8_e4m3", v_dtype="int8").kv_dtype == "fp8_e4m3/int8"
+    with pytest.raises(ValueError) as e:
+        kvcompile.backend(v_dtype="int4")
+    assert "v_dtype" in str(e.value) and all(n in str(e.value) for n in KV_DTYPES)
+    with pytest.raises(ValueError, match="one scale granularity"):
+        kvcompile.backend(k_dtype="q8_0", v_dtype="int8")
+
+
+@pytest.mark.usefixtures("dynamo_reset_around")
+def test_backend_reports_the_pair_name():
+    backend = kvcompile.backend(k_dtype="int8", v_dtype="fp8_e4m3")
+    f = torch.compile(lambda x: x * 2 + 1, backend=backend)
+    assert torch.equal(f(torch.ones(3)), torch.full((3,), 3.0))
+    assert backend.report() == [{"found": 0, "rewritten": 0, "skipped": [], "kv_dtype": "int8/fp8_e4m3"}]

@@ -83,28 +83,45 @@ def test_generate_compiled(tiny):
     assert report, "the backend compiled no graph"
     assert sum(r["found"] for r in report) >= model.config.num_hidden_layers
     assert sum(r["rewritten"] for r in report) >= model.config.num_hidden_layers
-    assert all(r["kv_dtype"] == "fp8_e4m3" for r in report)
+    assert all(r["kv_dtype"] == kvcompile.DEFAULT_KV_DTYPE for r in report)  # no --kv-dtype: the default
     assert res["text"] == eager["text"]  # the fused attention reads the same codes
     assert model.forward.__func__ is type(model).forward  # the example restores the eager forward
 
 
 def test_perplexity(tiny, text_file):
     ppl = _example("perplexity")
-    rows = ppl.main(["--text", text_file, "--tokens", "192", "--chunk", "64", "--continuation", "12",
-                     "--calib-tokens", "128", "--no-progress", "--device", "cpu"], model=tiny[0], tok=tiny[1])
+    rows = ppl.main(["--text", text_file, "--tokens", "192", "--chunk", "64", "--new-tokens", "6", "--prompts", "3",
+                     "--no-progress", "--device", "cpu"], model=tiny[0], tok=tiny[1])
     names = [r["variant"] for r in rows]
-    assert names[0] == "full" and set(names) == set(_common.VARIANTS)
+    assert names == list(_common.DEFAULT_VARIANTS) and names[0] == "full"
     full = rows[0]
-    assert full["delta_pct"] == 0 and full["tf_agree"] == 1.0 and full["free_agree"] == 1.0
-    assert full["kl"] == 0 and full["next_top1"] == 1.0
+    assert full["delta_pct"] == 0 and full["kl"] == 0 and full["next_top1"] == 1.0
+    assert full["greedy_agree"] == [6, 6, 6] and full["greedy_kept"] == 3  # the reference agrees with itself
     for r in rows:
         assert r["tokens"] == 191 and torch.isfinite(torch.tensor(r["ppl"]))
         # a random tiny model is nearly uniform: any 8-bit cache stays within a few percent
         assert abs(r["delta_pct"]) < 5, r
-        assert 0.0 <= r["tf_agree"] <= 1.0 and 0.0 <= r["next_top1"] <= 1.0
-        assert r["kl"] >= -1e-6
-    q8 = next(r for r in rows if r["variant"] == "q8_0")
-    assert q8["bytes_per_element"] == pytest.approx(1 + 2 * 2 / 64)
+        assert 0.0 <= r["next_top1"] <= 1.0 and r["kl"] >= -1e-6
+        assert r["greedy_prompts"] == 3 and 0 <= r["greedy_worst"] <= r["greedy_median"] <= 6
+    by = {r["variant"]: r for r in rows}
+    assert by["q8_0"]["bytes_per_element"] == pytest.approx(1 + 2 * 2 / 64)
+    assert by["bf16"]["bytes_per_element"] == 2 and by["int8+rot"]["bytes_per_element"] == pytest.approx(1 + 4 / 64)
+    assert by["bf16"]["kl"] < by["fp8_e4m3/token"]["kl"]  # the 16-bit floor is below every 8-bit format
+
+
+def test_perplexity_default_text_is_inside_python():
+    # no --text: pydoc_data.topics, which every Python install has; nothing outside the repository
+    text = _common.read_text(None)
+    assert len(text) > 400_000 and "assert" in text
+    assert _common.DEFAULT_TEXT == "pydoc_data.topics"
+
+
+def test_greedy_first_departure():
+    ppl = _example("perplexity")
+    ref = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4], [5, 6, 7, 8]])
+    gen = torch.tensor([[1, 2, 3, 4], [1, 9, 3, 4], [0, 6, 7, 8]])
+    assert ppl.first_departure(gen, ref) == [4, 1, 0]
+    assert len(ppl.PROMPTS) >= 20 and len(set(ppl.PROMPTS)) == len(ppl.PROMPTS)
 
 
 def test_perplexity_calibration_file(tmp_path, tiny, text_file):
@@ -140,9 +157,10 @@ def test_info_module():
         assert info_main(["info"]) == 0
     out = buf.getvalue()
     assert ("no CUDA device" in out) or ("sm_" in out)
-    for name in ("fp8_e4m3 / token", "fp8_e4m3 / block32", "fp8_e4m3 / static", "q8_0 / block32"):
+    for name in ("fp8_e4m3 / token", "fp8_e4m3 / block32", "fp8_e4m3 / static", "q8_0 / block32", "int8 / token"):
         assert name in out
     assert "1.062" in out  # q8_0 at head_dim 64: 1 + 2/32 bytes per element
+    assert f"default format (no kv_dtype given): {kvcompile.DEFAULT_KV_DTYPE}" in out
     assert ("tile table unavailable" in out) or ("prefill" in out)
 
 
