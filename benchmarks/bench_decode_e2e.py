@@ -29,17 +29,32 @@ import kvcompile
 from kvcompile.hf import cache_kwarg
 
 
-def make_model(layers: int, vocab: int, device, dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def make_model(layers: int, vocab: int, device, dtype, family: str = "llama"):
+    """A random-weight model of a real attention shape: ``llama`` (Llama-3-8B) or ``gemma3`` (a hybrid:
+    Gemma-3-12B's attention, five sliding-window layers of 1024 to one full-attention layer)."""
+    if family == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    # Llama-3-8B: hidden 4096, 32 q heads, 8 kv heads, head_dim 128, MLP 14336 (32 layers, vocab 128256).
-    cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=1 << 17,
-    )
+        # Gemma-3-12B: hidden 3840, 16 q heads, 8 kv heads, head_dim 256, MLP 15360, window 1024,
+        # layer i sliding unless (i + 1) % 6 == 0 (48 layers, vocab 262144)
+        cfg = Gemma3TextConfig(
+            vocab_size=vocab, hidden_size=3840, intermediate_size=15360, num_hidden_layers=layers,
+            num_attention_heads=16, num_key_value_heads=8, head_dim=256, sliding_window=1024,
+            max_position_embeddings=1 << 17,
+        )
+        cls = Gemma3ForCausalLM
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        # Llama-3-8B: hidden 4096, 32 q heads, 8 kv heads, head_dim 128, MLP 14336 (32 layers, vocab 128256).
+        cfg = LlamaConfig(
+            vocab_size=vocab, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+            num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=1 << 17,
+        )
+        cls = LlamaForCausalLM
     cfg._attn_implementation = "sdpa"
     with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(dtype).eval()
+        model = cls(cfg).to(dtype).eval()
     return model
 
 
@@ -52,6 +67,8 @@ def fill_static(cache, ctx: int, B: int, cfg, device, dtype):
         layer.keys.normal_()
         layer.values.normal_()
         layer.cumulative_length.fill_(ctx)
+        if hasattr(layer, "cumulative_length_int"):  # transformers' sliding-window layer counts on the host
+            layer.cumulative_length_int = ctx
 
 
 def fill_quantized(cache: kvcompile.QuantizedCache, ctx: int):
@@ -141,6 +158,8 @@ V_LAYOUT = "auto"  # --v-layout
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--model", default="llama", choices=("llama", "gemma3"),
+                   help="llama: Llama-3-8B's shape; gemma3: Gemma-3-12B's hybrid sliding/full attention")
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--batches", default="1,8")
     p.add_argument("--contexts", default="1024,32768")
@@ -159,7 +178,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench_decode_e2e needs a CUDA device")
     device, dtype = torch.device("cuda"), torch.bfloat16
-    model = make_model(args.layers, args.vocab, device, dtype)
+    model = make_model(args.layers, args.vocab, device, dtype, args.model)
     rows = []
     if args.cases:
         cases = [tuple(map(int, c.split("x"))) for c in args.cases.split(",")]
