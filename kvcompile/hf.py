@@ -99,7 +99,10 @@ def _types_and_kwargs(text) -> tuple[list[str], list[dict]]:
         get_layer_types_and_kwargs = None
     try:
         if get_layer_types_and_kwargs is not None and hasattr(text, "per_layer_config"):
-            return get_layer_types_and_kwargs(text)
+            types, kwargs = get_layer_types_and_kwargs(text)
+            if isinstance(kwargs, dict):  # transformers <= 5.17: one kwargs dict shared by every layer
+                kwargs = [kwargs if t == "sliding_attention" else {} for t in types]
+            return list(types), list(kwargs)
         return _types_and_kwargs_fallback(text)
     except AttributeError as e:  # e.g. sliding_attention layers in a config without sliding_window
         raise UnsupportedModelError(
