@@ -113,7 +113,7 @@ def test_perplexity_default_text_is_inside_python():
     # no --text: pydoc_data.topics, which every Python install has; nothing outside the repository
     text = _common.read_text(None)
     assert len(text) > 400_000 and "assert" in text
-    assert _common.DEFAULT_TEXT == "pydoc_data.topics"
+    assert "pydoc_data.topics" in _common.DEFAULT_TEXT
 
 
 def test_greedy_first_departure():
