@@ -243,6 +243,8 @@ def run(model, tok, text: str, *, tokens=2048, chunk=512, new_tokens=128, prompt
     base = rows[0]["ppl"]
     for r in rows:
         r["delta_pct"] = 100.0 * (r["ppl"] / base - 1.0)
+    out(f"{len(variants)} variants: {tokens} tokens of text in {t_text:.0f} s")
+    out(format_table(rows, 0))
 
     # 2. free-running greedy generation from the prompts (one left-padded batch per variant)
     t_greedy = 0.0
@@ -264,10 +266,10 @@ def run(model, tok, text: str, *, tokens=2048, chunk=512, new_tokens=128, prompt
             agree = first_departure(gen, ref)
             r.update(greedy_agree=agree, greedy_median=statistics.median(agree), greedy_worst=min(agree),
                      greedy_kept=sum(a == new_tokens for a in agree), greedy_prompts=len(agree))
+            out(f"greedy {r['variant']}: tokens before the first departure per prompt {agree}")
         t_greedy = time.perf_counter() - t0
-    out(f"{len(variants)} variants: {tokens} tokens of text in {t_text:.0f} s"
-        + (f", {len(prompts)} prompts x {new_tokens} greedy tokens in {t_greedy:.0f} s" if t_greedy else ""))
-    out(format_table(rows, new_tokens if t_greedy else 0))
+        out(f"{len(prompts)} prompts x {new_tokens} greedy tokens in {t_greedy:.0f} s")
+        out(format_table(rows, new_tokens))
     return rows
 
 

@@ -367,7 +367,7 @@ def test_device_mismatch_raises():
 
 def test_static_granularity_needs_calibration():
     with pytest.raises(ValueError, match="calibrat"):
-        QuantizedCache(tiny_config("llama"), max_batch_size=1, max_cache_len=8, granularity="static")
+        QuantizedCache(tiny_config("llama"), max_batch_size=1, max_cache_len=8, kv_dtype="fp8_e4m3", granularity="static")
 
 
 def _good_calib():
@@ -391,11 +391,11 @@ def test_corrupted_calibration_raises(corrupt, match, tmp_path):
     calib = _good_calib()
     corrupt(calib)
     with pytest.raises(ValueError, match=match):
-        QuantizedCache(tiny_config("llama"), max_batch_size=1, max_cache_len=8, granularity="static", calibration=calib)
+        QuantizedCache(tiny_config("llama"), max_batch_size=1, max_cache_len=8, kv_dtype="fp8_e4m3", granularity="static", calibration=calib)
     path = tmp_path / "c.safetensors"  # the same through a file
     save_calibration(calib, path)
     with pytest.raises(ValueError, match=match):
-        QuantizedCache(tiny_config("llama"), max_batch_size=1, max_cache_len=8, granularity="static",
+        QuantizedCache(tiny_config("llama"), max_batch_size=1, max_cache_len=8, kv_dtype="fp8_e4m3", granularity="static",
                        calibration=path)
 
 
@@ -403,10 +403,10 @@ def test_unreadable_calibration_file_raises(tmp_path):
     path = tmp_path / "garbage.safetensors"
     path.write_bytes(b"\x00\x01 this is not safetensors" * 10)
     with pytest.raises(ValueError, match="safetensors"):
-        QuantizedCache(tiny_config("llama"), max_batch_size=1, max_cache_len=8, granularity="static",
+        QuantizedCache(tiny_config("llama"), max_batch_size=1, max_cache_len=8, kv_dtype="fp8_e4m3", granularity="static",
                        calibration=path)
     with pytest.raises(ValueError, match="safetensors"):
-        QuantizedCache(tiny_config("llama"), max_batch_size=1, max_cache_len=8, granularity="static",
+        QuantizedCache(tiny_config("llama"), max_batch_size=1, max_cache_len=8, kv_dtype="fp8_e4m3", granularity="static",
                        calibration=tmp_path / "missing.safetensors")
 
 

@@ -46,6 +46,19 @@ def test_int8_layer_buffers_and_default_rotation():
     assert "int8+rot" in repr(cache)
 
 
+def test_the_default_format():
+    # no format given: formats.DEFAULT_KV_DTYPE for K and V (int8, measured to meet the quality targets
+    # on SmolLM2-135M, see formats.py), rotated
+    cache = QuantizedCache(tiny_config("llama"), max_batch_size=1, max_cache_len=8, device="cpu")
+    assert formats.DEFAULT_KV_DTYPE == "int8"
+    assert (cache.k_dtype, cache.v_dtype) == ("int8", "int8") and cache.k_rotate and cache.v_rotate
+    assert cache.layers[0].k_codes.dtype == torch.int8 and cache.layers[0].k_rotation is not None
+    assert kvcompile.backend().kv_dtype == "int8"
+    # static scales are fp8's: asking for them without a format says so
+    with pytest.raises(ValueError, match="kv_dtype='fp8_e4m3' for static scales"):
+        QuantizedCache(tiny_config("llama"), max_batch_size=1, max_cache_len=8, granularity="static")
+
+
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "q8_0"])
 def test_other_formats_are_not_rotated_by_default(kv_dtype):
     cache = QuantizedCache(tiny_config("llama"), max_batch_size=1, max_cache_len=8, kv_dtype=kv_dtype, device="cpu")

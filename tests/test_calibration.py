@@ -134,7 +134,7 @@ def test_bad_calibration_files_are_rejected(tmp_path, tiny, case):
     with pytest.raises(ValueError, match=match):
         kvcompile.load_calibration(path, num_layers=LAYERS, num_kv_heads=HKV, head_dim=D)
     with pytest.raises(ValueError, match=match):  # the cache fails closed too
-        kvcompile.QuantizedCache(tiny[0].config, max_batch_size=1, max_cache_len=16, granularity="static",
+        kvcompile.QuantizedCache(tiny[0].config, max_batch_size=1, max_cache_len=16, kv_dtype="fp8_e4m3", granularity="static",
                                  calibration=str(path))
     with pytest.raises(ValueError, match=match):  # and a dict is validated like a file
         kvcompile.load_calibration(tensors, num_layers=LAYERS, num_kv_heads=HKV, head_dim=D)
@@ -157,5 +157,5 @@ def test_unreadable_files_are_rejected(tmp_path, calib, content):
 
 def test_static_cache_needs_both_scales(tiny):
     with pytest.raises(ValueError, match="static"):
-        kvcompile.QuantizedCache(tiny[0].config, max_batch_size=1, max_cache_len=16, granularity="static",
+        kvcompile.QuantizedCache(tiny[0].config, max_batch_size=1, max_cache_len=16, kv_dtype="fp8_e4m3", granularity="static",
                                  calibration={"k_offset": torch.zeros(LAYERS, HKV, D)})
