@@ -10,7 +10,8 @@ a kernel runs, so the package imports on machines without a GPU.
 """
 
 from . import ops  # noqa: F401  (registers torch.ops.kvcompile.*)
-from .cache import QuantizedCache, QuantizedLayer
+from .cache import QuantizedCache
+from .cache_layer import QuantizedLayer
 from .calibration import calibrate, load_calibration, save_calibration
 from .formats import DEFAULT_KV_DTYPE, KV_DTYPES, KVFormat, format_of, get_format
 from .graphs import BatchPaddedForward, default_capture_sizes

@@ -145,10 +145,10 @@ def test_logits_close_to_dynamic_cache(family, attn, monkeypatch):
     # stable facts, not tolerances: q8_0 is 3.3-5.7x closer than fp8 (measured), and a real bug is
     # far outside the fp8 bound. Broken path: every read of the cache loses its newest token.
     assert errs["q8_0"] < errs["fp8_e4m3"] / 2, errs
-    import kvcompile.cache as cache_mod
+    import kvcompile.cache_layer as layer_mod
 
-    real = cache_mod.ops.dequantize
-    monkeypatch.setattr(cache_mod.ops, "dequantize", lambda c, s, o, n, d, *rest: real(c, s, o, n - 1, d, *rest))
+    real = layer_mod.ops.dequantize
+    monkeypatch.setattr(layer_mod.ops, "dequantize", lambda c, s, o, n, d, *rest: real(c, s, o, n - 1, d, *rest))
     cache = QuantizedCache(model.config, max_batch_size=2, max_cache_len=MAX_LEN, kv_dtype="fp8_e4m3")
     broken = logits_error(ref, run_steps(model, cache, ids, am, toks), am)
     assert broken > 5 * errs["fp8_e4m3"] and broken > 2 * BOUNDS[family]["fp8_e4m3"], (broken, errs)
@@ -277,13 +277,13 @@ def test_sliding_window_layers_record_their_window(family, overrides, windows, m
     assert cache.sliding_windows == windows
     assert [layer.is_sliding for layer in cache.layers] == [w > 0 for w in windows]
     assert ("sliding window 8" in repr(cache)) == any(windows)
-    import kvcompile.cache as cache_mod
+    import kvcompile.cache_layer as layer_mod
 
     seen = []
-    real = cache_mod.ops.dequantize
+    real = layer_mod.ops.dequantize
     # the window dequantize was given, positional (after rotation) or keyword
     window_of = lambda a, kw: kw.get("sliding_window", a[6] if len(a) > 6 else 0)  # noqa: E731
-    monkeypatch.setattr(cache_mod.ops, "dequantize", lambda *a, **kw: seen.append(window_of(a, kw)) or real(*a, **kw))
+    monkeypatch.setattr(layer_mod.ops, "dequantize", lambda *a, **kw: seen.append(window_of(a, kw)) or real(*a, **kw))
     for i, layer in enumerate(cache.layers):
         k, v = cache.update(_kv(T=12), _kv(T=12), i)
         assert k.shape == v.shape == (1, 2, 16, 32) and layer.get_mask_sizes(1) == (16, 0)

@@ -146,16 +146,16 @@ def test_k_offset_lives_in_rotated_space():
 
 
 def test_sliding_window_reaches_dequantize(monkeypatch):
-    import kvcompile.cache as cache_mod
+    import kvcompile.cache_layer as layer_mod
 
     seen = []
-    real = cache_mod.ops.dequantize
+    real = layer_mod.ops.dequantize
 
     def spy(*args):
         seen.append(args[5:])
         return real(*args)
 
-    monkeypatch.setattr(cache_mod.ops, "dequantize", spy)
+    monkeypatch.setattr(layer_mod.ops, "dequantize", spy)
     cache = QuantizedCache(tiny_config("llama"), max_batch_size=1, max_cache_len=8, kv_dtype="int8", device="cpu")
     cache.layers[0].sliding_window = 5  # what the HF glue sets for a sliding layer
     cache.update(_kv(), _kv(), 0)

@@ -1,0 +1,332 @@
+"""``QuantizedLayer``: one attention layer's 8-bit K/V storage inside :class:`kvcompile.QuantizedCache`.
+
+Modelled on transformers' ``StaticLayer`` (5.x): fixed ``[B, Hkv, L, D]`` storage, a
+``cumulative_length`` device tensor, every buffer ``mark_static_address``-ed so CUDA graphs can
+replay it, and an ``update()`` that writes in place. The difference: the storage is 8-bit codes
+plus scales, written by ``kvcompile::store_kv``, and ``update()`` returns
+``kvcompile::dequantize(...)`` so that eager attention of any implementation is correct.
+
+Sliding-window layers (the layer types and windows of :func:`kvcompile.hf.layer_windows`) keep all
+``max_cache_len`` positions like full layers (a rolling buffer is not implemented): the model's
+mask applies the window in eager mode, and the layer's ``sliding_window`` travels with
+``dequantize`` to the compiler pass so that the kernels skip the keys below it.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from . import formats, ops, rotation
+
+__all__ = ["QuantizedLayer", "V_LAYOUTS", "v_codes_buffer"]
+
+
+_KV_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _is_compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+V_LAYOUTS = ("auto", "keys", "head_dim")
+
+
+def v_codes_buffer(shape, dtype: torch.dtype, device, keys: bool) -> torch.Tensor:
+    """Zeroed V codes ``[B, Hkv, L, D]``; ``keys=True``: key-contiguous, a view of a ``[B, Hkv, D, L16]``
+    buffer (``L16`` = ``L`` rounded up to 16: the attention kernel reads whole 16-key chunks)."""
+    B, H, L, D = shape
+    if not keys:
+        return torch.zeros((B, H, L, D), dtype=dtype, device=device)
+    return torch.zeros((B, H, D, -(-L // 16) * 16), dtype=dtype, device=device).transpose(2, 3)[:, :, :L]
+
+
+class QuantizedLayer(CacheLayerMixin):
+    """One attention layer's 8-bit K/V: codes ``[B, Hkv, L, D]`` + scales, and its length.
+
+    Attributes read by the compiler pass: ``k_codes``, ``k_scales``, ``v_codes``, ``v_scales``,
+    ``k_offset`` (or None; in K's rotated space when K is rotated), ``cumulative_length``,
+    ``k_rotation`` / ``v_rotation`` (None, or the ``[D, D]`` float32 matrix R that side is stored
+    rotated by: stored = quantize(x @ R - offset)), ``sliding_window`` (0 = full attention).
+
+    ``fmt`` is K's format (``k_fmt``); ``v_fmt`` is V's, which may differ when the two share one
+    scale granularity (:func:`formats.check_pair`). ``fmt`` stays for code that predates K and V
+    formats chosen apart; ``k_fmt`` / ``v_fmt`` say which side is meant.
+
+    ``sliding_window``: the window attention applies over this layer (query ``p`` sees keys
+    ``k > p - W``), 0 for full attention. A window no shorter than ``max_cache_len`` never excludes
+    a stored key and is recorded as 0. Every layer stores all ``max_cache_len`` positions: in eager
+    mode the model's mask applies the window; :meth:`update` hands it to ``kvcompile::dequantize``
+    for the compiler pass, and ``kvcompile::attention`` skips the keys below it. ``is_sliding`` is
+    True for a layer the config makes sliding (what transformers' masks read).
+
+    ``v_layout``: ``"keys"`` stores V codes key-contiguous (a ``[B, Hkv, D, L16]`` buffer, ``L16``
+    = ``L`` rounded up to 16, seen through a ``[B, Hkv, L, D]`` view), the layout the attention
+    kernel reads without a transpose; ``"head_dim"`` stores them like K; ``"auto"`` takes
+    :attr:`formats.KVFormat.v_keys_contiguous` of V's format.
+
+    ``k_rotate`` / ``v_rotate``: store that side rotated by :func:`kvcompile.rotation.hadamard`.
+    ``k_offset`` is given in the model's K space (what :func:`kvcompile.calibrate` measures) and
+    rotated here once when K is rotated: ``(x - mu) @ R == x @ R - mu @ R``.
+    """
+
+    is_compileable = True
+    is_croppable = True
+    is_sliding = False
+    supports_early_init = True
+
+    def __init__(
+        self,
+        fmt: formats.KVFormat,
+        max_batch_size: int,
+        max_cache_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        layer_idx: int,
+        k_static_scale: torch.Tensor | None = None,
+        v_static_scale: torch.Tensor | None = None,
+        k_offset: torch.Tensor | None = None,
+        v_layout: str = "auto",
+        *,
+        v_fmt: formats.KVFormat | None = None,
+        k_rotate: bool = False,
+        v_rotate: bool = False,
+        sliding_window: int = 0,
+    ):
+        super().__init__()
+        v_fmt = fmt if v_fmt is None else v_fmt
+        formats.check_pair(fmt, v_fmt)
+        fmt.check_head_dim(head_dim)
+        v_fmt.check_head_dim(head_dim)
+        if v_layout not in V_LAYOUTS:
+            raise ValueError(f"kvcompile.QuantizedCache: v_layout={v_layout!r} is not one of {list(V_LAYOUTS)}")
+        for side, f, rot in (("K", fmt, k_rotate), ("V", v_fmt, v_rotate)):
+            if rot and f.is_static:
+                raise ValueError(
+                    f"kvcompile.QuantizedCache: {side} in {f.name} cannot be rotated: static scales are calibrated on "
+                    "unrotated K/V; use rotate=False with granularity='static'"
+                )
+        if k_rotate or v_rotate:
+            rotation.check_head_dim(head_dim)
+        self.v_keys = v_fmt.v_keys_contiguous if v_layout == "auto" else v_layout == "keys"
+        self.fmt = self.k_fmt = fmt
+        self.v_fmt = v_fmt
+        self.k_rotate, self.v_rotate = bool(k_rotate), bool(v_rotate)
+        if not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 0:
+            raise ValueError(
+                f"kvcompile.QuantizedCache: layer {layer_idx} got sliding_window={sliding_window!r}; it must be an "
+                "int >= 0 (0 = full attention)"
+            )
+        self.is_sliding = sliding_window > 0
+        # a window no shorter than the cache never excludes a stored key: recorded as full attention
+        self.sliding_window = sliding_window if sliding_window < max_cache_len else 0
+        self.max_batch_size = max_batch_size
+        self.max_cache_len = max_cache_len
+        self.num_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.layer_idx = layer_idx
+        self._k_static = k_static_scale
+        self._v_static = v_static_scale
+        if k_offset is not None and k_rotate:  # into K's rotated space, in float64
+            k_offset = (k_offset.detach().cpu().double() @ rotation.hadamard(head_dim, torch.float64)).float()
+        self._k_offset = k_offset
+        self.cumulative_length = torch.tensor(0, dtype=torch.long)
+        self.k_codes = self.v_codes = self.k_scales = self.v_scales = None
+        self.k_offset = self.k_rotation = self.v_rotation = None
+        self.device = None
+
+    # -- allocation -----------------------------------------------------------------------------
+
+    def allocate(self, device: torch.device) -> None:
+        B, H, L, D = self.max_batch_size, self.num_heads, self.max_cache_len, self.head_dim
+        kf, vf = self.k_fmt, self.v_fmt
+        self.device = torch.device(device)
+        self.k_codes = torch.zeros((B, H, L, D), dtype=kf.code_dtype, device=device)
+        self.v_codes = v_codes_buffer((B, H, L, D), vf.code_dtype, device, self.v_keys)
+        self.device = self.k_codes.device  # normalized: "cuda" -> cuda:0, so input checks compare equal
+        if kf.is_static:  # check_pair: static on both sides or neither
+            self.k_scales = self._k_static.to(device=device, dtype=torch.float32).contiguous()
+            self.v_scales = self._v_static.to(device=device, dtype=torch.float32).contiguous()
+        else:
+            self.k_scales = torch.zeros(kf.scale_shape(B, H, L, D), dtype=kf.scale_dtype, device=device)
+            self.v_scales = torch.zeros(vf.scale_shape(B, H, L, D), dtype=vf.scale_dtype, device=device)
+        if self._k_offset is not None:
+            self.k_offset = self._k_offset.to(device=device, dtype=torch.float32).contiguous()
+        if self.k_rotate or self.v_rotate:
+            R = rotation.hadamard(D, torch.float32, self.device)  # one matrix per layer, shared by K and V
+            self.k_rotation = R if self.k_rotate else None
+            self.v_rotation = R if self.v_rotate else None
+        self.cumulative_length = self.cumulative_length.to(device)
+        # HF's StaticLayer semantics (keys/values are the storage); they are 8-bit codes here.
+        self.keys, self.values = self.k_codes, self.v_codes
+        if not _is_compiling():
+            for t in self.buffers():
+                torch._dynamo.mark_static_address(t)
+        self.is_initialized = True
+
+    def buffers(self) -> list[torch.Tensor]:
+        bufs = [self.k_codes, self.v_codes, self.k_scales, self.v_scales, self.cumulative_length]
+        for t in (self.k_offset, self.k_rotation, self.v_rotation):
+            if t is not None and not any(t is b for b in bufs):  # K and V share one rotation matrix
+                bufs.append(t)
+        return bufs
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.allocate(key_states.device)
+
+    # -- the Cache contract ---------------------------------------------------------------------
+
+    def _check_input(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._check_not_meta()
+        for name, t in (("key_states", key_states), ("value_states", value_states)):
+            if t.dtype not in _KV_INPUT_DTYPES:
+                raise TypeError(
+                    f"kvcompile.QuantizedCache: {name} has dtype {t.dtype}; the cache quantizes fp16, bf16 or "
+                    "fp32 K/V only. Run the model in one of those dtypes."
+                )
+            if t.device != self.device:
+                raise ValueError(
+                    f"kvcompile.QuantizedCache: {name} is on {t.device} but layer {self.layer_idx} of the cache "
+                    f"lives on {self.device}; build the cache with device={t.device!s} (or move the model)"
+                )
+            if t.dim() != 4:
+                raise ValueError(f"kvcompile.QuantizedCache: {name} must be [B, Hkv, T, D], got {tuple(t.shape)}")
+        B, H, T, D = key_states.shape
+        if value_states.shape != key_states.shape:
+            raise ValueError(
+                f"kvcompile.QuantizedCache: key_states {tuple(key_states.shape)} and value_states "
+                f"{tuple(value_states.shape)} differ; the cache needs K and V of one shape"
+            )
+        if B > self.max_batch_size:
+            raise ValueError(
+                f"kvcompile.QuantizedCache: batch of {B} exceeds max_batch_size={self.max_batch_size}; "
+                f"build the cache with max_batch_size>={B}. generate() runs batch x num_beams rows for beam "
+                "search (batch x num_return_sequences when sampling several), so size the cache for that product"
+            )
+        if H != self.num_heads or D != self.head_dim:
+            raise ValueError(
+                f"kvcompile.QuantizedCache: layer {self.layer_idx} got {H} kv heads of dim {D}, the config says "
+                f"{self.num_heads} of dim {self.head_dim}"
+            )
+        if not _is_compiling():
+            # One host read per layer in eager mode; compiled code relies on the op's device assert.
+            end = int(self.cumulative_length) + T
+            if end > self.max_cache_len:
+                raise ValueError(
+                    f"kvcompile.QuantizedCache: writing {T} tokens at position {end - T} would pass "
+                    f"max_cache_len={self.max_cache_len}; build the cache with max_cache_len>={end} (for "
+                    "generate(): prompt tokens + max_new_tokens)"
+                )
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._check_input(key_states, value_states)
+        k_codes, k_scales, v_codes, v_scales = self.live_buffers(key_states.shape[0])
+        ops.store_kv(
+            k_codes, k_scales, v_codes, v_scales,
+            key_states, value_states, self.cumulative_length, self.k_offset, self.k_rotation, self.v_rotation,
+        )
+        self.cumulative_length.add_(key_states.shape[2])
+        dtype = key_states.dtype
+        n, w = self.cumulative_length, self.sliding_window
+        k = ops.dequantize(k_codes, k_scales, self.k_offset, n, dtype, self.k_rotation, w)
+        v = ops.dequantize(v_codes, v_scales, None, n, dtype, self.v_rotation, w)
+        return k, v
+
+    def live_buffers(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Codes and scales of the first ``batch`` rows (the whole buffers when the batch is full).
+
+        A batch smaller than ``max_batch_size`` uses the leading rows: views that start at the
+        buffers' static addresses, so CUDA graphs replay them. One cache serves one batch between
+        resets; all rows share ``cumulative_length`` (padding is the attention mask's job).
+        """
+        if batch == self.max_batch_size:
+            return self.k_codes, self.k_scales, self.v_codes, self.v_scales
+        per_row = lambda t: t if t.dim() == 1 else t[:batch]  # noqa: E731  (static scales: per head)
+        return per_row(self.k_codes), per_row(self.k_scales), per_row(self.v_codes), per_row(self.v_scales)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_seq_length(self) -> int:
+        self._check_not_meta()
+        return self.cumulative_length if self.is_initialized else 0
+
+    def _check_not_meta(self) -> None:
+        if self.device is not None and self.device.type == "meta":
+            raise ValueError(
+                "kvcompile.QuantizedCache was built with device='meta': it holds no storage and can only report "
+                "its size (cache.nbytes). To run a model, build it with the model's device (device='cuda' or "
+                "'cpu'), or device=None to allocate on the first update's device"
+            )
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.k_codes.zero_()
+            self.v_codes.zero_()
+            if not self.k_fmt.is_static:
+                self.k_scales.zero_()
+                self.v_scales.zero_()
+        self.cumulative_length.zero_()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise RuntimeError(
+                "kvcompile.QuantizedCache layers can only be cropped by a negative count (tokens to drop from "
+                "the end), like transformers' StaticLayer"
+            )
+        self.cumulative_length.sub_(abs(tokens_to_remove))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if not self.is_initialized:
+            return
+        idx = beam_idx.to(self.device)
+        per_batch = [self.k_codes, self.v_codes] + ([] if self.k_fmt.is_static else [self.k_scales, self.v_scales])
+        n = idx.numel()  # the live batch: its leading rows (a smaller batch leaves the rest alone)
+        for t in per_batch:  # in place: the buffers keep their static addresses
+            src = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+            src[:n].copy_(src.index_select(0, idx))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError(
+            "kvcompile.QuantizedCache has a fixed batch (max_batch_size): contrastive search, which repeats the "
+            "cache's rows per candidate and then selects among them, is not supported. Modes that work: greedy, "
+            "sampling, beam search, assisted or prompt-lookup decoding (README: Generation modes)"
+        )
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.batch_repeat_interleave(0)
+
+    def offload(self):
+        raise NotImplementedError("kvcompile.QuantizedCache does not offload layers; keep offloading=False")
+
+    def prefetch(self):
+        raise NotImplementedError("kvcompile.QuantizedCache does not offload layers; keep offloading=False")
+
+    @property
+    def nbytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        # V codes own their buffer, padding included (a key-contiguous view shows L of its L16 keys)
+        rest = sum(t.numel() * t.element_size() for t in self.buffers() if t is not self.v_codes)
+        return rest + self.v_codes.untyped_storage().nbytes()
+
+    @property
+    def format_name(self) -> str:
+        """``"int8+rot"``-style: the format, ``+rot`` when rotated; ``"K/V"`` when K and V differ."""
+        k = self.k_fmt.name + ("+rot" if self.k_rotate else "")
+        v = self.v_fmt.name + ("+rot" if self.v_rotate else "")
+        return k if k == v else f"K {k}/V {v}"
+
+    def __repr__(self):
+        window = f", sliding_window={self.sliding_window}" if self.sliding_window else ""
+        return (
+            f"QuantizedLayer({self.format_name}, B={self.max_batch_size}, Hkv={self.num_heads}, L={self.max_cache_len}, "
+            f"D={self.head_dim}{window})"
+        )
