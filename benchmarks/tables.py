@@ -114,20 +114,33 @@ def _cell(rows: dict, provider: str, shape: str, render: Callable[[dict], str]) 
     return render(r) if r is not None else "—"
 
 
-def decode_ratios(results: str = RESULTS) -> str:
-    """README: decode speed of each format as a ratio to bf16 SDPA, per shape."""
-    run = RUNS["decode"]
+def _by_shape(key: str, subject: str, title: str, columns: list[str], lead: Callable[[dict, str], list[str]],
+              providers, render: Callable[[dict], str], results: str) -> str:
+    """A table of one row per shape of ``subject`` in ``RUNS[key]``: the ``lead`` cells of the row (first
+    ``columns``), then one ``render``-ed cell per ``(provider, name)`` of ``providers``. ``title`` is a
+    format string of ``caption`` (the run's)."""
+    run = RUNS[key]
     rows = read(run, results)
     by = _by(rows, "provider", "shape")
-    lines = [f"Decode, one layer, bf16 SDPA time / kvcompile time in the same run (> 1: faster). {run.caption()}",
-             "",
-             "| decode shape | " + " | ".join(name for _, name in FORMATS) + " |",
-             "|---|" + "---:|" * len(FORMATS)]
-    for shape in _shapes(rows, "decode"):
-        s = _shape(shape)
-        cells = [_cell(by, p, shape, lambda r: _x(float(r["vs_sdpa"]))) for p, _ in FORMATS]
-        lines.append(f"| B={s['B']}, L={_k(s['L'])} | " + " | ".join(cells) + " |")
+    names = columns + [name for _, name in providers]
+    lines = [title.format(caption=run.caption()), "", "| " + " | ".join(names) + " |",
+             "|---|" + "---:|" * (len(names) - 1)]
+    for shape in _shapes(rows, subject):
+        cells = lead(by, shape) + [_cell(by, p, shape, render) for p, _ in providers]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def decode_ratios(results: str = RESULTS) -> str:
+    """README: decode speed of each format as a ratio to bf16 SDPA, per shape."""
+
+    def lead(by: dict, shape: str) -> list[str]:
+        s = _shape(shape)
+        return [f"B={s['B']}, L={_k(s['L'])}"]
+
+    title = "Decode, one layer, bf16 SDPA time / kvcompile time in the same run (> 1: faster). {caption}"
+    return _by_shape("decode", "decode", title, ["decode shape"], lead, FORMATS, lambda r: _x(float(r["vs_sdpa"])),
+                     results)
 
 
 def decode_full(results: str = RESULTS) -> str:
@@ -186,20 +199,16 @@ def prefill_crossover(results: str = RESULTS) -> str:
 
 def store(results: str = RESULTS) -> str:
     """README, BENCHMARKS: quantize-on-store of K and V against a bf16 write of them."""
-    run = RUNS["store"]
-    rows = read(run, results)
-    by = _by(rows, "provider", "shape")
-    lines = [f"Store of one layer's K and V, us (bf16 write time / store time). {run.caption()} "
-             "fp8 static has stored V key-contiguous since 2da443f (session 5); its row predates that.", "",
-             "| write | bf16 `index_copy_` | " + " | ".join(name for _, name in FORMATS) + " |",
-             "|---|---:|" + "---:|" * len(FORMATS)]
-    for shape in _shapes(rows, "store"):
+
+    def lead(by: dict, shape: str) -> list[str]:
         s = _shape(shape)
-        base = by[("bf16-index_copy", shape)]
-        cells = [_cell(by, p, shape, lambda r: f"{float(r['us']):.1f} ({_x(float(r['vs_sdpa']))})") for p, _ in FORMATS]
-        what = f"B={s['B']}, {s['T']} token{'s' if s['T'] != 1 else ''}"
-        lines.append(f"| {what} | {float(base['us']):.1f} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        bf16 = float(by[("bf16-index_copy", shape)]["us"])
+        return [f"B={s['B']}, {s['T']} token{'s' if s['T'] != 1 else ''}", f"{bf16:.1f}"]
+
+    title = ("Store of one layer's K and V, us (bf16 write time / store time). {caption} "
+             "fp8 static has stored V key-contiguous since 2da443f (session 5); its row predates that.")
+    return _by_shape("store", "store", title, ["write", "bf16 `index_copy_`"], lead, FORMATS,
+                     lambda r: f"{float(r['us']):.1f} ({_x(float(r['vs_sdpa']))})", results)
 
 
 def _e2e_ratio(by: dict, B: str, ctx: str, provider: str) -> float:
