@@ -248,19 +248,6 @@ def test_reference_cost_does_not_depend_on_max_cache_len(Tq, window, mask):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def fp8_safe_schema_check(monkeypatch):
-    """opcheck compares inputs with torch.allclose, which has no fp8 kernel on CPU: compare bits."""
-    real = torch.allclose
-
-    def allclose(a, b, *args, **kwargs):
-        if a.dtype == torch.float8_e4m3fn:
-            return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-        return real(a, b, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "allclose", allclose)
-
-
 def test_op_schema_has_the_new_arguments_with_defaults():
     schema = str(OPS.attention.default._schema)
     for arg in ("sliding_window=0", "softcap=0.", "Tensor? sinks=None"):
