@@ -69,6 +69,18 @@ RUNS = {
         "h200_s6_run7_e2e_b32_aecdf70.csv", "aecdf70", H200, "session 6, run 7",
         "python benchmarks/bench_decode_e2e.py --layers 4 --cases 32x8192,32x32768 "
         "--providers hf-static-compiled,kvc-fp8_e4m3-graphs"),
+    "int8-decode": Run(
+        "h200_s7_run1_decode_window_0fb37d1.csv", "0fb37d1", H200, "session 7, run 1",
+        "python benchmarks/bench_kv.py --subjects decode,window,prefill --formats fp8,int8 "
+        "--decode-shapes 1x4096,1x32768,8x32768,32x8192,4x131072 --prefill-q 16384 --window-batches 1,8"),
+    "int8-e2e-llama": Run(
+        "h200_s7_run3_e2e_llama_b8_32k.csv", "59f8b29", H200, "session 7, run 3",
+        "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768 --steps 10 "
+        "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs"),
+    "int8-e2e-gemma3": Run(
+        "h200_s7_run3_e2e_gemma3_b8_32k.csv", "59f8b29", H200, "session 7, run 3",
+        "python benchmarks/bench_decode_e2e.py --model gemma3 --layers 6 --cases 8x32768 --steps 10 "
+        "--providers hf-static-compiled,kvc-int8-graphs"),
 }
 
 # bench_kv's provider names -> the docs' names, in the docs' column order
@@ -115,19 +127,20 @@ def _cell(rows: dict, provider: str, shape: str, render: Callable[[dict], str]) 
 
 
 def _by_shape(key: str, subject: str, title: str, columns: list[str], lead: Callable[[dict, str], list[str]],
-              providers, render: Callable[[dict], str], results: str) -> str:
+              providers, render: Callable[[dict], str], results: str,
+              last: tuple[str, Callable[[dict, str], str]] | None = None) -> str:
     """A table of one row per shape of ``subject`` in ``RUNS[key]``: the ``lead`` cells of the row (first
-    ``columns``), then one ``render``-ed cell per ``(provider, name)`` of ``providers``. ``title`` is a
-    format string of ``caption`` (the run's)."""
+    ``columns``), then one ``render``-ed cell per ``(provider, name)`` of ``providers``, then, with
+    ``last=(column, cell)``, one more column. ``title`` is a format string of ``caption`` (the run's)."""
     run = RUNS[key]
     rows = read(run, results)
     by = _by(rows, "provider", "shape")
-    names = columns + [name for _, name in providers]
+    names = columns + [name for _, name in providers] + ([last[0]] if last else [])
     lines = [title.format(caption=run.caption()), "", "| " + " | ".join(names) + " |",
              "|---|" + "---:|" * (len(names) - 1)]
     for shape in _shapes(rows, subject):
         cells = lead(by, shape) + [_cell(by, p, shape, render) for p, _ in providers]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(cells + ([last[1](by, shape)] if last else [])) + " |")
     return "\n".join(lines)
 
 
@@ -268,11 +281,72 @@ def e2e_ms(results: str = RESULTS) -> str:
     return "\n".join(lines)
 
 
-def command(key: str) -> Callable[[str], str]:
-    def render(results: str = RESULTS) -> str:
-        return f"```\n{RUNS[key].command}\n```"
+def _us(by: dict, provider: str, shape: str) -> float:
+    return float(by[(provider, shape)]["us"])
 
-    render.__doc__ = f"The command of the run behind the {key!r} tables."
+
+def int8_decode(results: str = RESULTS) -> str:
+    """BENCHMARKS: int8 decode against fp8 token, one run, with the bandwidth of each."""
+
+    def lead(by: dict, shape: str) -> list[str]:
+        s = _shape(shape)
+        return [f"B={s['B']} L={_k(s['L'])}", f"{_us(by, 'sdpa-bf16', shape):.1f}"]
+
+    def int8_over_fp8(by: dict, shape: str) -> str:  # speed: fp8 time / int8 time
+        return f"{_us(by, 'kvcompile-fp8', shape) / _us(by, 'kvcompile-int8', shape):.2f}"
+
+    title = "bf16 SDPA time / kvcompile time in the same run (> 1: faster), TB/s of the bytes read. {caption}"
+    return _by_shape("int8-decode", "decode", title, ["shape", "SDPA bf16, us"], lead,
+                     (("kvcompile-fp8", "fp8 token"), ("kvcompile-int8", "int8")),
+                     lambda r: f"{_x(float(r['vs_sdpa']))} ({float(r['tbps']):.2f} TB/s)", results,
+                     last=("int8 / fp8", int8_over_fp8))
+
+
+def window(results: str = RESULTS) -> str:
+    """BENCHMARKS: a sliding-window layer against a full layer of the window's length and bf16 SDPA over it."""
+
+    def lead(by: dict, shape: str) -> list[str]:
+        return [str(_shape(shape)["B"]), f"{_us(by, 'sdpa-bf16 over W', shape):.1f}"]
+
+    def sliding_over_full(by: dict, shape: str) -> str:
+        return ", ".join(f"{_us(by, f'kvcompile-{f} sliding', shape) / _us(by, f'kvcompile-{f} full L=W', shape):.2f}"
+                         for f in ("fp8", "int8"))
+
+    providers = tuple((f"kvcompile-{f} {kind}", f"{f} {kind}")
+                      for f in ("fp8", "int8") for kind in ("full L=W", "sliding"))
+    title = "bf16 SDPA time over the window's keys / kvcompile time in the same run (> 1: faster). {caption}"
+    return _by_shape("int8-decode", "window", title, ["B", "SDPA bf16 over W, us"], lead, providers,
+                     lambda r: _x(float(r["vs_sdpa"])), results, last=("sliding / full (fp8, int8)", sliding_over_full))
+
+
+def int8_e2e(results: str = RESULTS) -> str:
+    """BENCHMARKS: one decode step, B=8 ctx 32k, of a Llama-shaped and a Gemma-3-shaped hybrid model."""
+    models = (("int8-e2e-llama", "Llama-3-8B shape, 4 layers"),
+              ("int8-e2e-gemma3", "Gemma-3-12B shape, 6 layers (5 × window 1024, 1 full)"))
+    providers = (("hf-static-compiled", "HF StaticCache bf16, compiled"),
+                 ("kvc-fp8_e4m3-graphs", "kvcompile fp8 token"), ("kvc-int8-graphs", "kvcompile int8"))
+    first = RUNS[models[0][0]]
+    assert all((RUNS[key].device, RUNS[key].commit, RUNS[key].session) == (first.device, first.commit, first.session)
+               for key, _ in models), "int8-e2e: its runs share one caption (device, commit, session)"
+    raw = ", ".join(f"`benchmarks/results/{RUNS[key].csv}`" for key, _ in models)
+    lines = [f"CUDA graphs, 10 steps (median). {first.device}; code at {first.commit} ({first.session}); "
+             f"raw: {raw}.", "",
+             "| model | provider | ms/step | vs HF static | KV GiB |", "|---|---|---:|---:|---:|"]
+    for key, model in models:
+        by = _by(read(RUNS[key], results), "B", "ctx", "provider")
+        for p, name in providers:
+            for (B, ctx, _), r in ((k, r) for k, r in by.items() if k[2] == p):
+                lines.append(f"| {model} | {name} | {float(r['ms_per_step']):.2f} | {_x(_e2e_ratio(by, B, ctx, p))} | "
+                             f"{float(r['kv_gib']):.2f} |")
+                model = ""
+    return "\n".join(lines)
+
+
+def command(*keys: str) -> Callable[[str], str]:
+    def render(results: str = RESULTS) -> str:
+        return "```\n" + "\n".join(RUNS[key].command for key in keys) + "\n```"
+
+    render.__doc__ = f"The command of the runs behind the {', '.join(map(repr, keys))} tables."
     return render
 
 
@@ -288,6 +362,11 @@ TABLES: dict[str, Callable[[str], str]] = {
     "e2e": e2e,
     "e2e-ms": e2e_ms,
     "e2e-command": command("e2e"),
+    "int8-decode": int8_decode,
+    "int8-decode-command": command("int8-decode"),
+    "window": window,
+    "int8-e2e": int8_e2e,
+    "int8-e2e-command": command("int8-e2e-llama", "int8-e2e-gemma3"),
 }
 
 BLOCK = re.compile(r"(<!-- table:(?P<name>[\w-]+) [^>]*-->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
