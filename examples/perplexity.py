@@ -80,7 +80,9 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts")
     p.add_argument("--variants", nargs="+", default=list(_common.DEFAULT_VARIANTS),
                    help=f"from {list(_common.VARIANTS)} (default {list(_common.DEFAULT_VARIANTS)})")
-    p.add_argument("--calibration", default=None, help="safetensors calibration file (default: calibrate now)")
+    p.add_argument("--calibration", default=None,
+                   help="safetensors calibration file, or a shipped name such as smollm2-135m-instruct "
+                        "(kvcompile.calibration.shipped_calibrations()); default: calibrate now")
     p.add_argument("--calib-tokens", type=int, default=4096, help="tokens to calibrate on (disjoint text)")
     p.add_argument("--save-calibration", default=None, help="write the calibration used to this file")
     p.add_argument("--device", default=None)
