@@ -135,10 +135,15 @@ def test_shipped_calibration_by_name():
         os.path.join(os.path.dirname(kvcompile.__file__), "data", "calibration", "smollm2-135m-instruct.safetensors"),
         num_layers=30, num_kv_heads=3, head_dim=64)
     assert cache.layers[29].k_offset.shape == (3, 64)
-    assert torch.equal(cache.layers[29].k_offset, by_path["k_offset"][29])
-    # static scales from the shipped file
-    static = QuantizedCache(cfg, max_batch_size=1, max_cache_len=16, device="cpu", granularity="static",
-                            calibration="smollm2-135m-instruct")
+    # the default format (int8) stores K rotated: its offset is the file's, rotated into K's space
+    rotated = (by_path["k_offset"][29].double() @ kvcompile.rotation.hadamard(64, torch.float64)).float()
+    assert cache.k_rotate and torch.equal(cache.layers[29].k_offset, rotated)
+    plain = QuantizedCache(cfg, max_batch_size=1, max_cache_len=16, device="cpu", kv_dtype="fp8_e4m3",
+                           calibration="smollm2-135m-instruct")
+    assert torch.equal(plain.layers[29].k_offset, by_path["k_offset"][29])
+    # static scales from the shipped file (fp8 only)
+    static = QuantizedCache(cfg, max_batch_size=1, max_cache_len=16, device="cpu", kv_dtype="fp8_e4m3",
+                            granularity="static", calibration="smollm2-135m-instruct")
     assert torch.equal(static.layers[3].k_scales, by_path["k_scale"][3])
 
 
