@@ -139,9 +139,24 @@ def run_provider(name, model, B, ctx, steps, warmup, device, dtype):
     step()  # first call compiles (not timed)
     compile_s = time.perf_counter() - t0
     ms = time_steps(step, steps, warmup)
+    if PROFILE:
+        profile_steps(name, step, PROFILE)
     del cache
     torch.cuda.empty_cache()
     return ms, kv_bytes, compile_s
+
+
+def profile_steps(name: str, step, n: int) -> None:
+    """Print the GPU kernels of ``n`` steps (torch.profiler; kernels inside CUDA graph replays too),
+    by total device time: where a provider's step goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    print(f"--- {name}: GPU kernels of {n} steps ---")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
 
 
 def bytes_per_token(name, cfg) -> float:
@@ -153,6 +168,7 @@ def bytes_per_token(name, cfg) -> float:
 
 
 V_LAYOUT = "auto"  # --v-layout
+PROFILE = 0  # --profile
 
 
 def main(argv=None):
@@ -172,9 +188,10 @@ def main(argv=None):
     p.add_argument("--out", default="bench_decode_e2e.csv")
     p.add_argument("--v-layout", default="auto", choices=("auto", "keys", "head_dim"),
                    help="QuantizedCache(v_layout=...) for the kvcompile providers (A/B)")
+    p.add_argument("--profile", type=int, default=0, help="print the GPU kernels of this many steps per provider")
     args = p.parse_args(argv)
-    global V_LAYOUT
-    V_LAYOUT = args.v_layout
+    global V_LAYOUT, PROFILE
+    V_LAYOUT, PROFILE = args.v_layout, args.profile
     if not torch.cuda.is_available():
         sys.exit("bench_decode_e2e needs a CUDA device")
     device, dtype = torch.device("cuda"), torch.bfloat16

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from kvcompile import formats, reference  # noqa: E402
+from kvcompile import formats, reference, rotation  # noqa: E402
 from kvcompile.cache import v_codes_buffer  # noqa: E402
 from kvcompile import kernels  # noqa: E402
 from kvcompile.kernels import attention_launcher as launcher  # noqa: E402
@@ -88,8 +88,9 @@ def record(subject, shape, provider, ms, nbytes, flops=0.0, base_ms=None, **extr
     return row
 
 
-def make_cache(kv_dtype, gran, B, L, gen_scale=1.0):
-    """Codes and scales as QuantizedCache holds them (V key-contiguous for token scales)."""
+def make_cache(kv_dtype, gran, B, L, gen_scale=1.0, R=None):
+    """Codes and scales as QuantizedCache holds them (V key-contiguous for token scales); with ``R``,
+    K and V stored rotated (codes of x @ R, as a rotated cache stores them)."""
     fmt = formats.get_format(kv_dtype, gran)
     k = torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16) * gen_scale
     v = torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16)
@@ -101,7 +102,7 @@ def make_cache(kv_dtype, gran, B, L, gen_scale=1.0):
     else:
         ks = torch.empty(fmt.scale_shape(B, HKV, L, D), dtype=fmt.scale_dtype, device="cuda")
         vs = torch.empty_like(ks)
-    kernels.store_kv(kc, ks, vc, vs, k, v, torch.tensor(0, device="cuda"), None)
+    kernels.store_kv(kc, ks, vc, vs, k, v, torch.tensor(0, device="cuda"), None, R, R)
     return (kc, ks, vc, vs), (k, v)
 
 
@@ -123,7 +124,13 @@ def cache_bytes(c):
 
 
 FORMATS = {"fp8": ("fp8_e4m3", "token"), "fp8/block32": ("fp8_e4m3", "block32"),
-           "fp8/static": ("fp8_e4m3", "static"), "q8_0": ("q8_0", "block32"), "int8": ("int8", "token")}
+           "fp8/static": ("fp8_e4m3", "static"), "q8_0": ("q8_0", "block32"), "int8": ("int8", "token"),
+           "int8+rot": ("int8", "token")}  # +rot: stored rotated, the kernels rotate q and the output
+
+
+def rot(name):
+    """The rotation matrix a format name stores K and V in (None: not rotated)."""
+    return rotation.hadamard(D, torch.float32, "cuda") if name.endswith("+rot") else None
 
 
 def sdpa_decode_baseline(B, L):
@@ -147,15 +154,24 @@ def decode(args):
         record("decode", shape, "sdpa-bf16", base, 4 * B * HKV * L * D + 4 * B * HQ * D)
         for name in args.formats:
             kv_dtype, gran = FORMATS[name]
-            c0, _ = make_cache(kv_dtype, gran, B, L)
+            R = rot(name)
+            c0, _ = make_cache(kv_dtype, gran, B, L, R=R)
             nb = cache_bytes(c0)
             n = copies_for(nb)
-            caches = [c0] + [make_cache(kv_dtype, gran, B, L)[0] for _ in range(n - 1)]
-            fns = [lambda q=q, c=c: kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, False, None)
+            caches = [c0] + [make_cache(kv_dtype, gran, B, L, R=R)[0] for _ in range(n - 1)]
+            fns = [lambda q=q, c=c: kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, False, None,
+                                                      0, 0.0, None, R, R)
                    for q, c in zip(qs, caches)]
             ms = bench(fns, len(fns))
             splits = splits_used(fns[0])
             record("decode", shape, f"kvcompile-{name}", ms, nb + 4 * B * HQ * D, base_ms=base, splits=splits)
+            if R is not None:  # A/B: the rotations as torch matmuls around the kernel (fp32, cast back)
+                fns_t = [lambda q=q, c=c: torch.matmul(kernels.attention(
+                             torch.matmul(q.float(), R).to(q.dtype), c[0], c[1], c[2], c[3], kv_len, None, False, None
+                         ).float(), R.t()).to(q.dtype) for q, c in zip(qs, caches)]
+                record("decode", shape, f"kvcompile-{name} torch-rot", bench(fns_t, len(fns_t)), nb + 4 * B * HQ * D,
+                       base_ms=base, splits=splits)
+                del fns_t
             if args.sweep and (B, L) in ((8, 32768), (1, 32768), (4, 131072), (32, 8192), (32, 32768)):
                 sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=args.tile_sweep)
             del caches, fns
@@ -174,15 +190,16 @@ def window(args):
         record("window", shape, "sdpa-bf16 over W", base, 4 * B * HKV * W * D + 4 * B * HQ * D)
         for name in args.formats:
             kv_dtype, gran = FORMATS[name]
+            R = rot(name)
             times = {}
             for label, L, win in (("full L=W", W, 0), ("sliding", ctx, W)):
-                c0, _ = make_cache(kv_dtype, gran, B, L)
+                c0, _ = make_cache(kv_dtype, gran, B, L, R=R)
                 nb = cache_bytes(c0) * W // L  # the bytes a call reads: the window's keys
                 n = copies_for(nb)  # enough copies that the window's keys do not stay in L2
-                caches = [c0] + [make_cache(kv_dtype, gran, B, L)[0] for _ in range(n - 1)]
+                caches = [c0] + [make_cache(kv_dtype, gran, B, L, R=R)[0] for _ in range(n - 1)]
                 kv_len = torch.full((B,), L, device="cuda", dtype=torch.long)
                 fns = [lambda q=q, c=c, kv_len=kv_len, win=win: kernels.attention(
-                           q, c[0], c[1], c[2], c[3], kv_len, None, False, None, win)
+                           q, c[0], c[1], c[2], c[3], kv_len, None, False, None, win, 0.0, None, R, R)
                        for q, c in zip(qs * (-(-n // len(qs))), caches)]
                 times[label] = ms = bench(fns, len(fns))
                 extra = {"vs_full": times["full L=W"] / ms} if label == "sliding" else {}
@@ -307,17 +324,20 @@ def prefill(args):
         record("prefill", shape, "sdpa-bf16", base, 0, flops)
         # the dense path cannot be graph-captured (its host sync): SDPA timed the same way, for scale
         record("prefill", shape, "sdpa-bf16 eager", time_eager(sd), 0, flops, base_ms=base)
-        c, _ = make_cache("fp8_e4m3", "token", 1, L)
         kv_len = torch.tensor(L, device="cuda")
-        for path in ("fused", "dense"):
+        for fname, path in [(f, p) for f in args.prefill_formats.split(",") for p in ("fused", "dense")]:
+            R = rot(fname)
+            c, _ = make_cache(*FORMATS[fname], 1, L, R=R)
             os.environ["KVCOMPILE_PREFILL"] = path
-            fn = lambda: kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, causal, None)
+            fn = lambda: kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, causal, None, 0, 0.0, None, R, R)
             try:
                 ms = bench([fn], 1) if path == "fused" else time_eager(fn)
             except Exception as e:
                 print("prefill skip", path, type(e).__name__, str(e)[:200])
                 continue
-            record("prefill", shape, f"kvcompile-fp8-{path}", ms, 0, flops, base_ms=base)
+            record("prefill", shape, f"kvcompile-{fname}-{path}", ms, 0, flops, base_ms=base)
+            if fname != "fp8":
+                continue
             if path == "fused" and AB_KERNEL is not None:
                 saved_kernel = launcher._attention_kernel
                 launcher._attention_kernel = load_kernel_file(AB_KERNEL)
@@ -396,6 +416,7 @@ def store(args):
         record("store", shape, "bf16-index_copy", base, 2 * nel * 4)
         for name in args.formats:
             kv_dtype, gran = FORMATS[name]
+            R = rot(name)
             fmt = formats.get_format(kv_dtype, gran)
             kc = torch.empty(B, HKV, L, D, dtype=fmt.code_dtype, device="cuda")
             vc = v_codes_buffer((B, HKV, L, D), fmt.code_dtype, "cuda", fmt.v_keys_contiguous)  # the cache's layout
@@ -405,7 +426,7 @@ def store(args):
             else:
                 sk = torch.empty(fmt.scale_shape(B, HKV, L, D), dtype=fmt.scale_dtype, device="cuda")
                 sv = torch.empty_like(sk)
-            fns = [lambda k=k, v=v: kernels.store_kv(kc, sk, vc, sv, k, v, start, None) for k, v in zip(ks, vs)]
+            fns = [lambda k=k, v=v: kernels.store_kv(kc, sk, vc, sv, k, v, start, None, R, R) for k, v in zip(ks, vs)]
             g = fmt.groups(D)
             nb = 2 * nel * (2 + 1) + 2 * B * HKV * T * g * (2 if kv_dtype == "q8_0" else 4)
             record("store", shape, f"kvcompile-{name}", bench(fns, len(fns)), nb, base_ms=base)
@@ -484,19 +505,20 @@ def smoke(args):
     os.environ["KVCOMPILE_PREFILL"] = "fused"
     for name in args.formats:
         kv_dtype, gran = FORMATS[name]
-        (kc, ks, vc, vs), _ = make_cache(kv_dtype, gran, 3, 301)
+        R = rot(name)
+        (kc, ks, vc, vs), _ = make_cache(kv_dtype, gran, 3, 301, R=R)
         kv_len = torch.tensor([301, 77, 5], device="cuda")
         for v in (vc, other_v_layout(vc)):  # key-contiguous V: 16-key chunk reads up to the padded 304
             for Tq in (1, 7, 40):
                 q = torch.randn(3, HQ, Tq, D, device="cuda", dtype=torch.bfloat16)
                 m = torch.rand(3, 1, Tq, 301, device="cuda") > 0.2
-                kernels.attention(q, kc, ks, v, vs, kv_len, m, True, None)
-                kernels.attention(q, kc, ks, v, vs, kv_len, None, False, None)
-                kernels.attention(q, kc, ks, v, vs, kv_len, None, True, None)  # unmasked tiles + diagonal
+                kernels.attention(q, kc, ks, v, vs, kv_len, m, True, None, 0, 0.0, None, R, R)
+                kernels.attention(q, kc, ks, v, vs, kv_len, None, False, None, 0, 0.0, None, R, R)
+                kernels.attention(q, kc, ks, v, vs, kv_len, None, True, None, 0, 0.0, None, R, R)  # unmasked + diagonal
                 sinks = torch.randn(HQ, device="cuda")
-                kernels.attention(q, kc, ks, v, vs, kv_len, None, True, None, 37, 20.0, sinks)  # window edge tiles
+                kernels.attention(q, kc, ks, v, vs, kv_len, None, True, None, 37, 20.0, sinks, R, R)  # window edges
             os.environ["KVCOMPILE_PREFILL"] = "dense"  # the one-launch K + V dequantize, both V layouts
-            kernels.attention(q, kc, ks, v, vs, kv_len, m, True, None)
+            kernels.attention(q, kc, ks, v, vs, kv_len, m, True, None, 0, 0.0, None, R, R)
             os.environ["KVCOMPILE_PREFILL"] = "fused"
             kernels.dequantize(v, vs, None, kv_len, torch.bfloat16)
         kernels.dequantize(kc, ks, None, kv_len, torch.bfloat16)
@@ -515,6 +537,7 @@ def main():
                    help="decode tiles and programs per SM (with --sweep), fused prefill tiles")
     p.add_argument("--decode-shapes", default="1x4096,1x32768,8x32768,32x8192,4x131072")
     p.add_argument("--prefill-q", default="16384,4096,1024")
+    p.add_argument("--prefill-formats", default="fp8", help="formats timed by subject prefill (fused and dense)")
     p.add_argument("--window", type=int, default=4096, help="subject window: the sliding layer's window")
     p.add_argument("--window-context", type=int, default=32768, help="subject window: the sliding layer's context")
     p.add_argument("--window-batches", default="1,8,32", help="subject window: batch sizes")

@@ -31,7 +31,8 @@ python -m kvcompile info > "$OUT/info.txt" 2>&1
 # 1. kernel + op + cache tests compiled for the GPU (Triton compile time dominates: 8 workers)
 if want tests; then
     timeout 400 python -m pytest -q -n 8 tests/test_kernels.py tests/test_kernels_features.py tests/test_tiles.py \
-        tests/test_formats.py tests/test_int8.py tests/test_rotation.py tests/test_ops.py > "$OUT/gpu_tests.log" 2>&1
+        tests/test_formats.py tests/test_int8.py tests/test_rotation.py tests/test_kernels_rotation.py tests/test_ops.py \
+        tests/test_sass.py tests/test_cache_formats.py > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests: $(tail -1 "$OUT/gpu_tests.log")"
 fi
 
@@ -53,6 +54,7 @@ fi
 if want kernels; then
     # the rows in each format's cache layout; --sweep '^V ' adds the other V layout at the sweep shapes
     timeout 300 python benchmarks/bench_kv.py --decode-shapes 1x4096,1x32768,8x32768,4x131072 --prefill-q 16384,1024 \
+        --formats fp8,q8_0,int8+rot --prefill-formats fp8,int8+rot \
         --sweep --variants '^V (keys|head_dim)$' --out "$OUT/bench_kv_${commit}.csv" > "$OUT/bench_kv.log" 2>&1
     grep -E "^\| " "$OUT/bench_kv.log" | grep -v "^|---"
 fi
@@ -60,7 +62,7 @@ fi
 # 4b. optional: memcheck of every kernel on odd shapes (both V layouts)
 if want sanitize; then
     timeout 240 compute-sanitizer --tool memcheck python benchmarks/bench_kv.py --subjects smoke \
-        --formats fp8,fp8/static,q8_0 > "$OUT/memcheck.log" 2>&1
+        --formats fp8,fp8/static,q8_0,int8+rot > "$OUT/memcheck.log" 2>&1
     echo "memcheck: $(grep -E 'ERROR SUMMARY|smoke done' "$OUT/memcheck.log" | tr '\n' ' ')"
 fi
 

@@ -21,7 +21,9 @@ Shapes (``B`` batch, ``Hq``/``Hkv`` query/kv heads, ``L`` max_cache_len, ``D`` h
 * ``k_rotation`` / ``v_rotation`` / ``rotation``: an orthonormal ``[D, D]`` float32 matrix R
   (:mod:`kvcompile.rotation`) or None. A rotated side stores ``quantize(x @ R - offset)`` (the
   offset then lives in rotated space); ``dequantize`` returns ``(codes * scale + offset) @ R^T``.
-  ``attention`` never sees a rotation: the compiler pass rotates q (and the output, for V);
+  ``attention`` takes the same R of a rotated side and works in its space: scores use ``q @ R_k``
+  (``(q R)(k R)^T = q k^T``) and the output is multiplied by ``R_v^T``; the kernels do both inside
+  the attention launch;
 * ``kv_len``: int tensor, ``[]`` or ``[B]``: how many positions of the cache hold data.
 """
 
@@ -192,10 +194,13 @@ def _(codes, scale, offset, kv_len, dtype, rotation=None, sliding_window=0):
 
 
 def _check_attention(q: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Tensor,
-                     sliding_window: int, softcap: float, sinks: Optional[Tensor]) -> None:
-    """Shapes and the window / softcap / sinks arguments of ``attention`` (metadata only)."""
+                     sliding_window: int, softcap: float, sinks: Optional[Tensor],
+                     k_rotation: Optional[Tensor] = None, v_rotation: Optional[Tensor] = None) -> None:
+    """Shapes and the window / softcap / sinks / rotation arguments of ``attention`` (metadata only)."""
     _check_codes_scale("k", k_q, k_scale)
     _check_codes_scale("v", v_q, v_scale)
+    _check_rotation("k_rotation", k_rotation, k_q)
+    _check_rotation("v_rotation", v_rotation, v_q)
     if q.dim() != 4 or q.shape[0] != k_q.shape[0] or q.shape[3] != k_q.shape[3]:
         raise ValueError(
             f"kvcompile.attention: q {tuple(q.shape)} does not fit cache {tuple(k_q.shape)} "
@@ -243,6 +248,8 @@ def attention(
     sliding_window: int = 0,
     softcap: float = 0.0,
     sinks: Optional[Tensor] = None,
+    k_rotation: Optional[Tensor] = None,
+    v_rotation: Optional[Tensor] = None,
 ) -> Tensor:
     """Attention of ``q`` [B, Hq, Tq, D] over the 8-bit cache, output [B, Hq, Tq, D] in q.dtype.
 
@@ -261,20 +268,24 @@ def attention(
       (``exp(sink - max)``), with no value (gpt-oss);
     * a query row with no visible key returns zeros (with sinks too);
     * K and V may hold different code types (e4m3 / int8) with the same scale granularity;
-    * K centering offsets never enter: softmax is invariant to a per-query constant.
+    * K centering offsets never enter: softmax is invariant to a per-query constant;
+    * ``k_rotation`` / ``v_rotation`` ([D, D] float32 or None): the side's codes hold ``x @ R``
+      (the cache's rotation); the result is attention over the un-rotated K / V, computed in the
+      rotated space (``q @ R_k`` in float32, the output times ``R_v^T``).
     """
-    _check_attention(q, k_q, k_scale, v_q, v_scale, sliding_window, softcap, sinks)
+    _check_attention(q, k_q, k_scale, v_q, v_scale, sliding_window, softcap, sinks, k_rotation, v_rotation)
     if kernel_backend(q.device) == "triton":
         return _kernels().attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale,
-                                    sliding_window, softcap, sinks)
+                                    sliding_window, softcap, sinks, k_rotation, v_rotation)
     return reference.attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale,
-                               sliding_window, softcap, sinks)
+                               sliding_window, softcap, sinks, k_rotation, v_rotation)
 
 
 @attention.register_fake
 def _(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale, sliding_window=0, softcap=0.0,
-      sinks=None):
-    _check_attention(q, k_q, k_scale, v_q, v_scale, sliding_window, softcap, sinks)  # errors at trace time
+      sinks=None, k_rotation=None, v_rotation=None):
+    _check_attention(q, k_q, k_scale, v_q, v_scale, sliding_window, softcap, sinks,
+                     k_rotation, v_rotation)  # errors at trace time
     # dense [B, Hq, Tq, D] whatever q's strides (HF's q is a transposed view): the kernels and
     # the reference both write a contiguous output
     return q.new_empty(q.shape)

@@ -112,6 +112,8 @@ def attention(
     sliding_window: int = 0,
     softcap: float = 0.0,
     sinks: Optional[Tensor] = None,
+    k_rotation: Optional[Tensor] = None,
+    v_rotation: Optional[Tensor] = None,
     compute_dtype: torch.dtype = torch.float32,
 ) -> Tensor:
     """Reference attention (see :func:`kvcompile.ops.attention` for the contract).
@@ -136,7 +138,10 @@ def attention(
     v = _dequantize_in(_key_slice(v_q, lo, n), _key_slice(v_scale, lo, n), compute_dtype)
     sm_scale = D**-0.5 if scale is None else scale
     # query head h = hk * group + g: the group's rows of one kv head, [B, Hkv, group * Tq, D]
-    qg = q.to(compute_dtype).reshape(B, Hkv, group * Tq, D)
+    qc = q.to(compute_dtype)
+    if k_rotation is not None:  # K's codes hold k @ R_k: (q R_k)(k R_k)^T = q k^T
+        qc = torch.matmul(qc, k_rotation.to(compute_dtype))
+    qg = qc.reshape(B, Hkv, group * Tq, D)
     s = torch.matmul(qg, k.transpose(-1, -2)).view(B, Hq, Tq, n - lo) * sm_scale
     if softcap > 0:
         s = torch.tanh(s / softcap) * softcap  # on the scaled logits, before the mask
@@ -178,4 +183,6 @@ def attention(
         denom = denom + torch.where(empty, torch.zeros_like(denom), torch.exp(sink - m_safe))
     p = p / torch.where(empty, torch.ones_like(denom), denom)
     o = torch.matmul(p.view(B, Hkv, group * Tq, n - lo), v).view(B, Hq, Tq, D)
+    if v_rotation is not None:  # V's codes hold v @ R_v: P (V R_v) R_v^T = P V
+        o = torch.matmul(o, v_rotation.to(compute_dtype).t())
     return o.to(q.dtype)

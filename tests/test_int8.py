@@ -243,13 +243,51 @@ def test_store_kernel_bit_exact(k_dtype, v_dtype, gran, rotate):
             k = _special(torch.randn(B, H, T, D, generator=gen) * 3, sub).to(in_dtype).to(DEV)
             v = _special(torch.randn(B, H, T, D, generator=gen), sub).to(in_dtype).to(DEV)
             off = (torch.randn(H, D, generator=gen) * 0.5).to(DEV)
-            R = rotation.hadamard(D, device=DEV) if rotate else None
+            # a signed permutation: orthonormal with one +-1 per column, so x @ R is exact in any sum
+            # order and kernel and reference must agree bit for bit (a Hadamard: the next test); not
+            # symmetric, so x @ R^T would store other codes
+            R = _signed_permutation(D, gen).to(DEV) if rotate else None
             start = torch.tensor(4, device=DEV)
             kernels.store_kv(kc, ks, vc, vs, k, v, start, off, R, R)
             reference.store_kv(*ref, k, v, start, off, R, R)
             assert _codes_equal(kc, ref[0]) and _codes_equal(vc, ref[2]), (D, in_dtype)
             assert _scales_equal(ks, ref[1]) and _scales_equal(vs, ref[3]), (D, in_dtype)
             assert not kc[:, :, :4].float().any() and not kc[:, :, 4 + T:].float().any()
+
+
+def _signed_permutation(D: int, gen: torch.Generator) -> torch.Tensor:
+    perm = torch.randperm(D, generator=gen)
+    signs = torch.where(torch.rand(D, generator=gen) < 0.5, -1.0, 1.0)
+    return torch.eye(D)[perm] * signs[:, None]
+
+
+@needs_triton
+@pytest.mark.parametrize("D", [64, 80, 128])
+def test_store_kernel_hadamard_rounds_the_rotated_values(D):
+    """With a Hadamard R (sums of D products) the kernel rotates in fp32 FMA dots, the reference in a
+    float32 matmul: the two round their sums in different orders. Against the float64 rotation both
+    must round to nearest: |code - y| <= 1/2 + slack, y = (x @ R)_float64 / s, where the slack (2e-4
+    codes) covers the fp32 rotation's error (D * 2^-24 * sum|x_i R_ij| / s < 1e-4 for these rows);
+    and the scale is amax / 127 of the rotated row within 8 fp32 ulps (the amax of an fp32 sum)."""
+    from kvcompile import kernels
+
+    gen = torch.Generator().manual_seed(9)
+    B, H, L, T = 2, 2, 24, 17
+    R = rotation.hadamard(D, device=DEV)
+    x = (torch.randn(B, H, T, D, generator=gen) * torch.logspace(-3, 3, D)[torch.randperm(D, generator=gen)]).to(DEV)
+    kc, ks = _empty("int8", B, H, L, D)
+    vc, vs = _empty("int8", B, H, L, D)
+    start = torch.tensor(3, device=DEV)
+    kernels.store_kv(kc, ks, vc, vs, x, -x, start, None, R, None)
+    y64 = x.double().cpu() @ R.double().cpu()
+    s64 = y64.abs().amax(-1, keepdim=True) / 127
+    s = ks[:, :, 3:3 + T].double().cpu()
+    assert ((s - s64).abs() <= 8 * 2.0**-24 * s64).all()
+    err = (kc[:, :, 3:3 + T].double().cpu() - y64 / s).abs()
+    assert err.max() <= 0.5 + 2e-4, err.max()
+    assert err.max() > 0.45  # many values: some lie near a boundary (the check is not vacuous)
+    # V was stored unrotated: its codes are those of -x, not of -x @ R
+    assert not torch.equal(vc[:, :, 3:3 + T], kc[:, :, 3:3 + T].neg())
 
 
 @needs_triton

@@ -145,12 +145,19 @@ class PassOnly:
 
 
 def attention_oracle(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale, sliding_window=0,
-                     softcap=0.0, sinks=None):
-    """``kvcompile::attention`` as its contract states it (window, softcap and sinks included), in float64."""
+                     softcap=0.0, sinks=None, k_rotation=None, v_rotation=None):
+    """``kvcompile::attention`` as its contract states it (window, softcap, sinks and the codes of a
+    rotated side un-rotated: ``x @ R^T``), in float64."""
     B, Hq, Tq, D = q.shape
     Hkv, L = k_q.shape[1], k_q.shape[2]
-    k = kvcompile.formats.dequantize(k_q, k_scale, torch.float64).repeat_interleave(Hq // Hkv, dim=1)
-    v = kvcompile.formats.dequantize(v_q, v_scale, torch.float64).repeat_interleave(Hq // Hkv, dim=1)
+    k = kvcompile.formats.dequantize(k_q, k_scale, torch.float64)
+    v = kvcompile.formats.dequantize(v_q, v_scale, torch.float64)
+    if k_rotation is not None:
+        k = k @ k_rotation.double().t()
+    if v_rotation is not None:
+        v = v @ v_rotation.double().t()
+    k = k.repeat_interleave(Hq // Hkv, dim=1)
+    v = v.repeat_interleave(Hq // Hkv, dim=1)
     s = torch.matmul(q.double(), k.transpose(-1, -2)) * (D ** -0.5 if scale is None else scale)
     if softcap:
         s = softcap * torch.tanh(s / softcap)

@@ -59,6 +59,9 @@ V_PIN = True
 # int8 tiles (q8_0) widened to fp16 by inline PTX four codes at a time, unpinned (_codes.codes_to);
 # off: Triton's per-code arithmetic (same values)
 INT8_PTX = True
+# rotated caches: q @ R_K and out @ R_V^T run in the kernel, this many columns of R per fp32 dot
+# (a whole fp32 R of D=128 is 64 KiB: 128 registers per thread of a 4-warp program)
+ROT_CHUNK = 32
 INTERPRET_FP16 = False  # tests: run the interpreter's dots in fp16 to exercise the fp16 path
 _PATHS = ("auto", "fused", "dense")
 # FMA contraction on, explicitly: Triton 3.9 warns that its default turns off in 3.10 (the store
@@ -205,7 +208,8 @@ def _mask_arg(attn_mask: Optional[Tensor], B: int, Hq: int, Tq: int, L: int, lik
 
 
 def _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, decode: bool,
-           window: int = 0, softcap: float = 0.0, sinks: Optional[Tensor] = None) -> Tensor:
+           window: int = 0, softcap: float = 0.0, sinks: Optional[Tensor] = None,
+           rotations: tuple = (None, None)) -> Tensor:
     B, Hq, Tq, D = q.shape
     Hkv, L = k_q.shape[1], k_q.shape[2]
     group = Hq // Hkv
@@ -248,14 +252,15 @@ def _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale
     if interpreting():
         tile = dataclasses.replace(tile, block_m=min(tile.block_m, 32), block_n=16)
     window = window if 0 < window < L else 0  # a window of L or more keys hides none
-    features = (window > 0, softcap > 0, sinks is not None)
+    features = (window > 0, softcap > 0, sinks is not None, rotations[0] is not None, rotations[1] is not None)
     key = (decode, cc, D, dot_dtype, k_q.dtype, v_q.dtype, scale_kind, mask_kind, bool(is_causal),
            rows if decode else 0, v_pin, v_keys, features)
     tile = _SHRUNK.get(key, tile)
     out = torch.empty((B, Hq, Tq, D), dtype=q.dtype, device=dev)
     args = (q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, out, sm_scale, is_causal,
             group, group_size, scale_kind, (k_fp8_bits, v_fp8_bits), dot_dtype, pv_dtype, decode, v_pin, v_keys,
-            int8_ptx(kc.dtype, dot_dtype) or int8_ptx(vc.dtype, dot_dtype), window, float(softcap), sinks)
+            int8_ptx(kc.dtype, dot_dtype) or int8_ptx(vc.dtype, dot_dtype), window, float(softcap), sinks,
+            tuple(r if r is None else r.contiguous() for r in rotations))
     from triton.runtime.errors import OutOfResources
 
     while True:
@@ -292,9 +297,9 @@ def _maxnreg(tile: tiles.Tile) -> dict:
 
 def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, out, sm_scale, is_causal,
             group, group_size, scale_kind, fp8_bits, dot_dtype, pv_dtype, decode, v_pin=False, v_keys=False,
-            int8_ptx=False, window=0, softcap=0.0, sinks=None, resident=1):
+            int8_ptx=False, window=0, softcap=0.0, sinks=None, rotations=(None, None), resident=1):
     """One launch of the attention kernel (+ the merge when split). ``fp8_bits``: (K's, V's);
-    ``window`` > 0 only when it hides keys (< L)."""
+    ``window`` > 0 only when it hides keys (< L); ``rotations``: (R_K, R_V), each contiguous or None."""
     B, Hq, Tq, D = q.shape
     Hkv, L = kc.shape[1], kc.shape[2]
     dev = q.device
@@ -318,6 +323,9 @@ def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, 
     op_strides = op.stride()[:4] if splits > 1 else (0, 0, 0, 0)
     lse_strides = lse.stride() if splits > 1 else (0, 0, 0, 0)
     sink_arg, sink_stride = (sinks, sinks.stride(0)) if sinks is not None else (q, 0)  # q: a dummy pointer
+    r_k, r_v = rotations
+    r_k_arg = r_k if r_k is not None else q
+    r_v_arg = r_v if r_v is not None else q
 
     grid = (m_blocks, B * Hkv, splits)
     _attention_kernel[grid](
@@ -327,12 +335,14 @@ def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, 
         kvl, kvl_stride,
         mask, *mstride,
         sink_arg, sink_stride,
+        r_k_arg, r_v_arg,
         out, *out.stride(),
         op, *op_strides,
         lse, *lse_strides,
         Hkv, Tq, D, float(sm_scale), split_len, int(window), float(softcap),
         GROUP=group, GROUP_SIZE=group_size, SCALE_KIND=scale_kind, MASK_KIND=mask_kind,
         IS_CAUSAL=bool(is_causal), HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
+        HAS_K_ROT=r_k is not None, HAS_V_ROT=r_v is not None and splits == 1, ROT_CHUNK=ROT_CHUNK,
         SPLIT_OUTPUT=splits > 1, K_FP8_BITS=k_fp8_bits, V_FP8_BITS=v_fp8_bits,
         DOT_DTYPE=_tl_dtype(dot_dtype), PV_DTYPE=_tl_dtype(pv_dtype), BCAST_SCALE=BCAST_SCALE,
         V_PIN=v_pin, V_KEYS_CONTIG=v_keys, INT8_PTX=int8_ptx,
@@ -342,8 +352,9 @@ def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, 
     if splits > 1:
         _merge_kernel[(B * Hq * Tq,)](
             op, *op.stride()[:4], lse, *lse.stride(), out, *out.stride(), kvl, kvl_stride,
-            vs, vs.stride(1), sink_arg, sink_stride, Hq, Tq, D, split_len, splits, int(window),
+            vs, vs.stride(1), sink_arg, sink_stride, r_v_arg, Hq, Tq, D, split_len, splits, int(window),
             GROUP=group, STATIC_SCALE=scale_kind == SCALE_STATIC, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None,
+            HAS_V_ROT=r_v is not None, ROT_CHUNK=ROT_CHUNK,
             SPLITS_P2=next_pow2(splits), BLOCK_N=tile.block_n, BLOCK_D=next_pow2(D), num_warps=4, **_FP_FUSION,
         )
 
@@ -355,7 +366,19 @@ def _sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa):
     )
 
 
-def _dense(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, window: int = 0) -> Tensor:
+def _dense(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, window: int = 0,
+           rotations: tuple = (None, None)) -> Tensor:
+    """Dequantize the live prefix once, then SDPA; rotated sides: q @ R_K before, out @ R_V^T after (fp32)."""
+    r_k, r_v = rotations
+    if r_k is not None:
+        q = torch.matmul(q.float(), r_k).to(q.dtype)
+    out = _dense_sdpa(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, window)
+    if r_v is not None:
+        out = torch.matmul(out.float(), r_v.t()).to(out.dtype)
+    return out
+
+
+def _dense_sdpa(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, window: int = 0) -> Tensor:
     B, Hq, Tq, D = q.shape
     Hkv, L = k_q.shape[1], k_q.shape[2]
     kvl = kv_len.to(q.device).reshape(-1).expand(B)
@@ -420,6 +443,7 @@ def attention(
     q: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Tensor, kv_len: Tensor,
     attn_mask: Optional[Tensor], is_causal: bool, scale: Optional[float],
     sliding_window: int = 0, softcap: float = 0.0, sinks: Optional[Tensor] = None,
+    k_rotation: Optional[Tensor] = None, v_rotation: Optional[Tensor] = None,
 ) -> Tensor:
     """``kvcompile::attention`` on the Triton kernels (arguments and shapes: :func:`kvcompile.ops.attention`)."""
     B, Hq, Tq, D = q.shape
@@ -436,6 +460,7 @@ def attention(
                 and (k_q.dtype == v_q.dtype or tiles.has_native_fp8(device_cc(q.device))))
     path = prefill_path(q, window_hides=0 < sliding_window < L, dense_ok=dense_ok)
     if path == "dense":
-        return _dense(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, sliding_window)
+        return _dense(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, sliding_window,
+                      (k_rotation, v_rotation))
     return _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, decode=path == "decode",
-                  window=sliding_window, softcap=softcap, sinks=sinks)
+                  window=sliding_window, softcap=softcap, sinks=sinks, rotations=(k_rotation, v_rotation))

@@ -3,7 +3,7 @@
 The op (contract in :func:`kvcompile.ops.attention`)::
 
     attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale,
-              sliding_window, softcap, sinks)
+              sliding_window, softcap, sinks, k_rotation, v_rotation)
 
 excludes keys at positions ``>= kv_len``; its ``is_causal`` puts query ``i`` at ``kv_len - Tq + i``
 (bottom-right). What the pass proves before emitting it:
@@ -22,8 +22,9 @@ excludes keys at positions ``>= kv_len``; its ``is_causal`` puts query ``i`` at 
   (the sink logit does not shift): those sites are skipped;
 * ``sliding_window`` is the K dequantize's (V's must agree); ``softcap`` and ``sinks`` come from
   the form;
-* rotation: K stored rotated by R_k (dequantize un-rotates it) -> the op gets ``q @ R_k``; V
-  rotated by R_v -> the op's output is multiplied by ``R_v^T``; both in float32, cast back.
+* rotation: a side stored rotated by R (its dequantize un-rotates it) hands R to the op, which
+  attends in the rotated space (``q @ R_k`` before the scores, the output times ``R_v^T``) inside
+  its own launch.
 """
 
 from __future__ import annotations
@@ -140,13 +141,10 @@ def _stored_at_least(kv_len: fx.Node, tq: Any, anchor: fx.Node) -> Any:
 
 
 def emit(call: AttentionCall, k: KVChain, v: KVChain, p: dict) -> fx.Node:
-    """Insert the op (and the rotations around it) before the anchor; returns the node replacing it."""
+    """Insert the op before the anchor; returns the node replacing it."""
     graph = call.anchor.graph
-    q_dtype = val(call.q).dtype
     with graph.inserting_before(call.anchor):
         q = call.q
-        if k.source.rotation is not None:  # scores = q K^T = (q R_k) (codes K)^T
-            q = _fp32_matmul(graph, q, k.source.rotation, q_dtype)
         # contiguous q: the op's fake returns empty_like(q) (q's strides) while kernels write a dense
         # [B, Hq, Tq, D] output; HF's q is a transposed view. Free when already dense.
         q = graph.call_method("contiguous", (q,))
@@ -162,17 +160,8 @@ def emit(call: AttentionCall, k: KVChain, v: KVChain, p: dict) -> fx.Node:
             mask = graph.call_function(F.pad, (mask, (0, extra)))
         out = graph.call_function(ATTENTION, (
             q, k.source.codes, k.source.scale, v.source.codes, v.source.scale, kv_len, mask, call.is_causal,
-            call.scale, p["window"], float(call.softcap), call.sinks,
+            call.scale, p["window"], float(call.softcap), call.sinks, k.source.rotation, v.source.rotation,
         ))
         copy_meta(out, call.anchor)
-        if v.source.rotation is not None:  # out = P V = (P codes V) R_v^T
-            r_t = graph.call_method("t", (v.source.rotation,))
-            out = _fp32_matmul(graph, out, r_t, q_dtype)
-            copy_meta(out, call.anchor)
     call.anchor.replace_all_uses_with(out)
     return out
-
-
-def _fp32_matmul(graph: fx.Graph, x: fx.Node, r: fx.Node, dtype: torch.dtype) -> fx.Node:
-    y = graph.call_function(torch.matmul, (graph.call_method("to", (x, torch.float32)), r))
-    return graph.call_method("to", (y, dtype))

@@ -1,0 +1,124 @@
+"""``kvcompile::attention`` over rotated caches (codes of ``x @ R``, R a Hadamard): the reference
+against a float64 oracle that un-rotates K and V, and the Triton kernels (split-K decode split and
+unsplit, fused prefill, dense prefill) against the float64 reference, with R on K, on V and on both.
+
+The kernels rotate q (``q @ R_k``) and the output (``@ R_v^T``) themselves, in fp32 FMA dots, so
+the tolerances are those of tests/test_kernels_features.py for the same dot types (fp32 dots 1e-5,
+bf16 on the GPU 1e-2): the rotations add fp32 rounding only (~1e-7 relative). Each case also runs
+the kernel without the rotation it needs and asserts that the result moves by far more (a kernel
+that dropped or transposed a rotation fails). Head dims 64 and 128 (one Hadamard block) and 80
+(block-diagonal, padded to a 128-wide tile inside the kernel).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import kvcompile  # noqa: F401  (registers the ops)
+from kvcompile import reference, rotation
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton kernels on CPU need TRITON_INTERPRET=1 set before triton is imported", allow_module_level=True)
+pytest.importorskip("triton")
+
+from kvcompile import kernels  # noqa: E402
+
+from test_kernels_features import BF16_TOL, OFF_MIN, TOL, quantize, rel_err  # noqa: E402
+
+SIDES = {"k": (True, False), "v": (False, True), "kv": (True, True)}
+
+
+def rotated_cache(B, Hkv, L, D, rot_k, rot_v, seed, kind="int8"):
+    """Codes of K @ R (rot_k) or K, V @ R (rot_v) or V, plus R and the float64 K, V they encode."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, Hkv, L, D, generator=gen) * 2
+    v = torch.randn(B, Hkv, L, D, generator=gen)
+    R = rotation.hadamard(D)
+    kc, ks = quantize(k @ R if rot_k else k, kind, gen)
+    vc, vs = quantize(v @ R if rot_v else v, kind, gen)
+    return (kc.to(DEV), ks.to(DEV), vc.to(DEV), vs.to(DEV)), R.to(DEV)
+
+
+def rotations(side, R):
+    rk, rv = SIDES[side]
+    return (R if rk else None), (R if rv else None)
+
+
+@pytest.mark.parametrize("side", list(SIDES))
+def test_reference_attends_in_the_rotated_space(side):
+    """reference(q, codes of x @ R, rotations) == attention over the un-rotated dequantized K, V."""
+    B, Hq, Hkv, L, D, Tq = 2, 4, 2, 21, 64, 3
+    cache, R = rotated_cache(B, Hkv, L, D, *SIDES[side], seed=1)
+    r_k, r_v = rotations(side, R)
+    q = torch.randn(B, Hq, Tq, D, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(DEV)
+    kv_len = torch.tensor([21, 12], device=DEV)
+    got = reference.attention(q, *cache, kv_len, None, True, None, k_rotation=r_k, v_rotation=r_v,
+                              compute_dtype=torch.float64)
+    kc, ks, vc, vs = cache
+    k = kc.double() * ks.double()
+    v = vc.double() * vs.double()
+    if r_k is not None:
+        k = k @ r_k.double().t()
+    if r_v is not None:
+        v = v @ r_v.double().t()
+    group = Hq // Hkv
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = q @ k.transpose(-1, -2) * D**-0.5
+    pos = torch.arange(L, device=DEV)
+    q_pos = kv_len.view(B, 1, 1, 1) - Tq + torch.arange(Tq, device=DEV).view(1, 1, Tq, 1)
+    s = s.masked_fill(~((pos <= q_pos) & (pos < kv_len.view(B, 1, 1, 1))), float("-inf"))
+    want = torch.softmax(s, -1) @ v
+    assert (got - want).abs().max() < 1e-12
+    plain = reference.attention(q, *cache, kv_len, None, True, None, compute_dtype=torch.float64)
+    assert rel_err(plain, want) > OFF_MIN
+
+
+def _check(q, cache, kv_len, R, side, causal, tol):
+    r_k, r_v = rotations(side, R)
+    out = kernels.attention(q, *cache, kv_len, None, causal, None, 0, 0.0, None, r_k, r_v)
+    ref = reference.attention(q, *cache, kv_len, None, causal, None, k_rotation=r_k, v_rotation=r_v,
+                              compute_dtype=torch.float64)
+    assert out.dtype == q.dtype and not out.isnan().any()
+    err = rel_err(out, ref)
+    assert err < tol, f"relative error {err:.3g} >= {tol}"
+    rk_on, rv_on = SIDES[side]  # off: each rotation the case needs, dropped
+    for off_k, off_v in ((None, r_v), (r_k, None)):
+        if (off_k is None and rk_on) or (off_v is None and rv_on):
+            moved = rel_err(kernels.attention(q, *cache, kv_len, None, causal, None, 0, 0.0, None, off_k, off_v), ref)
+            assert moved > OFF_MIN, f"without a rotation the result is as close as {moved:.3g}"
+
+
+@pytest.mark.parametrize("side", list(SIDES))
+@pytest.mark.parametrize("D", [64, 80, 128])
+@pytest.mark.parametrize("L", [13, 150], ids=["one-split", "split"])
+def test_decode_rotated(side, D, L):
+    """Tq 1 and 3 (GQA 2: rows of two heads): the unsplit epilogue and the merge each rotate back."""
+    B, Hq, Hkv = 2, 4, 2
+    cache, R = rotated_cache(B, Hkv, L, D, *SIDES[side], seed=3)
+    for Tq in (1, 3):
+        q = torch.randn(B, Hq, Tq, D, generator=torch.Generator().manual_seed(4)).to(DEV)
+        kv_len = torch.tensor([L, L - 7], device=DEV)
+        _check(q, cache, kv_len, R, side, causal=Tq > 1, tol=TOL)
+
+
+@pytest.mark.parametrize("side", list(SIDES))
+@pytest.mark.parametrize("path", ["fused", "dense"])
+def test_prefill_rotated(side, path, monkeypatch):
+    monkeypatch.setenv("KVCOMPILE_PREFILL", path)
+    B, Hq, Hkv, L, D, Tq = 2, 4, 2, 45, 80, 21
+    cache, R = rotated_cache(B, Hkv, L, D, *SIDES[side], seed=5)
+    q = torch.randn(B, Hq, Tq, D, generator=torch.Generator().manual_seed(6)).to(DEV)
+    _check(q, cache, torch.tensor([45, 33], device=DEV), R, side, causal=True, tol=TOL)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="bf16 dots: GPU only (the interpreter has no bf16 arithmetic)")
+@pytest.mark.parametrize("Tq", [1, 4, 300])
+def test_rotated_bf16_gpu(Tq):
+    B, Hq, Hkv, L, D = 4, 32, 8, 4096, 128
+    cache, R = rotated_cache(B, Hkv, L, D, True, True, seed=7)
+    q = torch.randn(B, Hq, Tq, D, generator=torch.Generator().manual_seed(8)).to(DEV, torch.bfloat16)
+    _check(q, cache, torch.tensor([4096, 3000, 1999, 4001], device=DEV), R, "kv", causal=True, tol=BF16_TOL)
