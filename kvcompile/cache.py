@@ -25,8 +25,7 @@ from typing import Any, Mapping
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import formats, hf, ops, rotation
-from .calibration import load_calibration
+from . import formats, hf, ops, rotation, tp
 
 __all__ = ["CacheSizeWarning", "QuantizedCache", "QuantizedLayer", "v_codes_buffer"]
 
@@ -82,6 +81,7 @@ class QuantizedLayer(CacheLayerMixin):
     is_croppable = True
     is_sliding = False
     supports_early_init = True
+    tp_shard = tp.TPShard()  # the kv heads this tensor-parallel rank stores (kvcompile.tp); size 1: all
 
     def __init__(
         self,
@@ -180,6 +180,8 @@ class QuantizedLayer(CacheLayerMixin):
         return bufs
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.dim() == 4:  # fewer heads than the config: a tensor-parallel rank's (kvcompile.tp)
+            tp.shard_to_local_heads(self, key_states.shape[1])
         self.allocate(key_states.device)
 
     # -- the Cache contract ---------------------------------------------------------------------
@@ -215,6 +217,7 @@ class QuantizedLayer(CacheLayerMixin):
             raise ValueError(
                 f"kvcompile.QuantizedCache: layer {self.layer_idx} got {H} kv heads of dim {D}, the config says "
                 f"{self.num_heads} of dim {self.head_dim}"
+                + ("; under tensor parallelism build the cache with tp_size=model.tp_size" if H < self.num_heads else "")
             )
         if not _is_compiling():
             # One host read per layer in eager mode; compiled code relies on the op's device assert.
@@ -461,6 +464,10 @@ class QuantizedCache(Cache):
         v_layout: how V codes are laid out in memory: ``"auto"`` (default: key-contiguous for
             token and static scales, head_dim-contiguous otherwise, the faster layout of each on the H200, see
             BENCHMARKS.md), ``"keys"`` or ``"head_dim"``. ``v_codes`` is ``[B, Hkv, L, D]`` either way.
+        tp_size: under tensor parallelism (``from_pretrained(..., tp_plan="auto")``), ``model.tp_size``:
+            each rank stores its ``Hkv / tp_size`` kv heads and its slice of ``calibration``, and heads
+            that do not divide are refused here. ``None``: the first update's head count decides, as in
+            transformers' ``StaticCache`` (:mod:`kvcompile.tp`).
 
     Like transformers' ``StaticCache``, a cache passed to ``generate()`` keeps what it holds: a second
     call continues from it (its prompt must then start with the cached tokens). Call ``cache.reset()``
@@ -481,13 +488,14 @@ class QuantizedCache(Cache):
         granularity: str | None = None,
         calibration: Mapping[str, torch.Tensor] | str | os.PathLike | None = None,
         v_layout: str = "auto",
+        tp_size: int | None = None,
         **kwargs: Any,
     ):
         if kwargs:  # a misspelled option must not silently fall back to a default format
             raise TypeError(
                 f"kvcompile.QuantizedCache got unexpected arguments {sorted(kwargs)}; it takes config, "
                 "max_batch_size, max_cache_len, kv_dtype, device, k_dtype, v_dtype, rotate, granularity, "
-                "calibration and v_layout"
+                "calibration, v_layout and tp_size"
             )
         if rotate not in (None, True, False):
             raise TypeError(f"kvcompile.QuantizedCache: rotate must be None, True or False, got {rotate!r}")
@@ -531,7 +539,9 @@ class QuantizedCache(Cache):
 
         calib = {}
         if calibration is not None:
-            calib = load_calibration(calibration, num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim)
+            calib = tp.load_calibration(
+                calibration, num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim, tp_size=tp_size
+            )
         if fmt.is_static and ("k_scale" not in calib or "v_scale" not in calib):
             raise ValueError(
                 "kvcompile.QuantizedCache: granularity='static' needs calibrated scales: pass "
@@ -549,6 +559,9 @@ class QuantizedCache(Cache):
             )
             for i in range(num_layers)
         ]
+        shard = tp.shard(kv_heads, tp_size)  # this rank's kv heads under tensor parallelism
+        for layer in layers:
+            tp.shard_layer(layer, shard)
         super().__init__(layers=layers)
         self.fmt = self.k_fmt = k_fmt  # ``fmt``: K's format, as before K and V could differ
         self.v_fmt = v_fmt
@@ -615,8 +628,9 @@ class QuantizedCache(Cache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def early_initialization(self, batch_size, num_heads, head_dim, dtype, device):
-        for layer in self.layers:
-            if not layer.is_initialized:
+        for i, layer in enumerate(self.layers):
+            if not layer.is_initialized:  # transformers passes each tensor-parallel rank's head count
+                tp.shard_to_local_heads(layer, num_heads[i] if isinstance(num_heads, (list, tuple)) else num_heads)
                 layer.allocate(torch.device(device))
 
     @property
