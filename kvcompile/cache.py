@@ -217,7 +217,7 @@ class QuantizedLayer(CacheLayerMixin):
             raise ValueError(
                 f"kvcompile.QuantizedCache: layer {self.layer_idx} got {H} kv heads of dim {D}, the config says "
                 f"{self.num_heads} of dim {self.head_dim}"
-                + ("; under tensor parallelism build the cache with tp_size=model.tp_size" if H < self.num_heads else "")
+                + ("; under tensor parallelism build it with tp_size=model.tp_size" if H < self.num_heads else "")
             )
         if not _is_compiling():
             # One host read per layer in eager mode; compiled code relies on the op's device assert.

@@ -24,7 +24,8 @@ from typing import Mapping
 import torch
 
 __all__ = [
-    "TPShard", "load_calibration", "shard", "shard_for_local_heads", "shard_layer", "shard_to_local_heads", "slice_heads",
+    "TPShard", "load_calibration", "shard", "shard_for_local_heads", "shard_layer", "shard_to_local_heads",
+    "slice_heads",
 ]
 
 

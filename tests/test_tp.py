@@ -85,7 +85,7 @@ def test_tp_ranks_match_one_process_and_rewrite_every_site(launch):
         diff = (got["tp"] - got["single"]).abs().max().item()
         format_err = (got["single"] - got["exact"]).abs().max().item()
         assert 1e-4 < format_err / 10, format_err
-        assert diff <= 1e-4, f"rank {rank}: TP logits differ from one process by {diff:.3g} (int8 itself: {format_err:.3g})"
+        assert diff <= 1e-4, f"rank {rank}: TP logits differ from one process by {diff:.3g} (int8: {format_err:.3g})"
     print(f"torchrun: {seconds:.1f} s, max |TP - one process| {diff:.2g}, int8 vs unquantized {format_err:.2g}")
 
 
