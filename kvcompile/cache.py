@@ -20,9 +20,8 @@ from typing import Any, Mapping
 import torch
 from transformers.cache_utils import Cache
 
-from . import formats, hf, rotation
+from . import formats, hf, rotation, tp
 from .cache_layer import QuantizedLayer, v_codes_buffer  # re-exported: kvcompile.cache names them too
-from .calibration import load_calibration
 
 __all__ = ["CacheSizeWarning", "QuantizedCache", "QuantizedLayer", "v_codes_buffer"]
 
@@ -148,6 +147,10 @@ class QuantizedCache(Cache):
         v_layout: how V codes are laid out in memory: ``"auto"`` (default: key-contiguous for
             token and static scales, head_dim-contiguous otherwise, the faster layout of each on the H200, see
             BENCHMARKS.md), ``"keys"`` or ``"head_dim"``. ``v_codes`` is ``[B, Hkv, L, D]`` either way.
+        tp_size: under tensor parallelism (``from_pretrained(..., tp_plan="auto")``), ``model.tp_size``:
+            each rank stores its ``Hkv / tp_size`` kv heads and its slice of ``calibration``, and heads
+            that do not divide are refused here. ``None``: the first update's head count decides, as in
+            transformers' ``StaticCache`` (:mod:`kvcompile.tp`).
 
     Like transformers' ``StaticCache``, a cache passed to ``generate()`` keeps what it holds: a second
     call continues from it (its prompt must then start with the cached tokens). Call ``cache.reset()``
@@ -168,13 +171,14 @@ class QuantizedCache(Cache):
         granularity: str | None = None,
         calibration: Mapping[str, torch.Tensor] | str | os.PathLike | None = None,
         v_layout: str = "auto",
+        tp_size: int | None = None,
         **kwargs: Any,
     ):
         if kwargs:  # a misspelled option must not silently fall back to a default format
             raise TypeError(
                 f"kvcompile.QuantizedCache got unexpected arguments {sorted(kwargs)}; it takes config, "
                 "max_batch_size, max_cache_len, kv_dtype, device, k_dtype, v_dtype, rotate, granularity, "
-                "calibration and v_layout"
+                "calibration, v_layout and tp_size"
             )
         if rotate not in (None, True, False):
             raise TypeError(f"kvcompile.QuantizedCache: rotate must be None, True or False, got {rotate!r}")
@@ -218,7 +222,9 @@ class QuantizedCache(Cache):
 
         calib = {}
         if calibration is not None:
-            calib = load_calibration(calibration, num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim)
+            calib = tp.load_calibration(
+                calibration, num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim, tp_size=tp_size
+            )
         if fmt.is_static and ("k_scale" not in calib or "v_scale" not in calib):
             raise ValueError(
                 "kvcompile.QuantizedCache: granularity='static' needs calibrated scales: pass "
@@ -236,6 +242,9 @@ class QuantizedCache(Cache):
             )
             for i in range(num_layers)
         ]
+        shard = tp.shard(kv_heads, tp_size)  # this rank's kv heads under tensor parallelism
+        for layer in layers:
+            tp.shard_layer(layer, shard)
         super().__init__(layers=layers)
         self.fmt = self.k_fmt = k_fmt  # ``fmt``: K's format, as before K and V could differ
         self.v_fmt = v_fmt
@@ -302,8 +311,9 @@ class QuantizedCache(Cache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def early_initialization(self, batch_size, num_heads, head_dim, dtype, device):
-        for layer in self.layers:
-            if not layer.is_initialized:
+        for i, layer in enumerate(self.layers):
+            if not layer.is_initialized:  # transformers passes each tensor-parallel rank's head count
+                tp.shard_to_local_heads(layer, num_heads[i] if isinstance(num_heads, (list, tuple)) else num_heads)
                 layer.allocate(torch.device(device))
 
     @property

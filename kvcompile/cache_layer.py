@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from . import formats, ops, rotation
+from . import formats, ops, rotation, tp
 
 __all__ = ["QuantizedLayer", "V_LAYOUTS", "v_codes_buffer"]
 
@@ -74,6 +74,7 @@ class QuantizedLayer(CacheLayerMixin):
     is_croppable = True
     is_sliding = False
     supports_early_init = True
+    tp_shard = tp.TPShard()  # the kv heads this tensor-parallel rank stores (kvcompile.tp); size 1: all
 
     def __init__(
         self,
@@ -172,6 +173,8 @@ class QuantizedLayer(CacheLayerMixin):
         return bufs
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.dim() == 4:  # fewer heads than the config: a tensor-parallel rank's (kvcompile.tp)
+            tp.shard_to_local_heads(self, key_states.shape[1])
         self.allocate(key_states.device)
 
     # -- the Cache contract ---------------------------------------------------------------------
@@ -207,6 +210,7 @@ class QuantizedLayer(CacheLayerMixin):
             raise ValueError(
                 f"kvcompile.QuantizedCache: layer {self.layer_idx} got {H} kv heads of dim {D}, the config says "
                 f"{self.num_heads} of dim {self.head_dim}"
+                + ("; under tensor parallelism build it with tp_size=model.tp_size" if H < self.num_heads else "")
             )
         if not _is_compiling():
             # One host read per layer in eager mode; compiled code relies on the op's device assert.
