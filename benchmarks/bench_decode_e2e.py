@@ -110,7 +110,7 @@ def run_provider(name, model, B, ctx, steps, warmup, device, dtype):
 
     cfg = model.config
     kw = cache_kwarg(model)
-    max_len = ctx + warmup + steps + 1
+    max_len = ctx + warmup + steps + 1 + PROFILE  # every step writes one position
     tok = torch.randint(0, cfg.vocab_size, (B, 1), device=device)
     fwd = model.forward
     if name == "hf-dynamic-eager":

@@ -1,13 +1,15 @@
 """``kvcompile::attention`` over rotated caches (codes of ``x @ R``, R a Hadamard): the reference
 against a float64 oracle that un-rotates K and V, and the Triton kernels (split-K decode split and
 unsplit, fused prefill, dense prefill) against the float64 reference, with R on K, on V and on both.
+R is a random orthonormal matrix, not the cache's Hadamard: a Sylvester Hadamard is symmetric, so a
+kernel that used R^T for R would pass with it.
 
 The kernels rotate q (``q @ R_k``) and the output (``@ R_v^T``) themselves, in fp32 FMA dots, so
 the tolerances are those of tests/test_kernels_features.py for the same dot types (fp32 dots 1e-5,
 bf16 on the GPU 1e-2): the rotations add fp32 rounding only (~1e-7 relative). Each case also runs
 the kernel without the rotation it needs and asserts that the result moves by far more (a kernel
-that dropped or transposed a rotation fails). Head dims 64 and 128 (one Hadamard block) and 80
-(block-diagonal, padded to a 128-wide tile inside the kernel).
+that dropped or transposed a rotation fails). Head dims 64, 128 and 80 (padded to a 128-wide tile
+inside the kernel).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 import torch
 
 import kvcompile  # noqa: F401  (registers the ops)
-from kvcompile import reference, rotation
+from kvcompile import reference
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -32,12 +34,18 @@ from test_kernels_features import BF16_TOL, OFF_MIN, TOL, quantize, rel_err  # n
 SIDES = {"k": (True, False), "v": (False, True), "kv": (True, True)}
 
 
+def orthonormal(D, seed):
+    """A random orthonormal [D, D] float32 matrix (not symmetric, unlike a Sylvester Hadamard)."""
+    q = torch.linalg.qr(torch.randn(D, D, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))[0]
+    return q.float().contiguous()
+
+
 def rotated_cache(B, Hkv, L, D, rot_k, rot_v, seed, kind="int8"):
-    """Codes of K @ R (rot_k) or K, V @ R (rot_v) or V, plus R and the float64 K, V they encode."""
+    """Codes of K @ R (rot_k) or K, V @ R (rot_v) or V, and R."""
     gen = torch.Generator().manual_seed(seed)
     k = torch.randn(B, Hkv, L, D, generator=gen) * 2
     v = torch.randn(B, Hkv, L, D, generator=gen)
-    R = rotation.hadamard(D)
+    R = orthonormal(D, seed)
     kc, ks = quantize(k @ R if rot_k else k, kind, gen)
     vc, vs = quantize(v @ R if rot_v else v, kind, gen)
     return (kc.to(DEV), ks.to(DEV), vc.to(DEV), vs.to(DEV)), R.to(DEV)
@@ -122,3 +130,25 @@ def test_rotated_bf16_gpu(Tq):
     cache, R = rotated_cache(B, Hkv, L, D, True, True, seed=7)
     q = torch.randn(B, Hq, Tq, D, generator=torch.Generator().manual_seed(8)).to(DEV, torch.bfloat16)
     _check(q, cache, torch.tensor([4096, 3000, 1999, 4001], device=DEV), R, "kv", causal=True, tol=BF16_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("transpose", [False, True], ids=["xR", "xRT"])
+@pytest.mark.parametrize("D", [64, 80, 128])
+def test_rotate_rows_is_float32_accurate(dtype, transpose, D):
+    """The launch that rotates q (and the dense path's output) against float64: relative error of a
+    float32 matmul (<= 2e-6; the GPU's bf16-split tensor-core dots measure ~1e-7, the interpreter's fp32
+    FMA dot the same), with the output rounded to ``dtype`` only when it is asked for."""
+    from kvcompile.kernels.rotate import rotate_rows
+
+    gen = torch.Generator().manual_seed(D)
+    x = (torch.randn(3, 5, 7, D, generator=gen) * 10).to(dtype).to(DEV)  # 105 rows: a partial last block
+    R = orthonormal(D, 7).to(DEV)
+    want = x.double() @ (R.double().t() if transpose else R.double())
+    got = rotate_rows(x, R, transpose=transpose)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    assert rel_err(got, want) < 2e-6
+    assert rel_err(rotate_rows(x, R, transpose=not transpose), want) > OFF_MIN  # R and R^T differ
+    if dtype != torch.float32:
+        rounded = rotate_rows(x, R, transpose=transpose, dtype=dtype)
+        assert rounded.dtype == dtype and torch.equal(rounded, got.to(dtype))

@@ -27,16 +27,16 @@ Softcap (``HAS_SOFTCAP``) bends the scaled logits before the mask; sinks (``HAS_
 softmax denominator once per row, in the epilogue or, when split, in ``_merge_kernel``. All three
 switches off, the kernel compiles to the code it had without them.
 Static scales: K scale folded into the softmax scale, V scale applied once at the end.
-Rotated sides (``HAS_K_ROT`` / ``HAS_V_ROT``: the cache stores codes of ``x @ R``): the program
-multiplies its q rows by R_K once, in fp32, before the key loop, and its output by R_V^T in the
-epilogue (in the merge when split): no separate launches, and q is not rounded in between.
+Rotated caches (codes of ``x @ R``): the launcher hands in q already multiplied by K's R (fp32,
+one launch for all rows, not once per split); with ``HAS_V_ROT`` the output is multiplied by V's
+R^T in the epilogue, or, when split, in the merge (``_rotation.py``: fp32-accurate tensor-core dots).
 """
 
 import triton
 import triton.language as tl
 
 from ._codes import codes_to, codes_to_f16_pinned, to_store_dtype
-from ._rotation import rows_times_r, store_times_rt
+from ._rotation import store_times_rt
 
 LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): exp(x) = exp2(x * LOG2E)
 # fp16 P * s_v / max(s_v) is <= 1: times 2^14 (exact) it stays <= 16384 < 65504, and a key whose
@@ -228,7 +228,7 @@ def _attention_kernel(
     KVLEN, stride_kvl,
     MASK, stride_mb, stride_mh, stride_mm, stride_mn,
     SINKS, stride_sink,                                  # [Hq] extra logit per query head (HAS_SINKS)
-    R_K, R_V,                                            # [D, D] fp32 rotations K / V are stored in (HAS_*_ROT)
+    R_V,                                                 # [D, D] fp32 rotation V is stored in (HAS_V_ROT)
     O, stride_ob, stride_oh, stride_om, stride_od,
     OP, stride_opb, stride_oph, stride_opm, stride_ops,  # partial outputs [B, Hq, Tq, S, D] fp32
     LSE, stride_lb, stride_lh, stride_lm, stride_ls,     # their log2-sum-exp [B, Hq, Tq, S]
@@ -241,9 +241,9 @@ def _attention_kernel(
     HAS_WINDOW: tl.constexpr,    # a query at p sees keys > p - window only; splits start at the window
     HAS_SOFTCAP: tl.constexpr,   # logits become softcap * tanh(logit / softcap)
     HAS_SINKS: tl.constexpr,     # SINKS[h] joins the softmax denominator (in the merge when split)
-    HAS_K_ROT: tl.constexpr,     # K is stored as codes of K @ R_K: the program reads q @ R_K
-    HAS_V_ROT: tl.constexpr,     # V is stored as codes of V @ R_V: the output is O @ R_V^T (in the merge when split)
-    ROT_CHUNK: tl.constexpr,     # columns of q / rows of R per rotation step (registers: R is never whole)
+    HAS_V_ROT: tl.constexpr,     # V is stored as codes of V @ R_V: the output is O @ R_V^T (unsplit only)
+    ROT_CHUNK: tl.constexpr,     # output columns per rotation dot (R is never held whole)
+    EXACT_FMA: tl.constexpr,     # the rotation as one fp32 FMA dot (interpreter) instead of bf16 MMAs
     SPLIT_OUTPUT: tl.constexpr,  # write partial outputs + LSE for _merge_kernel
     K_FP8_BITS: tl.constexpr,    # K's e4m3 codes arrive as uint8 bits (no fp8 type on this arch)
     V_FP8_BITS: tl.constexpr,    # V's e4m3 codes arrive as uint8 bits (K and V may differ in code type)
@@ -290,13 +290,12 @@ def _attention_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
 
-    q_rows = Q + b * stride_qb + h[:, None] * stride_qh + qi[:, None] * stride_qm
-    if HAS_K_ROT:  # scores against K's rotated codes: (q R_K) (K R_K)^T = q K^T; q @ R_K in fp32, once
-        q = rows_times_r(q_rows, stride_qd, row_ok, R_K, D, BLOCK_M, BLOCK_D, ROT_CHUNK)
-    else:
-        q = tl.load(q_rows + d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        Q + b * stride_qb + h[:, None] * stride_qh + qi[:, None] * stride_qm + d[None, :] * stride_qd,
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    )
     q_unscale = 1.0
-    if DOT_DTYPE == tl.float16 and (HAS_K_ROT or Q.dtype.element_ty != tl.float16):
+    if DOT_DTYPE == tl.float16 and Q.dtype.element_ty != tl.float16:
         # fp16 holds |x| < 65504, bf16 / fp32 queries may not: a block whose largest |q| reaches
         # 2^15 is scaled by 2^-shift (exact), and 2^shift goes into the softmax scale (shift = 0 otherwise).
         q = q.to(tl.float32)
@@ -403,7 +402,7 @@ def _attention_kernel(
             out = out * tl.load(VS + hk * stride_vsh).to(tl.float32)
         o_rows = O + b * stride_ob + h[:, None] * stride_oh + qi[:, None] * stride_om
         if HAS_V_ROT:  # P (V R_V) R_V^T = P V
-            store_times_rt(out, o_rows, stride_od, row_ok, R_V, D, BLOCK_D, ROT_CHUNK)
+            store_times_rt(out, o_rows, stride_od, row_ok, R_V, D, BLOCK_M, BLOCK_D, ROT_CHUNK, EXACT_FMA)
         else:
             tl.store(o_rows + d[None, :] * stride_od, to_store_dtype(out, O.dtype.element_ty), mask=out_ok)
 
@@ -422,13 +421,14 @@ def _merge_kernel(
     STATIC_SCALE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,   # splits start at the window (as in _attention_kernel, same BLOCK_N)
     HAS_SINKS: tl.constexpr,    # SINKS[h] joins the denominator once per row
-    HAS_V_ROT: tl.constexpr,    # the partial outputs are in V's rotated space: the row is stored times R_V^T
-    ROT_CHUNK: tl.constexpr,
+    HAS_V_ROT: tl.constexpr,    # the partials are in V's rotated space: program (row, c) stores columns
+    ROT_CHUNK: tl.constexpr,    # [c * ROT_CHUNK, (c + 1) * ROT_CHUNK) of the row times R_V^T
     SPLITS_P2: tl.constexpr,
     BLOCK_N: tl.constexpr,      # the attention kernel's key tile (its splits' alignment)
     BLOCK_D: tl.constexpr,
 ):
-    """grid (B * Hq * Tq,): combine the splits of one query row by their log-sum-exp.
+    """grid (B * Hq * Tq, output column chunks): combine the splits of one query row by their
+    log-sum-exp (one chunk, all columns, without HAS_V_ROT).
 
     A split is read only if the attention kernel wrote it: it starts below kv_len and (window) ends
     above this row's first visible key; any split of this row the kernel skipped fails one of the two.
@@ -461,11 +461,10 @@ def _merge_kernel(
     if STATIC_SCALE:
         out = out * tl.load(VS + (h // GROUP) * stride_vsh).to(tl.float32)  # static V scale, once
     o_row = O + b * stride_ob + h * stride_oh + qi * stride_om
-    if HAS_V_ROT:  # out @ R_V^T, ROT_CHUNK outputs at a time: out_j = sum_i out_i R_V[j, i] (fp32)
-        for j0 in tl.static_range(0, BLOCK_D, ROT_CHUNK):
-            j = j0 + tl.arange(0, ROT_CHUNK)
-            r = tl.load(R_V + j[:, None] * D + d[None, :], mask=(j < D)[:, None] & (d < D)[None, :], other=0.0)
-            tl.store(o_row + j * stride_od, to_store_dtype(tl.sum(r * out[None, :], axis=1), O.dtype.element_ty),
-                     mask=j < D)
+    if HAS_V_ROT:  # out_j = sum_i out_i R_V[j, i] (fp32) for this program's ROT_CHUNK columns j
+        j = tl.program_id(1) * ROT_CHUNK + tl.arange(0, ROT_CHUNK)
+        r = tl.load(R_V + j[:, None] * D + d[None, :], mask=(j < D)[:, None] & (d < D)[None, :], other=0.0)
+        tl.store(o_row + j * stride_od, to_store_dtype(tl.sum(r * out[None, :], axis=1), O.dtype.element_ty),
+                 mask=j < D)
     else:
         tl.store(o_row + d * stride_od, to_store_dtype(out, O.dtype.element_ty), mask=d < D)

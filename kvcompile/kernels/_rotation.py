@@ -1,9 +1,14 @@
-"""@triton.jit helpers for caches stored rotated (codes of ``x @ R``, R an orthonormal ``[D, D]``
-fp32 matrix, row-major): rows times R before quantizing or scoring, and an output times R^T.
+"""@triton.jit rotations for caches stored rotated (codes of ``x @ R``, R an orthonormal ``[D, D]``
+fp32 matrix, row-major): rows times R (before quantizing, or q before scoring) and an output times
+R^T.
 
-Both run as fp32 FMA dots (``input_precision="ieee"``: exact products, fp32 sums, what a float32
-matmul computes up to the order of its sums) over RC columns of R at a time, so a whole R (64 KiB
-at D=128) is never held in registers. ``tl.dot`` needs 16 rows: callers pad their rows to 16.
+Products run on the tensor cores with float32 accuracy: R is split into three bf16 parts whose sum
+is R to all 24 bits (``hi + mid + lo``), and so is x unless it is already bf16-exact (a bf16 input:
+one part). The significant cross products (``a_i b_j`` with i + j <= 2) are summed in fp32, smallest
+first: the result is a float32 matmul's up to the order of its sums (~1e-7 relative), at a few
+bf16 MMAs per tile instead of D fp32 FMAs per element. ``EXACT_FMA`` (Triton's interpreter, which
+has no bf16 arithmetic) takes one fp32 FMA dot instead. R is read RC rows (or columns) at a time.
+``tl.dot`` needs 16 rows: callers pad their rows to 16.
 """
 
 import triton
@@ -13,28 +18,86 @@ from ._codes import to_store_dtype
 
 
 @triton.jit
-def rows_times_r(X, stride_xd, rows_ok, R, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, RC: tl.constexpr):
-    """``[BLOCK_M, D]`` rows of X times R (``[D, D]`` fp32, row-major) in fp32 FMAs (exact products,
-    fp32 sums, like a float32 matmul). ``X`` points at column 0 of each row ([BLOCK_M, 1]); the rows
-    are read RC columns at a time against RC rows of R, so R never sits in registers whole."""
+def _split3(x):
+    """fp32 -> (hi, mid, lo) bf16 with hi + mid + lo == x to 24 bits (each residual is exact in fp32)."""
+    hi = x.to(tl.bfloat16)
+    r = x - hi.to(tl.float32)
+    mid = r.to(tl.bfloat16)
+    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, mid, lo
+
+
+@triton.jit
+def dot_f32(a, b, acc, A_PARTS: tl.constexpr, EXACT_FMA: tl.constexpr):
+    """``acc + a @ b`` for fp32 ``a`` [M, K] and ``b`` [K, N] to float32 accuracy (module docstring).
+    ``A_PARTS`` 1: ``a`` holds bf16 values exactly; 3: any fp32."""
+    if EXACT_FMA:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    b_hi, b_mid, b_lo = _split3(b)
+    if A_PARTS == 1:
+        a_hi = a.to(tl.bfloat16)
+        acc = tl.dot(a_hi, b_lo, acc)
+        acc = tl.dot(a_hi, b_mid, acc)
+        acc = tl.dot(a_hi, b_hi, acc)
+    else:
+        a_hi, a_mid, a_lo = _split3(a)
+        acc = tl.dot(a_lo, b_hi, acc)
+        acc = tl.dot(a_hi, b_lo, acc)
+        acc = tl.dot(a_mid, b_mid, acc)
+        acc = tl.dot(a_mid, b_hi, acc)
+        acc = tl.dot(a_hi, b_mid, acc)
+        acc = tl.dot(a_hi, b_hi, acc)
+    return acc
+
+
+@triton.jit
+def rows_times_r(X, stride_xd, rows_ok, R, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, RC: tl.constexpr,
+                 X_PARTS: tl.constexpr, EXACT_FMA: tl.constexpr):
+    """``[BLOCK_M, D]`` rows of X times R, fp32 ``[BLOCK_M, BLOCK_D]``. ``X`` points at column 0 of
+    each row ([BLOCK_M, 1]); the rows are read RC columns at a time against RC rows of R."""
     d = tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for c0 in tl.static_range(0, BLOCK_D, RC):
         c = c0 + tl.arange(0, RC)
         x = tl.load(X + c[None, :] * stride_xd, mask=rows_ok[:, None] & (c < D)[None, :], other=0.0)
         r = tl.load(R + c[:, None] * D + d[None, :], mask=(c < D)[:, None] & (d < D)[None, :], other=0.0)
-        acc = tl.dot(x.to(tl.float32), r, acc, input_precision="ieee")
+        acc = dot_f32(x.to(tl.float32), r, acc, X_PARTS, EXACT_FMA)
     return acc
 
 
 @triton.jit
-def store_times_rt(out, O, stride_od, rows_ok, R, D, BLOCK_D: tl.constexpr, RC: tl.constexpr):
-    """Store ``out @ R^T`` (out ``[BLOCK_M, BLOCK_D]`` fp32, R ``[D, D]`` fp32) at O ([BLOCK_M, 1]
-    pointers to column 0), RC output columns at a time: fp32 FMAs, R^T read RC columns at a time."""
+def store_times_rt(out, O, stride_od, rows_ok, R, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                   RC: tl.constexpr, EXACT_FMA: tl.constexpr):
+    """Store ``out @ R^T`` (out ``[BLOCK_M, BLOCK_D]`` fp32) at O ([BLOCK_M, 1] pointers to column
+    0), RC output columns at a time."""
     d = tl.arange(0, BLOCK_D)
     for j0 in tl.static_range(0, BLOCK_D, RC):
         j = j0 + tl.arange(0, RC)
         rt = tl.load(R + j[None, :] * D + d[:, None], mask=(d < D)[:, None] & (j < D)[None, :], other=0.0)
-        o = tl.dot(out, rt, input_precision="ieee")
+        o = dot_f32(out, rt, tl.zeros([BLOCK_M, RC], tl.float32), 3, EXACT_FMA)
         tl.store(O + j[None, :] * stride_od, to_store_dtype(o, O.dtype.element_ty),
                  mask=rows_ok[:, None] & (j < D)[None, :])
+
+
+@triton.jit
+def _rotate_rows_kernel(
+    X, stride_xm, stride_xd, R, Y, stride_ym, stride_yd, M, D,
+    TRANSPOSE: tl.constexpr,  # Y = X @ R^T (else X @ R)
+    X_PARTS: tl.constexpr, EXACT_FMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, RC: tl.constexpr,
+):
+    """grid (cdiv(M, BLOCK_M),): rows of X [M, D] times R (or R^T) into Y [M, D]."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows_ok = rows < M
+    if TRANSPOSE:
+        d = tl.arange(0, BLOCK_D)
+        x = tl.load(X + rows[:, None] * stride_xm + d[None, :] * stride_xd, mask=rows_ok[:, None] & (d < D)[None, :],
+                    other=0.0)
+        store_times_rt(x.to(tl.float32), Y + rows[:, None] * stride_ym, stride_yd, rows_ok, R, D, BLOCK_M, BLOCK_D,
+                       RC, EXACT_FMA)
+    else:
+        y = rows_times_r(X + rows[:, None] * stride_xm, stride_xd, rows_ok, R, D, BLOCK_M, BLOCK_D, RC, X_PARTS,
+                         EXACT_FMA)
+        d = tl.arange(0, BLOCK_D)
+        tl.store(Y + rows[:, None] * stride_ym + d[None, :] * stride_yd, to_store_dtype(y, Y.dtype.element_ty),
+                 mask=rows_ok[:, None] & (d < D)[None, :])

@@ -23,6 +23,8 @@ def _quantize_rows(
     HAS_OFFSET: tl.constexpr,
     HAS_ROT: tl.constexpr,     # quantize x @ R (R [D, D] fp32; one scale group per token: GROUPS_P2 == 1)
     ROT_CHUNK: tl.constexpr,
+    X_PARTS: tl.constexpr,     # 1: x is bf16 (one bf16 part), 3: fp16 / fp32 (_rotation.dot_f32)
+    EXACT_FMA_ROT: tl.constexpr,  # the rotation as an fp32 FMA dot (interpreter)
     CODE: tl.constexpr,        # CODE_FP8, CODE_Q8_0 or CODE_INT8
     STATIC_SCALE: tl.constexpr,
     EXACT_DIV: tl.constexpr,   # per-element div_rn (interpreter) instead of reciprocal + fix-up
@@ -42,7 +44,7 @@ def _quantize_rows(
 
     if HAS_ROT:  # rows of the tile are tokens here (GROUPS_P2 == 1, GROUP_SIZE = padded D)
         x = rows_times_r(X + b * stride_xb + h * stride_xh + t[:, None] * stride_xt, stride_xd, row_ok, R, D,
-                         BLOCK_T, GROUP_SIZE, ROT_CHUNK)
+                         BLOCK_T, GROUP_SIZE, ROT_CHUNK, X_PARTS, EXACT_FMA_ROT)
     else:
         x = tl.load(X + b * stride_xb + h * stride_xh + t[:, None] * stride_xt + d * stride_xd, mask=ok, other=0.0)
         x = x.to(tl.float32)
@@ -124,6 +126,8 @@ def _store_kv_kernel(
     HAS_K_ROT: tl.constexpr,
     HAS_V_ROT: tl.constexpr,
     ROT_CHUNK: tl.constexpr,
+    X_PARTS: tl.constexpr,
+    EXACT_FMA_ROT: tl.constexpr,
     K_CODE: tl.constexpr,  # K's format (CODE_*); V's may differ when both share one scale granularity
     V_CODE: tl.constexpr,
     STATIC_SCALE: tl.constexpr,
@@ -147,7 +151,7 @@ def _store_kv_kernel(
             OFF, stride_oh, stride_od,
             R_K,
             b, h, t0, start, T, D,
-            HAS_OFFSET, HAS_K_ROT, ROT_CHUNK, K_CODE, STATIC_SCALE, EXACT_DIV, HW_E4M3, GROUPS_P2, GROUP_SIZE, BLOCK_T,
+            HAS_OFFSET, HAS_K_ROT, ROT_CHUNK, X_PARTS, EXACT_FMA_ROT, K_CODE, STATIC_SCALE, EXACT_DIV, HW_E4M3, GROUPS_P2, GROUP_SIZE, BLOCK_T,
         )
     else:
         _quantize_rows(
@@ -157,7 +161,7 @@ def _store_kv_kernel(
             OFF, stride_oh, stride_od,
             R_V,
             b, h, t0, start, T, D,
-            False, HAS_V_ROT, ROT_CHUNK, V_CODE, STATIC_SCALE, EXACT_DIV, HW_E4M3, GROUPS_P2, GROUP_SIZE, BLOCK_T,
+            False, HAS_V_ROT, ROT_CHUNK, X_PARTS, EXACT_FMA_ROT, V_CODE, STATIC_SCALE, EXACT_DIV, HW_E4M3, GROUPS_P2, GROUP_SIZE, BLOCK_T,
         )
 
 

@@ -33,6 +33,7 @@ from .. import tiles
 from . import _attention_kernel as _k
 from ._attention_kernel import _attention_kernel, _merge_kernel
 from .common import device_cc, interpreting, kv_len_arg, next_pow2, sm_count
+from .rotate import ROT_CHUNK, rotate_rows
 from .store import dequantize_kv, triton_cdiv
 
 # the kernel's mode constants (tl.constexpr there) as plain ints here
@@ -59,9 +60,6 @@ V_PIN = True
 # int8 tiles (q8_0) widened to fp16 by inline PTX four codes at a time, unpinned (_codes.codes_to);
 # off: Triton's per-code arithmetic (same values)
 INT8_PTX = True
-# rotated caches: q @ R_K and out @ R_V^T run in the kernel, this many columns of R per fp32 dot
-# (a whole fp32 R of D=128 is 64 KiB: 128 registers per thread of a 4-warp program)
-ROT_CHUNK = 32
 INTERPRET_FP16 = False  # tests: run the interpreter's dots in fp16 to exercise the fp16 path
 _PATHS = ("auto", "fused", "dense")
 # FMA contraction on, explicitly: Triton 3.9 warns that its default turns off in 3.10 (the store
@@ -209,8 +207,11 @@ def _mask_arg(attn_mask: Optional[Tensor], B: int, Hq: int, Tq: int, L: int, lik
 
 def _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, decode: bool,
            window: int = 0, softcap: float = 0.0, sinks: Optional[Tensor] = None,
-           rotations: tuple = (None, None)) -> Tensor:
+           v_rotation: Optional[Tensor] = None, q_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """The fused kernels. ``q`` may arrive rotated in fp32; ``q_dtype``: the caller's q dtype, which
+    picks the dot types and the output dtype (default q.dtype)."""
     B, Hq, Tq, D = q.shape
+    q_dtype = q.dtype if q_dtype is None else q_dtype
     Hkv, L = k_q.shape[1], k_q.shape[2]
     group = Hq // Hkv
     dev = q.device
@@ -228,14 +229,14 @@ def _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale
 
     if interpreting():  # numpy underneath: no bf16 dot; small tiles so tests cross block edges
         dot_dtype = pv_dtype = torch.float16 if INTERPRET_FP16 else torch.float32
-    elif q.dtype == torch.float32:
+    elif q_dtype == torch.float32:
         dot_dtype = pv_dtype = torch.float32
     elif FP16_DOTS:
         # e4m3 -> fp16 is one convert per two values and int8 -> fp16 a magic-number add; the
         # bf16 route costs more per element and decode is bound by those instructions
         dot_dtype = pv_dtype = torch.float16
     else:
-        dot_dtype, pv_dtype = q.dtype, torch.bfloat16  # P * s_v needs bf16's range
+        dot_dtype, pv_dtype = q_dtype, torch.bfloat16  # P * s_v needs bf16's range
     v_keys = v_keys_contiguous(vc)
     # V widened by pinned PTX (GPU, fp16 PV dot, 8-bit codes the PTX decodes: int8 or native e4m3)
     v_pin = (V_PIN and not v_keys and not interpreting() and pv_dtype == torch.float16 and not v_fp8_bits
@@ -252,15 +253,15 @@ def _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale
     if interpreting():
         tile = dataclasses.replace(tile, block_m=min(tile.block_m, 32), block_n=16)
     window = window if 0 < window < L else 0  # a window of L or more keys hides none
-    features = (window > 0, softcap > 0, sinks is not None, rotations[0] is not None, rotations[1] is not None)
+    features = (window > 0, softcap > 0, sinks is not None, v_rotation is not None, q.dtype)
     key = (decode, cc, D, dot_dtype, k_q.dtype, v_q.dtype, scale_kind, mask_kind, bool(is_causal),
            rows if decode else 0, v_pin, v_keys, features)
     tile = _SHRUNK.get(key, tile)
-    out = torch.empty((B, Hq, Tq, D), dtype=q.dtype, device=dev)
+    out = torch.empty((B, Hq, Tq, D), dtype=q_dtype, device=dev)
     args = (q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, out, sm_scale, is_causal,
             group, group_size, scale_kind, (k_fp8_bits, v_fp8_bits), dot_dtype, pv_dtype, decode, v_pin, v_keys,
             int8_ptx(kc.dtype, dot_dtype) or int8_ptx(vc.dtype, dot_dtype), window, float(softcap), sinks,
-            tuple(r if r is None else r.contiguous() for r in rotations))
+            None if v_rotation is None else v_rotation.contiguous())
     from triton.runtime.errors import OutOfResources
 
     while True:
@@ -297,9 +298,9 @@ def _maxnreg(tile: tiles.Tile) -> dict:
 
 def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, out, sm_scale, is_causal,
             group, group_size, scale_kind, fp8_bits, dot_dtype, pv_dtype, decode, v_pin=False, v_keys=False,
-            int8_ptx=False, window=0, softcap=0.0, sinks=None, rotations=(None, None), resident=1):
+            int8_ptx=False, window=0, softcap=0.0, sinks=None, v_rotation=None, resident=1):
     """One launch of the attention kernel (+ the merge when split). ``fp8_bits``: (K's, V's);
-    ``window`` > 0 only when it hides keys (< L); ``rotations``: (R_K, R_V), each contiguous or None."""
+    ``window`` > 0 only when it hides keys (< L); ``v_rotation``: R_V (contiguous) or None."""
     B, Hq, Tq, D = q.shape
     Hkv, L = kc.shape[1], kc.shape[2]
     dev = q.device
@@ -323,9 +324,8 @@ def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, 
     op_strides = op.stride()[:4] if splits > 1 else (0, 0, 0, 0)
     lse_strides = lse.stride() if splits > 1 else (0, 0, 0, 0)
     sink_arg, sink_stride = (sinks, sinks.stride(0)) if sinks is not None else (q, 0)  # q: a dummy pointer
-    r_k, r_v = rotations
-    r_k_arg = r_k if r_k is not None else q
-    r_v_arg = r_v if r_v is not None else q
+    r_v = v_rotation
+    r_v_arg = r_v if r_v is not None else q  # q: a dummy pointer
 
     grid = (m_blocks, B * Hkv, splits)
     _attention_kernel[grid](
@@ -335,14 +335,14 @@ def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, 
         kvl, kvl_stride,
         mask, *mstride,
         sink_arg, sink_stride,
-        r_k_arg, r_v_arg,
+        r_v_arg,
         out, *out.stride(),
         op, *op_strides,
         lse, *lse_strides,
         Hkv, Tq, D, float(sm_scale), split_len, int(window), float(softcap),
         GROUP=group, GROUP_SIZE=group_size, SCALE_KIND=scale_kind, MASK_KIND=mask_kind,
         IS_CAUSAL=bool(is_causal), HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
-        HAS_K_ROT=r_k is not None, HAS_V_ROT=r_v is not None and splits == 1, ROT_CHUNK=ROT_CHUNK,
+        HAS_V_ROT=r_v is not None and splits == 1, ROT_CHUNK=ROT_CHUNK, EXACT_FMA=interpreting(),
         SPLIT_OUTPUT=splits > 1, K_FP8_BITS=k_fp8_bits, V_FP8_BITS=v_fp8_bits,
         DOT_DTYPE=_tl_dtype(dot_dtype), PV_DTYPE=_tl_dtype(pv_dtype), BCAST_SCALE=BCAST_SCALE,
         V_PIN=v_pin, V_KEYS_CONTIG=v_keys, INT8_PTX=int8_ptx,
@@ -350,7 +350,7 @@ def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, 
         num_warps=tile.num_warps, num_stages=tile.num_stages, **_FP_FUSION, **_maxnreg(tile),
     )
     if splits > 1:
-        _merge_kernel[(B * Hq * Tq,)](
+        _merge_kernel[(B * Hq * Tq, triton_cdiv(D, ROT_CHUNK) if r_v is not None else 1)](
             op, *op.stride()[:4], lse, *lse.stride(), out, *out.stride(), kvl, kvl_stride,
             vs, vs.stride(1), sink_arg, sink_stride, r_v_arg, Hq, Tq, D, split_len, splits, int(window),
             GROUP=group, STATIC_SCALE=scale_kind == SCALE_STATIC, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None,
@@ -367,14 +367,12 @@ def _sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa):
 
 
 def _dense(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, window: int = 0,
-           rotations: tuple = (None, None)) -> Tensor:
-    """Dequantize the live prefix once, then SDPA; rotated sides: q @ R_K before, out @ R_V^T after (fp32)."""
-    r_k, r_v = rotations
-    if r_k is not None:
-        q = torch.matmul(q.float(), r_k).to(q.dtype)
+           v_rotation: Optional[Tensor] = None) -> Tensor:
+    """Dequantize the live prefix once, then SDPA (q arrives rotated by K's R when K is rotated);
+    a rotated V: the output times R_V^T after it, in q's dtype as SDPA's output is."""
     out = _dense_sdpa(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, window)
-    if r_v is not None:
-        out = torch.matmul(out.float(), r_v.t()).to(out.dtype)
+    if v_rotation is not None:
+        out = rotate_rows(out, v_rotation, transpose=True, dtype=out.dtype)
     return out
 
 
@@ -459,8 +457,12 @@ def attention(
     dense_ok = (softcap == 0 and sinks is None
                 and (k_q.dtype == v_q.dtype or tiles.has_native_fp8(device_cc(q.device))))
     path = prefill_path(q, window_hides=0 < sliding_window < L, dense_ok=dense_ok)
+    q_dtype = q.dtype
+    if k_rotation is not None:  # scores against K's rotated codes: (q R)(k R)^T = q k^T, q rotated once
+        # fp32 for the fused kernel (it rounds q once, into its dot type); the dense path's SDPA takes q's dtype
+        q = rotate_rows(q, k_rotation, dtype=q_dtype if path == "dense" else torch.float32)
     if path == "dense":
         return _dense(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, sliding_window,
-                      (k_rotation, v_rotation))
+                      v_rotation)
     return _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, decode=path == "decode",
-                  window=sliding_window, softcap=softcap, sinks=sinks, rotations=(k_rotation, v_rotation))
+                  window=sliding_window, softcap=softcap, sinks=sinks, v_rotation=v_rotation, q_dtype=q_dtype)

@@ -57,9 +57,10 @@ def store_kv(
 ) -> None:
     """Quantize-on-store of K and V in one launch. K and V may be written in different formats that
     share one scale granularity (fp8 and int8 per token; fp8/block32 and q8_0). A rotation ``[D, D]``
-    is applied first, in float32: inside the kernel for one scale per token (fp32 FMA dots; the sums
-    may round in another order than the reference's matmul, so a value within an fp32 ulp or so of
-    a rounding boundary may get the neighbouring code), as a torch matmul for block32 scales."""
+    is applied first, to float32 accuracy: inside the kernel for one scale per token (bf16-split
+    tensor-core dots, ``_rotation.py``; the sums round in another order than the reference's matmul,
+    so a value within an fp32 ulp or so of a rounding boundary may get the neighbouring code), as a
+    torch matmul for block32 scales."""
     B, H, T, D = k.shape
     if T == 0:
         return
@@ -96,7 +97,8 @@ def store_kv(
         r_k, r_v,
         start, H, T, D,
         HAS_OFFSET=k_offset is not None, HAS_K_ROT=k_rotation is not None, HAS_V_ROT=v_rotation is not None,
-        ROT_CHUNK=32, K_CODE=k_code, V_CODE=v_code, STATIC_SCALE=static,
+        ROT_CHUNK=32, X_PARTS=1 if k.dtype == torch.bfloat16 and v.dtype == torch.bfloat16 else 3,
+        EXACT_FMA_ROT=interpreting(), K_CODE=k_code, V_CODE=v_code, STATIC_SCALE=static,
         EXACT_DIV=interpreting() or EXACT_DIV,
         HW_E4M3=HW_E4M3 and any_fp8 and not interpreting() and tiles.has_native_fp8(device_cc(k.device)),
         GROUPS_P2=groups_p2, GROUP_SIZE=group_size, BLOCK_T=block_t,
