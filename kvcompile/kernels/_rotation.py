@@ -80,24 +80,40 @@ def store_times_rt(out, O, stride_od, rows_ok, R, D, BLOCK_M: tl.constexpr, BLOC
 
 
 @triton.jit
+def _rotate_cols(X, stride_xm, stride_xd, R, Y, stride_ym, stride_yd, M, D, pid_m, pid_j,
+                 TRANSPOSE: tl.constexpr, X_PARTS: tl.constexpr, EXACT_FMA: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, RC: tl.constexpr):
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows_ok = rows < M
+    d = tl.arange(0, BLOCK_D)
+    j = pid_j * RC + tl.arange(0, RC)
+    x = tl.load(X + rows[:, None] * stride_xm + d[None, :] * stride_xd, mask=rows_ok[:, None] & (d < D)[None, :],
+                other=0.0)
+    r_ok = (d < D)[:, None] & (j < D)[None, :]
+    if TRANSPOSE:  # columns j of R^T: rows j of R
+        r = tl.load(R + j[None, :] * D + d[:, None], mask=r_ok, other=0.0)
+    else:
+        r = tl.load(R + d[:, None] * D + j[None, :], mask=r_ok, other=0.0)
+    y = dot_f32(x.to(tl.float32), r, tl.zeros([BLOCK_M, RC], tl.float32), X_PARTS, EXACT_FMA)
+    tl.store(Y + rows[:, None] * stride_ym + j[None, :] * stride_yd, to_store_dtype(y, Y.dtype.element_ty),
+             mask=rows_ok[:, None] & (j < D)[None, :])
+
+
+@triton.jit
 def _rotate_rows_kernel(
-    X, stride_xm, stride_xd, R, Y, stride_ym, stride_yd, M, D,
+    X, stride_xm, stride_xd, R, Y, stride_ym, stride_yd,
+    X2, stride_x2m, stride_x2d, R2, Y2, stride_y2m, stride_y2d,
+    M, D,
     TRANSPOSE: tl.constexpr,  # Y = X @ R^T (else X @ R)
     X_PARTS: tl.constexpr, EXACT_FMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, RC: tl.constexpr,
 ):
-    """grid (cdiv(M, BLOCK_M),): rows of X [M, D] times R (or R^T) into Y [M, D]."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows_ok = rows < M
-    if TRANSPOSE:
-        d = tl.arange(0, BLOCK_D)
-        x = tl.load(X + rows[:, None] * stride_xm + d[None, :] * stride_xd, mask=rows_ok[:, None] & (d < D)[None, :],
-                    other=0.0)
-        store_times_rt(x.to(tl.float32), Y + rows[:, None] * stride_ym, stride_yd, rows_ok, R, D, BLOCK_M, BLOCK_D,
-                       RC, EXACT_FMA)
+    """grid (cdiv(M, BLOCK_M), cdiv(D, RC), 1 or 2): rows of X [M, D] times R (or R^T) into Y, RC
+    output columns per program (each reads whole rows once and RC columns of R: one pass, no
+    loop-carried chain); axis 2 picks the second (X2, R2, Y2) of the same shape (K and V at once)."""
+    if tl.program_id(2) == 0:
+        _rotate_cols(X, stride_xm, stride_xd, R, Y, stride_ym, stride_yd, M, D, tl.program_id(0), tl.program_id(1),
+                     TRANSPOSE, X_PARTS, EXACT_FMA, BLOCK_M, BLOCK_D, RC)
     else:
-        y = rows_times_r(X + rows[:, None] * stride_xm, stride_xd, rows_ok, R, D, BLOCK_M, BLOCK_D, RC, X_PARTS,
-                         EXACT_FMA)
-        d = tl.arange(0, BLOCK_D)
-        tl.store(Y + rows[:, None] * stride_ym + d[None, :] * stride_yd, to_store_dtype(y, Y.dtype.element_ty),
-                 mask=rows_ok[:, None] & (d < D)[None, :])
+        _rotate_cols(X2, stride_x2m, stride_x2d, R2, Y2, stride_y2m, stride_y2d, M, D, tl.program_id(0),
+                     tl.program_id(1), TRANSPOSE, X_PARTS, EXACT_FMA, BLOCK_M, BLOCK_D, RC)

@@ -4,7 +4,6 @@ import triton
 import triton.language as tl
 
 from ._codes import FP8_MAX, Q8_MAX, codes_to_float, div_rn_by_row, e4m3_encode, e4m3_encode_hw, to_store_dtype
-from ._rotation import rows_times_r
 
 # CODE constexpr of _quantize_rows: which format a side (K or V) is written in
 CODE_FP8 = tl.constexpr(0)  # fp8_e4m3 (any granularity)
@@ -18,13 +17,8 @@ def _quantize_rows(
     C, stride_cb, stride_ch, stride_ct, stride_cd,
     S, stride_sb, stride_sh, stride_st, stride_sg,
     OFF, stride_oh, stride_od,
-    R,
     b, h, t0, start, T, D,
     HAS_OFFSET: tl.constexpr,
-    HAS_ROT: tl.constexpr,     # quantize x @ R (R [D, D] fp32; one scale group per token: GROUPS_P2 == 1)
-    ROT_CHUNK: tl.constexpr,
-    X_PARTS: tl.constexpr,     # 1: x is bf16 (one bf16 part), 3: fp16 / fp32 (_rotation.dot_f32)
-    EXACT_FMA_ROT: tl.constexpr,  # the rotation as an fp32 FMA dot (interpreter)
     CODE: tl.constexpr,        # CODE_FP8, CODE_Q8_0 or CODE_INT8
     STATIC_SCALE: tl.constexpr,
     EXACT_DIV: tl.constexpr,   # per-element div_rn (interpreter) instead of reciprocal + fix-up
@@ -42,12 +36,8 @@ def _quantize_rows(
     row_ok = t < T
     ok = row_ok[:, None] & (d < D)
 
-    if HAS_ROT:  # rows of the tile are tokens here (GROUPS_P2 == 1, GROUP_SIZE = padded D)
-        x = rows_times_r(X + b * stride_xb + h * stride_xh + t[:, None] * stride_xt, stride_xd, row_ok, R, D,
-                         BLOCK_T, GROUP_SIZE, ROT_CHUNK, X_PARTS, EXACT_FMA_ROT)
-    else:
-        x = tl.load(X + b * stride_xb + h * stride_xh + t[:, None] * stride_xt + d * stride_xd, mask=ok, other=0.0)
-        x = x.to(tl.float32)
+    x = tl.load(X + b * stride_xb + h * stride_xh + t[:, None] * stride_xt + d * stride_xd, mask=ok, other=0.0)
+    x = x.to(tl.float32)
     if HAS_OFFSET:
         x = x - tl.load(OFF + h * stride_oh + d * stride_od, mask=ok, other=0.0).to(tl.float32)
 
@@ -120,14 +110,8 @@ def _store_kv_kernel(
     KS, stride_ksb, stride_ksh, stride_kst, stride_ksg,
     VS, stride_vsb, stride_vsh, stride_vst, stride_vsg,
     OFF, stride_oh, stride_od,
-    R_K, R_V,
     START, H, T, D,
     HAS_OFFSET: tl.constexpr,
-    HAS_K_ROT: tl.constexpr,
-    HAS_V_ROT: tl.constexpr,
-    ROT_CHUNK: tl.constexpr,
-    X_PARTS: tl.constexpr,
-    EXACT_FMA_ROT: tl.constexpr,
     K_CODE: tl.constexpr,  # K's format (CODE_*); V's may differ when both share one scale granularity
     V_CODE: tl.constexpr,
     STATIC_SCALE: tl.constexpr,
@@ -149,9 +133,8 @@ def _store_kv_kernel(
             KC, stride_kcb, stride_kch, stride_kct, stride_kcd,
             KS, stride_ksb, stride_ksh, stride_kst, stride_ksg,
             OFF, stride_oh, stride_od,
-            R_K,
             b, h, t0, start, T, D,
-            HAS_OFFSET, HAS_K_ROT, ROT_CHUNK, X_PARTS, EXACT_FMA_ROT, K_CODE, STATIC_SCALE, EXACT_DIV, HW_E4M3, GROUPS_P2, GROUP_SIZE, BLOCK_T,
+            HAS_OFFSET, K_CODE, STATIC_SCALE, EXACT_DIV, HW_E4M3, GROUPS_P2, GROUP_SIZE, BLOCK_T,
         )
     else:
         _quantize_rows(
@@ -159,9 +142,8 @@ def _store_kv_kernel(
             VC, stride_vcb, stride_vch, stride_vct, stride_vcd,
             VS, stride_vsb, stride_vsh, stride_vst, stride_vsg,
             OFF, stride_oh, stride_od,
-            R_V,
             b, h, t0, start, T, D,
-            False, HAS_V_ROT, ROT_CHUNK, X_PARTS, EXACT_FMA_ROT, V_CODE, STATIC_SCALE, EXACT_DIV, HW_E4M3, GROUPS_P2, GROUP_SIZE, BLOCK_T,
+            False, V_CODE, STATIC_SCALE, EXACT_DIV, HW_E4M3, GROUPS_P2, GROUP_SIZE, BLOCK_T,
         )
 
 

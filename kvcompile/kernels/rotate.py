@@ -1,10 +1,13 @@
-"""Launcher: rows of a tensor times a rotation (``x @ R`` or ``x @ R^T``), one launch.
+"""Launcher: rows of one or two tensors times a rotation (``x @ R`` or ``x @ R^T``), one launch.
 
-The attention launcher rotates q by K's rotation once per call with it (every split-K program of a
-decode step would otherwise repeat the product and re-read R), and the dense path's output by V's.
+The attention launcher rotates q by K's rotation once per call (every split-K program of a decode
+step would otherwise repeat the product and re-read R), and the dense path's output by V's; the
+store rotates K and V together before quantizing them.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -12,20 +15,29 @@ from torch import Tensor
 from ._rotation import _rotate_rows_kernel
 from .common import interpreting, next_pow2
 
-ROT_CHUNK = 32  # columns of R per dot: an fp32 R of D = 128 is 64 KiB, never held whole in registers
+ROT_CHUNK = 32  # output columns per program (and per dot of the attention epilogue)
 
 
-def rotate_rows(x: Tensor, rotation: Tensor, transpose: bool = False, dtype: torch.dtype = torch.float32) -> Tensor:
-    """``x @ R`` (``x @ R^T`` with ``transpose``) over the last dim of ``x``, float32 accuracy, in ``dtype``."""
+def rotate_rows(x: Tensor, rotation: Tensor, transpose: bool = False, dtype: torch.dtype = torch.float32,
+                x2: Optional[Tensor] = None, rotation2: Optional[Tensor] = None):
+    """``x @ R`` (``x @ R^T`` with ``transpose``) over the last dim of ``x``, float32 accuracy, in
+    ``dtype``. With ``x2`` (same shape and dtype as ``x``) and ``rotation2``: both in the same launch,
+    returned as a pair."""
     D = x.shape[-1]
-    x2 = x.reshape(-1, D)
-    y = torch.empty(x2.shape, dtype=dtype, device=x.device)
-    M = x2.shape[0]
+    ins = [x.reshape(-1, D)] + ([x2.reshape(-1, D)] if x2 is not None else [])
+    rs = [rotation.contiguous()] + ([rotation2.contiguous()] if x2 is not None else [])
+    outs = [torch.empty(t.shape, dtype=dtype, device=x.device) for t in ins]
+    M = ins[0].shape[0]
     if M:
-        block_m = 16 if M <= 256 else 64
-        _rotate_rows_kernel[(-(-M // block_m),)](
-            x2, *x2.stride(), rotation.contiguous(), y, *y.stride(), M, D,
+        a, b = ins[0], ins[-1]
+        ya, yb = outs[0], outs[-1]
+        block_m = 16 if M <= 1024 else 64
+        grid = (-(-M // block_m), -(-D // ROT_CHUNK), len(ins))
+        _rotate_rows_kernel[grid](
+            a, *a.stride(), rs[0], ya, *ya.stride(), b, *b.stride(), rs[-1], yb, *yb.stride(), M, D,
             TRANSPOSE=transpose, X_PARTS=1 if x.dtype == torch.bfloat16 else 3, EXACT_FMA=interpreting(),
             BLOCK_M=block_m, BLOCK_D=next_pow2(D), RC=ROT_CHUNK, num_warps=4,
         )
-    return y.view(x.shape)
+    if x2 is not None:
+        return outs[0].view(x.shape), outs[1].view(x2.shape)
+    return outs[0].view(x.shape)

@@ -10,6 +10,7 @@ from torch import Tensor
 from .. import formats, tiles
 from ._store_kernel import _dequantize_kernel, _dequantize_kv_kernel, _store_kv_kernel
 from .common import device_cc, interpreting, kv_len_arg, next_pow2
+from .rotate import rotate_rows
 
 # x / s per element with div_rn (bit-exact, verified on the H200). False: one reciprocal per row +
 # Markstein's fma fix-up, 1.5x faster at T=16k, but it FAILED test_store_rounding_sweep on the H200
@@ -57,10 +58,9 @@ def store_kv(
 ) -> None:
     """Quantize-on-store of K and V in one launch. K and V may be written in different formats that
     share one scale granularity (fp8 and int8 per token; fp8/block32 and q8_0). A rotation ``[D, D]``
-    is applied first, to float32 accuracy: inside the kernel for one scale per token (bf16-split
-    tensor-core dots, ``_rotation.py``; the sums round in another order than the reference's matmul,
-    so a value within an fp32 ulp or so of a rounding boundary may get the neighbouring code), as a
-    torch matmul for block32 scales."""
+    is applied first (:func:`rotate.rotate_rows`, float32 accuracy; its sums round in another order
+    than the reference's matmul, so a value within an fp32 ulp or so of a rounding boundary may get
+    the neighbouring code)."""
     B, H, T, D = k.shape
     if T == 0:
         return
@@ -69,12 +69,13 @@ def store_kv(
             "kvcompile.store_kv (triton): K and V scales must share one granularity, got "
             f"{tuple(k_scale.shape)} and {tuple(v_scale.shape)}"
         )
+    if k_rotation is not None and v_rotation is not None and k.dtype == v.dtype:
+        k, v = rotate_rows(k, k_rotation, x2=v, rotation2=v_rotation)  # one launch for both
+    elif k_rotation is not None:
+        k = rotate_rows(k, k_rotation)
+    elif v_rotation is not None:
+        v = rotate_rows(v, v_rotation)
     static, groups_p2, group_size = _scale_layout(k_scale, D)
-    fuse_rot = groups_p2 == 1  # the kernel's rows are whole tokens: it rotates them itself
-    if k_rotation is not None and not fuse_rot:
-        k, k_rotation = torch.matmul(k.float(), k_rotation), None
-    if v_rotation is not None and not fuse_rot:
-        v, v_rotation = torch.matmul(v.float(), v_rotation), None
     k_code, v_code = _code(k_cache, k_scale), _code(v_cache, v_scale)
     any_fp8 = 0 in (k_code, v_code)
     kc, vc = _as_bits(k_cache), _as_bits(v_cache)
@@ -84,21 +85,14 @@ def store_kv(
     off_strides = (k_offset.stride(0), k_offset.stride(1)) if k_offset is not None else (0, 0)
     # ~4K values per program: enough bytes in flight, registers stay small
     block_t = max(1, min(next_pow2(T), 4096 // (groups_p2 * group_size)))
-    if k_rotation is not None or v_rotation is not None:
-        block_t = max(block_t, 16)  # the rotation is a tl.dot: 16 rows at least
-    r_k = k_rotation.contiguous() if k_rotation is not None else k_scale  # dummy pointers when absent
-    r_v = v_rotation.contiguous() if v_rotation is not None else k_scale
     grid = (triton_cdiv(T, block_t), B * H, 2)
     _store_kv_kernel[grid](
         k, *k.stride(), v, *v.stride(),
         kc, *kc.stride(), vc, *vc.stride(),
         ks, *ks.stride(), vs, *vs.stride(),
         off, *off_strides,
-        r_k, r_v,
         start, H, T, D,
-        HAS_OFFSET=k_offset is not None, HAS_K_ROT=k_rotation is not None, HAS_V_ROT=v_rotation is not None,
-        ROT_CHUNK=32, X_PARTS=1 if k.dtype == torch.bfloat16 and v.dtype == torch.bfloat16 else 3,
-        EXACT_FMA_ROT=interpreting(), K_CODE=k_code, V_CODE=v_code, STATIC_SCALE=static,
+        HAS_OFFSET=k_offset is not None, K_CODE=k_code, V_CODE=v_code, STATIC_SCALE=static,
         EXACT_DIV=interpreting() or EXACT_DIV,
         HW_E4M3=HW_E4M3 and any_fp8 and not interpreting() and tiles.has_native_fp8(device_cc(k.device)),
         GROUPS_P2=groups_p2, GROUP_SIZE=group_size, BLOCK_T=block_t,
