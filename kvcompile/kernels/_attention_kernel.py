@@ -27,16 +27,15 @@ Softcap (``HAS_SOFTCAP``) bends the scaled logits before the mask; sinks (``HAS_
 softmax denominator once per row, in the epilogue or, when split, in ``_merge_kernel``. All three
 switches off, the kernel compiles to the code it had without them.
 Static scales: K scale folded into the softmax scale, V scale applied once at the end.
-Rotated caches (codes of ``x @ R``): the launcher hands in q already multiplied by K's R (fp32,
-one launch for all rows, not once per split); with ``HAS_V_ROT`` the output is multiplied by V's
-R^T in the epilogue, or, when split, in the merge (``_rotation.py``: fp32-accurate tensor-core dots).
+Rotated caches (codes of ``x @ R``): this kernel never sees R. The launcher hands in q already
+multiplied by K's R (fp32, one launch for all rows, not once per split) and multiplies the output by
+V's R^T after it: in ``_merge_kernel`` (``HAS_V_ROT``) when split, else by one more launch.
 """
 
 import triton
 import triton.language as tl
 
 from ._codes import codes_to, codes_to_f16_pinned, to_store_dtype
-from ._rotation import store_times_rt
 
 LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): exp(x) = exp2(x * LOG2E)
 # fp16 P * s_v / max(s_v) is <= 1: times 2^14 (exact) it stays <= 16384 < 65504, and a key whose
@@ -228,7 +227,6 @@ def _attention_kernel(
     KVLEN, stride_kvl,
     MASK, stride_mb, stride_mh, stride_mm, stride_mn,
     SINKS, stride_sink,                                  # [Hq] extra logit per query head (HAS_SINKS)
-    R_V,                                                 # [D, D] fp32 rotation V is stored in (HAS_V_ROT)
     O, stride_ob, stride_oh, stride_om, stride_od,
     OP, stride_opb, stride_oph, stride_opm, stride_ops,  # partial outputs [B, Hq, Tq, S, D] fp32
     LSE, stride_lb, stride_lh, stride_lm, stride_ls,     # their log2-sum-exp [B, Hq, Tq, S]
@@ -241,9 +239,6 @@ def _attention_kernel(
     HAS_WINDOW: tl.constexpr,    # a query at p sees keys > p - window only; splits start at the window
     HAS_SOFTCAP: tl.constexpr,   # logits become softcap * tanh(logit / softcap)
     HAS_SINKS: tl.constexpr,     # SINKS[h] joins the softmax denominator (in the merge when split)
-    HAS_V_ROT: tl.constexpr,     # V is stored as codes of V @ R_V: the output is O @ R_V^T (unsplit only)
-    ROT_CHUNK: tl.constexpr,     # output columns per rotation dot (R is never held whole)
-    EXACT_FMA: tl.constexpr,     # the rotation as one fp32 FMA dot (interpreter) instead of bf16 MMAs
     SPLIT_OUTPUT: tl.constexpr,  # write partial outputs + LSE for _merge_kernel
     K_FP8_BITS: tl.constexpr,    # K's e4m3 codes arrive as uint8 bits (no fp8 type on this arch)
     V_FP8_BITS: tl.constexpr,    # V's e4m3 codes arrive as uint8 bits (K and V may differ in code type)
@@ -400,11 +395,8 @@ def _attention_kernel(
     else:
         if SCALE_KIND == SCALE_STATIC:
             out = out * tl.load(VS + hk * stride_vsh).to(tl.float32)
-        o_rows = O + b * stride_ob + h[:, None] * stride_oh + qi[:, None] * stride_om
-        if HAS_V_ROT:  # P (V R_V) R_V^T = P V
-            store_times_rt(out, o_rows, stride_od, row_ok, R_V, D, BLOCK_M, BLOCK_D, ROT_CHUNK, EXACT_FMA)
-        else:
-            tl.store(o_rows + d[None, :] * stride_od, to_store_dtype(out, O.dtype.element_ty), mask=out_ok)
+        tl.store(O + b * stride_ob + h[:, None] * stride_oh + qi[:, None] * stride_om + d[None, :] * stride_od,
+                 to_store_dtype(out, O.dtype.element_ty), mask=out_ok)
 
 
 @triton.jit

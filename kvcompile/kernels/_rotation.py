@@ -1,6 +1,6 @@
 """@triton.jit rotations for caches stored rotated (codes of ``x @ R``, R an orthonormal ``[D, D]``
-fp32 matrix, row-major): rows times R (before quantizing, or q before scoring) and an output times
-R^T.
+fp32 matrix, row-major): rows times R (K / V before quantizing, q before scoring) or times R^T (an
+output back from V's rotated space).
 
 Products run on the tensor cores with float32 accuracy: R is split into three bf16 parts whose sum
 is R to all 24 bits (``hi + mid + lo``), and so is x unless it is already bf16-exact (a bf16 input:
@@ -8,7 +8,7 @@ one part). The significant cross products (``a_i b_j`` with i + j <= 2) are summ
 first: the result is a float32 matmul's up to the order of its sums (~1e-7 relative), at a few
 bf16 MMAs per tile instead of D fp32 FMAs per element. ``EXACT_FMA`` (Triton's interpreter, which
 has no bf16 arithmetic) takes one fp32 FMA dot instead. R is read RC rows (or columns) at a time.
-``tl.dot`` needs 16 rows: callers pad their rows to 16.
+``tl.dot`` needs 16 rows: the launcher's row blocks are 16 or 64.
 """
 
 import triton
@@ -48,35 +48,6 @@ def dot_f32(a, b, acc, A_PARTS: tl.constexpr, EXACT_FMA: tl.constexpr):
         acc = tl.dot(a_hi, b_mid, acc)
         acc = tl.dot(a_hi, b_hi, acc)
     return acc
-
-
-@triton.jit
-def rows_times_r(X, stride_xd, rows_ok, R, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, RC: tl.constexpr,
-                 X_PARTS: tl.constexpr, EXACT_FMA: tl.constexpr):
-    """``[BLOCK_M, D]`` rows of X times R, fp32 ``[BLOCK_M, BLOCK_D]``. ``X`` points at column 0 of
-    each row ([BLOCK_M, 1]); the rows are read RC columns at a time against RC rows of R."""
-    d = tl.arange(0, BLOCK_D)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for c0 in tl.static_range(0, BLOCK_D, RC):
-        c = c0 + tl.arange(0, RC)
-        x = tl.load(X + c[None, :] * stride_xd, mask=rows_ok[:, None] & (c < D)[None, :], other=0.0)
-        r = tl.load(R + c[:, None] * D + d[None, :], mask=(c < D)[:, None] & (d < D)[None, :], other=0.0)
-        acc = dot_f32(x.to(tl.float32), r, acc, X_PARTS, EXACT_FMA)
-    return acc
-
-
-@triton.jit
-def store_times_rt(out, O, stride_od, rows_ok, R, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                   RC: tl.constexpr, EXACT_FMA: tl.constexpr):
-    """Store ``out @ R^T`` (out ``[BLOCK_M, BLOCK_D]`` fp32) at O ([BLOCK_M, 1] pointers to column
-    0), RC output columns at a time."""
-    d = tl.arange(0, BLOCK_D)
-    for j0 in tl.static_range(0, BLOCK_D, RC):
-        j = j0 + tl.arange(0, RC)
-        rt = tl.load(R + j[None, :] * D + d[:, None], mask=(d < D)[:, None] & (j < D)[None, :], other=0.0)
-        o = dot_f32(out, rt, tl.zeros([BLOCK_M, RC], tl.float32), 3, EXACT_FMA)
-        tl.store(O + j[None, :] * stride_od, to_store_dtype(o, O.dtype.element_ty),
-                 mask=rows_ok[:, None] & (j < D)[None, :])
 
 
 @triton.jit

@@ -149,7 +149,7 @@ def compile_attention(
         raise ValueError(f"kvcompile.kernels.aot: mask must be one of {list(masks)}, got {mask!r}")
     mask_kind, mask_ptr = masks[mask]
     ptrs = {"Q": "*bf16", "K": k_code, "V": v_code, "KS": scale, "VS": scale, "KVLEN": "*i64", "MASK": mask_ptr,
-            "SINKS": "*fp32" if sinks else "*bf16", "R_V": "*bf16", "O": "*bf16", "OP": "*fp32", "LSE": "*fp32"}
+            "SINKS": "*fp32" if sinks else "*bf16", "O": "*bf16", "OP": "*fp32", "LSE": "*fp32"}
     ones = {"stride_qd", "stride_kd", "stride_vn" if v_keys else "stride_vd", "stride_od", "stride_kvl", "stride_ls"}
     if sinks:
         ones.add("stride_sink")  # a contiguous [Hq] parameter (without sinks the launcher passes 0)
@@ -169,7 +169,6 @@ def compile_attention(
     consts = dict(
         GROUP=group, GROUP_SIZE=group_size, SCALE_KIND=kind, MASK_KIND=mask_kind, IS_CAUSAL=q_len > 1 if causal is None else causal,
         HAS_WINDOW=window, HAS_SOFTCAP=softcap, HAS_SINKS=sinks,
-        HAS_V_ROT=False, ROT_CHUNK=launcher.ROT_CHUNK, EXACT_FMA=False,  # rotated V: epilogue only, not guarded here
         SPLIT_OUTPUT=decode, K_FP8_BITS=k_fp8_bits, V_FP8_BITS=fp8_bits, DOT_DTYPE=tl.float16, PV_DTYPE=tl.float16,
         BCAST_SCALE=launcher.BCAST_SCALE, V_PIN=v_pin, V_KEYS_CONTIG=v_keys,
         INT8_PTX=launcher.int8_ptx(k_dtype, torch.float16) or launcher.int8_ptx(v_dtype, torch.float16),

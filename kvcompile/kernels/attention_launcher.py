@@ -326,6 +326,9 @@ def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, 
     sink_arg, sink_stride = (sinks, sinks.stride(0)) if sinks is not None else (q, 0)  # q: a dummy pointer
     r_v = v_rotation
     r_v_arg = r_v if r_v is not None else q  # q: a dummy pointer
+    # a rotated V, unsplit: the kernel writes fp32, one launch multiplies by R_V^T into ``out`` (one
+    # rounding); split: the merge does it
+    o_buf = torch.empty(out.shape, dtype=torch.float32, device=dev) if r_v is not None and splits == 1 else out
 
     grid = (m_blocks, B * Hkv, splits)
     _attention_kernel[grid](
@@ -335,14 +338,12 @@ def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, 
         kvl, kvl_stride,
         mask, *mstride,
         sink_arg, sink_stride,
-        r_v_arg,
-        out, *out.stride(),
+        o_buf, *o_buf.stride(),
         op, *op_strides,
         lse, *lse_strides,
         Hkv, Tq, D, float(sm_scale), split_len, int(window), float(softcap),
         GROUP=group, GROUP_SIZE=group_size, SCALE_KIND=scale_kind, MASK_KIND=mask_kind,
         IS_CAUSAL=bool(is_causal), HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
-        HAS_V_ROT=r_v is not None and splits == 1, ROT_CHUNK=ROT_CHUNK, EXACT_FMA=interpreting(),
         SPLIT_OUTPUT=splits > 1, K_FP8_BITS=k_fp8_bits, V_FP8_BITS=v_fp8_bits,
         DOT_DTYPE=_tl_dtype(dot_dtype), PV_DTYPE=_tl_dtype(pv_dtype), BCAST_SCALE=BCAST_SCALE,
         V_PIN=v_pin, V_KEYS_CONTIG=v_keys, INT8_PTX=int8_ptx,
@@ -357,6 +358,8 @@ def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, 
             HAS_V_ROT=r_v is not None, ROT_CHUNK=ROT_CHUNK,
             SPLITS_P2=next_pow2(splits), BLOCK_N=tile.block_n, BLOCK_D=next_pow2(D), num_warps=4, **_FP_FUSION,
         )
+    elif r_v is not None:
+        out.copy_(rotate_rows(o_buf, r_v, transpose=True, dtype=out.dtype))
 
 
 def _sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa):
