@@ -81,6 +81,22 @@ RUNS = {
         "h200_s7_run3_e2e_gemma3_b8_32k.csv", "59f8b29", H200, "session 7, run 3",
         "python benchmarks/bench_decode_e2e.py --model gemma3 --layers 6 --cases 8x32768 --steps 10 "
         "--providers hf-static-compiled,kvc-int8-graphs"),
+    "rot-decode": Run(
+        "h200_s8_run5_decode_rot.csv", "693e9f5", H200, "session 8, run 5",
+        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8,int8+rot "
+        "--decode-shapes 1x4096,1x32768,8x32768,32x8192,4x131072"),
+    "rot-store": Run(
+        "h200_s8_run3_decode_store.csv", "b138f24", H200, "session 8, run 3",
+        "python benchmarks/bench_kv.py --subjects decode,store --formats fp8,int8,int8+rot "
+        "--decode-shapes 1x4096,1x32768,8x32768,32x8192,4x131072"),
+    "rot-prefill": Run(
+        "h200_s8_run3_prefill.csv", "b138f24", H200, "session 8, run 3",
+        "python benchmarks/bench_kv.py --subjects prefill --formats fp8 --prefill-formats fp8,int8+rot "
+        "--prefill-q 16384,1024"),
+    "rot-e2e": Run(
+        "h200_s8_run3_e2e.csv", "b138f24", H200, "session 8, run 3",
+        "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024 "
+        "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs"),
 }
 
 # bench_kv's provider names -> the docs' names, in the docs' column order
@@ -175,27 +191,32 @@ def decode_full(results: str = RESULTS) -> str:
     return "\n".join(lines)
 
 
-def _prefill(key: str, results: str) -> str:
+def _prefill(key: str, results: str, formats=(("fp8", "fp8 token"),)) -> str:
+    """Fused and dense prefill of each ``(format, name)`` against bf16 SDPA; the faster path of a format in bold."""
     run = RUNS[key]
     rows = read(run, results)
     by = _by(rows, "provider", "shape")
-    lines = [f"fp8 token cache, causal, B=1; us and bf16 SDPA time / kvcompile time. {run.caption()}", "",
-             "| new tokens | cache length | SDPA bf16, us | fused kernel, us | dense dequantize + SDPA, us |",
-             "|---:|---:|---:|---:|---:|"]
+    paths = (("fused", "fused kernel, us"), ("dense", "dense dequantize + SDPA, us"))
+    heads = [head if len(formats) == 1 else f"{name} {path}, us" for _, name in formats for path, head in paths]
+    cache = " and ".join(name for _, name in formats) + (" cache" if len(formats) == 1 else " caches")
+    lines = [f"{cache}, causal, B=1; us and bf16 SDPA time / kvcompile time. {run.caption()}", "",
+             "| new tokens | cache length | SDPA bf16, us | " + " | ".join(heads) + " |",
+             "|---:|---:|---:|" + "---:|" * len(heads)]
     for shape in _shapes(rows, "prefill"):
         s = _shape(shape)
         base = by[("sdpa-bf16", shape)]
         cells = []
-        times = {p: float(by[(p, shape)]["us"]) for p in ("kvcompile-fp8-fused", "kvcompile-fp8-dense")
-                 if (p, shape) in by}
-        best = min(times, key=times.get) if times else None
-        for p in ("kvcompile-fp8-fused", "kvcompile-fp8-dense"):
-            r = by.get((p, shape))
-            if r is None:
-                cells.append("—")
-                continue
-            cell = f"{float(r['us']):.1f} ({_x(float(r['vs_sdpa']))})"
-            cells.append(f"**{cell}**" if p == best else cell)
+        for fmt, _ in formats:
+            ps = [f"kvcompile-{fmt}-{path}" for path, _ in paths]
+            times = {p: float(by[(p, shape)]["us"]) for p in ps if (p, shape) in by}
+            best = min(times, key=times.get) if times else None
+            for p in ps:
+                r = by.get((p, shape))
+                if r is None:
+                    cells.append("—")
+                    continue
+                cell = f"{float(r['us']):.1f} ({_x(float(r['vs_sdpa']))})"
+                cells.append(f"**{cell}**" if p == best else cell)
         lines.append(f"| {s['Tq']} | {s['L']} | {float(base['us']):.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -210,18 +231,21 @@ def prefill_crossover(results: str = RESULTS) -> str:
     return _prefill("prefill-crossover", results)
 
 
-def store(results: str = RESULTS) -> str:
-    """README, BENCHMARKS: quantize-on-store of K and V against a bf16 write of them."""
-
+def _store(key: str, providers, note: str, results: str) -> str:
     def lead(by: dict, shape: str) -> list[str]:
         s = _shape(shape)
         bf16 = float(by[("bf16-index_copy", shape)]["us"])
         return [f"B={s['B']}, {s['T']} token{'s' if s['T'] != 1 else ''}", f"{bf16:.1f}"]
 
-    title = ("Store of one layer's K and V, us (bf16 write time / store time). {caption} "
-             "fp8 static has stored V key-contiguous since 2da443f (session 5); its row predates that.")
-    return _by_shape("store", "store", title, ["write", "bf16 `index_copy_`"], lead, FORMATS,
+    title = "Store of one layer's K and V, us (bf16 write time / store time). {caption}" + note
+    return _by_shape(key, "store", title, ["write", "bf16 `index_copy_`"], lead, providers,
                      lambda r: f"{float(r['us']):.1f} ({_x(float(r['vs_sdpa']))})", results)
+
+
+def store(results: str = RESULTS) -> str:
+    """README, BENCHMARKS: quantize-on-store of K and V against a bf16 write of them."""
+    return _store("store", FORMATS, " fp8 static has stored V key-contiguous since 2da443f (session 5); its row "
+                  "predates that.", results)
 
 
 def _e2e_ratio(by: dict, B: str, ctx: str, provider: str) -> float:
@@ -285,21 +309,48 @@ def _us(by: dict, provider: str, shape: str) -> float:
     return float(by[(provider, shape)]["us"])
 
 
-def int8_decode(results: str = RESULTS) -> str:
-    """BENCHMARKS: int8 decode against fp8 token, one run, with the bandwidth of each."""
+def _vs_fp8(key: str, providers, ratios: tuple[str, ...], results: str) -> str:
+    """Decode of fp8 token and ``providers`` with their bandwidth, then fp8 time / the time of each
+    ``kvcompile-<format>`` of ``ratios`` (speed against fp8, > 1: faster)."""
 
     def lead(by: dict, shape: str) -> list[str]:
         s = _shape(shape)
         return [f"B={s['B']} L={_k(s['L'])}", f"{_us(by, 'sdpa-bf16', shape):.1f}"]
 
-    def int8_over_fp8(by: dict, shape: str) -> str:  # speed: fp8 time / int8 time
-        return f"{_us(by, 'kvcompile-fp8', shape) / _us(by, 'kvcompile-int8', shape):.2f}"
+    def over_fp8(by: dict, shape: str) -> str:
+        return ", ".join(f"{_us(by, 'kvcompile-fp8', shape) / _us(by, f'kvcompile-{f}', shape):.2f}" for f in ratios)
 
     title = "bf16 SDPA time / kvcompile time in the same run (> 1: faster), TB/s of the bytes read. {caption}"
-    return _by_shape("int8-decode", "decode", title, ["shape", "SDPA bf16, us"], lead,
-                     (("kvcompile-fp8", "fp8 token"), ("kvcompile-int8", "int8")),
+    return _by_shape(key, "decode", title, ["shape", "SDPA bf16, us"], lead,
+                     (("kvcompile-fp8", "fp8 token"),) + providers,
                      lambda r: f"{_x(float(r['vs_sdpa']))} ({float(r['tbps']):.2f} TB/s)", results,
-                     last=("int8 / fp8", int8_over_fp8))
+                     last=(", ".join(f"{f} / fp8" for f in ratios), over_fp8))
+
+
+def int8_decode(results: str = RESULTS) -> str:
+    """BENCHMARKS: int8 decode against fp8 token, one run, with the bandwidth of each."""
+    return _vs_fp8("int8-decode", (("kvcompile-int8", "int8"),), ("int8",), results)
+
+
+UNROTATED = ("kvcompile-int8", "int8, not rotated")
+
+
+def rot_decode(results: str = RESULTS) -> str:
+    """BENCHMARKS: int8 stored rotated, the rotations in the op (and, A/B, as torch matmuls around it)."""
+    return _vs_fp8("rot-decode", (UNROTATED, ("kvcompile-int8+rot", "int8+rot"),
+                                  ("kvcompile-int8+rot torch-rot", "int8+rot, torch matmuls")), ("int8", "int8+rot"),
+                   results)
+
+
+def rot_store(results: str = RESULTS) -> str:
+    """BENCHMARKS: the store of int8+rot (K and V rotated by one launch, then quantized) against fp8 and int8."""
+    return _store("rot-store", (("kvcompile-fp8", "fp8 token"), UNROTATED, ("kvcompile-int8+rot", "int8+rot")), "",
+                  results)
+
+
+def rot_prefill(results: str = RESULTS) -> str:
+    """BENCHMARKS: prefill of int8+rot against fp8 token, one run."""
+    return _prefill("rot-prefill", results, (("fp8", "fp8 token"), ("int8+rot", "int8+rot")))
 
 
 def window(results: str = RESULTS) -> str:
@@ -319,27 +370,40 @@ def window(results: str = RESULTS) -> str:
                      lambda r: _x(float(r["vs_sdpa"])), results, last=("sliding / full (fp8, int8)", sliding_over_full))
 
 
-def int8_e2e(results: str = RESULTS) -> str:
-    """BENCHMARKS: one decode step, B=8 ctx 32k, of a Llama-shaped and a Gemma-3-shaped hybrid model."""
-    models = (("int8-e2e-llama", "Llama-3-8B shape, 4 layers"),
-              ("int8-e2e-gemma3", "Gemma-3-12B shape, 6 layers (5 × window 1024, 1 full)"))
+def _e2e_steps(models, title: str, results: str) -> str:
+    """One row per provider and case of each ``(RUNS key, model)``; the runs share one caption."""
     providers = (("hf-static-compiled", "HF StaticCache bf16, compiled"),
                  ("kvc-fp8_e4m3-graphs", "kvcompile fp8 token"), ("kvc-int8-graphs", "kvcompile int8"))
     first = RUNS[models[0][0]]
     assert all((RUNS[key].device, RUNS[key].commit, RUNS[key].session) == (first.device, first.commit, first.session)
-               for key, _ in models), "int8-e2e: its runs share one caption (device, commit, session)"
+               for key, _ in models), "e2e steps: the runs of one table share one caption (device, commit, session)"
     raw = ", ".join(f"`benchmarks/results/{RUNS[key].csv}`" for key, _ in models)
-    lines = [f"CUDA graphs, 10 steps (median). {first.device}; code at {first.commit} ({first.session}); "
-             f"raw: {raw}.", "",
+    lines = [f"{title} {first.device}; code at {first.commit} ({first.session}); raw: {raw}.", "",
              "| model | provider | ms/step | vs HF static | KV GiB |", "|---|---|---:|---:|---:|"]
     for key, model in models:
         by = _by(read(RUNS[key], results), "B", "ctx", "provider")
-        for p, name in providers:
-            for (B, ctx, _), r in ((k, r) for k, r in by.items() if k[2] == p):
-                lines.append(f"| {model} | {name} | {float(r['ms_per_step']):.2f} | {_x(_e2e_ratio(by, B, ctx, p))} | "
-                             f"{float(r['kv_gib']):.2f} |")
-                model = ""
+        cases = list(dict.fromkeys((B, ctx) for B, ctx, _ in by))
+        for B, ctx in cases:
+            label = model if len(cases) == 1 else f"{model}, B={B} ctx {_k(int(ctx))}"
+            for p, name in providers:
+                r = by.get((B, ctx, p))
+                if r is not None:
+                    lines.append(f"| {label} | {name} | {float(r['ms_per_step']):.2f} | "
+                                 f"{_x(_e2e_ratio(by, B, ctx, p))} | {float(r['kv_gib']):.2f} |")
+                    label = ""
     return "\n".join(lines)
+
+
+def int8_e2e(results: str = RESULTS) -> str:
+    """BENCHMARKS: one decode step, B=8 ctx 32k, of a Llama-shaped and a Gemma-3-shaped hybrid model."""
+    return _e2e_steps((("int8-e2e-llama", "Llama-3-8B shape, 4 layers"),
+                       ("int8-e2e-gemma3", "Gemma-3-12B shape, 6 layers (5 × window 1024, 1 full)")),
+                      "CUDA graphs, 10 steps (median).", results)
+
+
+def rot_e2e(results: str = RESULTS) -> str:
+    """BENCHMARKS: one decode step with int8 (rotations in the op) against fp8 token and HF."""
+    return _e2e_steps((("rot-e2e", "Llama-3-8B shape, 4 layers"),), "CUDA graphs, 20 steps (median).", results)
 
 
 def command(*keys: str) -> Callable[[str], str]:
@@ -367,6 +431,12 @@ TABLES: dict[str, Callable[[str], str]] = {
     "window": window,
     "int8-e2e": int8_e2e,
     "int8-e2e-command": command("int8-e2e-llama", "int8-e2e-gemma3"),
+    "rot-decode": rot_decode,
+    "rot-decode-command": command("rot-decode"),
+    "rot-store": rot_store,
+    "rot-prefill": rot_prefill,
+    "rot-e2e": rot_e2e,
+    "rot-command": command("rot-store", "rot-prefill", "rot-e2e"),
 }
 
 BLOCK = re.compile(r"(<!-- table:(?P<name>[\w-]+) [^>]*-->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
