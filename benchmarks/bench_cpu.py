@@ -9,7 +9,7 @@ template applied), exactly ``--new-tokens`` of them (EOS ignored):
 
 * ``hf-dynamic``   transformers' DynamicCache, eager (grows with the tokens: no max_cache_len);
 * ``hf-static``    transformers' StaticCache of ``max_cache_len`` positions, ``torch.compile`` (Inductor);
-* ``kvcompile-fp8_e4m3``, ``kvcompile-q8_0``   examples/generate.py's ``run()``: a QuantizedCache of
+* ``kvcompile-int8`` (the default format), ``kvcompile-fp8_e4m3``, ``kvcompile-q8_0``   examples/generate.py's ``run()``: a QuantizedCache of
   ``max_cache_len`` positions (the shipped calibration's K centering for SmolLM2, as the main job
   does), compiled with ``kvcompile.backend``.
 
@@ -47,7 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--lengths", type=int, nargs="+", default=None,
                    help="max_cache_len values (default 128 8192; smoke 48)")
     p.add_argument("--providers", nargs="+", default=None,
-                   help="subset of hf-dynamic hf-static kvcompile-fp8_e4m3 kvcompile-q8_0")
+                   help="subset of hf-dynamic hf-static kvcompile-int8 kvcompile-fp8_e4m3 kvcompile-q8_0")
     p.add_argument("--csv", default=None, help="write the rows to this file")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     return p.parse_args(argv)
@@ -106,7 +106,7 @@ def run(model, tok, *, prompt: str, chat: bool, new_tokens: int, lengths, provid
             torch._dynamo.reset()
             add("hf-static", L, _hf_row(model, tok, prompt, chat, new_tokens,
                                         lambda T: StaticCache(config=model.config, max_cache_len=L), compile=True))
-        for kv_dtype in ("fp8_e4m3", "q8_0"):
+        for kv_dtype in ("int8", "fp8_e4m3", "q8_0"):
             if f"kvcompile-{kv_dtype}" not in providers:
                 continue
             torch._dynamo.reset()
@@ -139,7 +139,7 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    providers = args.providers or ["hf-dynamic", "hf-static", "kvcompile-fp8_e4m3", "kvcompile-q8_0"]
+    providers = args.providers or ["hf-dynamic", "hf-static", "kvcompile-int8", "kvcompile-fp8_e4m3", "kvcompile-q8_0"]
     if args.smoke:
         model, tok = _common.tiny_model()
         prompt, chat, calibration = SMOKE_PROMPT, False, None
