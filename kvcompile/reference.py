@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import formats
@@ -20,19 +21,46 @@ def _as_bytes(t: Tensor) -> Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
-def _store_one(cache: Tensor, scale: Tensor, x: Tensor, pos: Tensor, offset: Optional[Tensor],
-               rotation: Optional[Tensor]) -> None:
+def _rotate_center(x: Tensor, offset: Optional[Tensor], rotation: Optional[Tensor]) -> Tensor:
+    """``x @ R - offset`` in float32 (each step only when given); the offset broadcasts over [..., H, T, D]."""
     if rotation is not None:
         x = torch.matmul(x.float(), rotation)  # float32, as the Triton launcher does
     if offset is not None:
-        x = x.float() - offset.float().view(1, offset.shape[0], 1, offset.shape[1])
+        x = x.float() - offset.float().view(offset.shape[0], 1, offset.shape[1])
+    return x
+
+
+def _quantize_as(cache: Tensor, scale: Tensor, x: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+    """(codes, scales, or None for static ones) of ``x`` in the format of ``cache`` / ``scale``."""
     if scale.dim() == 1:
-        codes, _ = formats.quantize(x, cache.dtype, scale=scale)
-    else:
-        kv_dtype = formats.format_of(cache, scale)
-        codes, s = formats.quantize(x, cache.dtype, groups=scale.shape[-1], kv_dtype=kv_dtype)
-        scale.index_copy_(2, pos, s.to(scale.dtype))
-    _as_bytes(cache).index_copy_(2, pos, _as_bytes(codes))
+        return formats.quantize(x, cache.dtype, scale=scale)[0], None
+    codes, s = formats.quantize(x, cache.dtype, groups=scale.shape[-1], kv_dtype=formats.format_of(cache, scale))
+    return codes, s.to(scale.dtype)
+
+
+def _write(cache: Tensor, scale: Tensor, codes: Tensor, s: Optional[Tensor], where) -> None:
+    """Codes (and scales) into positions ``where``: a slice (CPU) or an index tensor."""
+    if isinstance(where, slice):
+        _as_bytes(cache)[:, :, where] = _as_bytes(codes)
+        if s is not None:
+            scale[:, :, where] = s
+        return
+    _as_bytes(cache).index_copy_(2, where, _as_bytes(codes))
+    if s is not None:
+        scale.index_copy_(2, where, s)
+
+
+def _one_format(k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor, k: Tensor, v: Tensor,
+                k_rotation: Optional[Tensor], v_rotation: Optional[Tensor]) -> bool:
+    """K and V stored alike (format, scale layout, rotation): they can be quantized as one tensor.
+    Static scales are not (K's and V's scales differ)."""
+    if k_scale.dim() == 1 or k.shape != v.shape or k_cache.dtype != v_cache.dtype or k_scale.shape != v_scale.shape:
+        return False
+    if k_scale.dtype != v_scale.dtype or (k_rotation is None) != (v_rotation is None):
+        return False
+    if k_rotation is not None and k_rotation is not v_rotation and not torch.equal(k_rotation, v_rotation):
+        return False
+    return formats.format_of(k_cache, k_scale) == formats.format_of(v_cache, v_scale)
 
 
 def store_kv(
@@ -47,9 +75,26 @@ def store_kv(
     k_rotation: Optional[Tensor] = None,
     v_rotation: Optional[Tensor] = None,
 ) -> None:
-    pos = torch.arange(k.shape[2], device=k.device) + start.to(device=k.device, dtype=torch.long)
-    _store_one(k_cache, k_scale, k, pos, k_offset, k_rotation)
-    _store_one(v_cache, v_scale, v, pos, None, v_rotation)
+    T = k.shape[2]
+    if k.device.type == "cpu":  # the host read is free: a slice instead of an index tensor
+        s0 = int(start)
+        where = slice(s0, s0 + T)
+    else:
+        where = torch.arange(T, device=k.device) + start.to(device=k.device, dtype=torch.long)
+    if _one_format(k_cache, k_scale, v_cache, v_scale, k, v, k_rotation, v_rotation):
+        # K and V quantized as one [2, B, H, T, D] tensor: half the ops, the same values
+        x = _rotate_center(torch.stack((k, v)), None, k_rotation)
+        if k_offset is not None:
+            x = x.float()
+            x[0] -= k_offset.float().view(k_offset.shape[0], 1, k_offset.shape[1])
+        codes, s = _quantize_as(k_cache, k_scale, x)
+        _write(k_cache, k_scale, codes[0], None if s is None else s[0], where)
+        _write(v_cache, v_scale, codes[1], None if s is None else s[1], where)
+        return
+    for cache, scale, x, off, rot in ((k_cache, k_scale, k, k_offset, k_rotation),
+                                      (v_cache, v_scale, v, None, v_rotation)):
+        codes, s = _quantize_as(cache, scale, _rotate_center(x, off, rot))
+        _write(cache, scale, codes, s, where)
 
 
 def _valid_positions(kv_len: Tensor, batch: int, length: int, device) -> Tensor:
@@ -121,9 +166,11 @@ def attention(
     q [B, Hq, Tq, D] over codes [B, Hkv, L, D] -> [B, Hq, Tq, D] in q.dtype. Pays for what is
     stored: it reads ``kv_len`` on the host and dequantizes only keys ``[lo, n)``, ``n`` the
     longest stored length and ``lo`` the first key any query's window can see (0 without a
-    window), so its cost does not depend on ``max_cache_len``. GQA without repeating K/V: the
-    ``Hq // Hkv`` query heads of one kv head are rows of one matmul against that head's keys.
-    ``compute_dtype=torch.float64`` gives the oracle the tests compare kernels against.
+    window), so its cost does not depend on ``max_cache_len``. GQA without repeating K/V. In
+    float32 without softcap, sinks or an additive mask (the CPU's everyday call) it is one SDPA
+    call with the visibility as its bool mask; otherwise the softmax is written out
+    (:func:`_explicit_softmax`). ``compute_dtype=torch.float64`` gives the oracle the tests
+    compare kernels against (always written out).
     """
     B, Hq, Tq, D = q.shape
     Hkv, L = k_q.shape[1], k_q.shape[2]
@@ -137,43 +184,68 @@ def attention(
     k = _dequantize_in(_key_slice(k_q, lo, n), _key_slice(k_scale, lo, n), compute_dtype)  # [B, Hkv, n', D]
     v = _dequantize_in(_key_slice(v_q, lo, n), _key_slice(v_scale, lo, n), compute_dtype)
     sm_scale = D**-0.5 if scale is None else scale
-    # query head h = hk * group + g: the group's rows of one kv head, [B, Hkv, group * Tq, D]
     qc = q.to(compute_dtype)
     if k_rotation is not None:  # K's codes hold k @ R_k: (q R_k)(k R_k)^T = q k^T
         qc = torch.matmul(qc, k_rotation.to(compute_dtype))
-    qg = qc.reshape(B, Hkv, group * Tq, D)
-    s = torch.matmul(qg, k.transpose(-1, -2)).view(B, Hq, Tq, n - lo) * sm_scale
-    if softcap > 0:
-        s = torch.tanh(s / softcap) * softcap  # on the scaled logits, before the mask
 
     dev = q.device
-    pos = torch.arange(lo, n, device=dev).view(1, 1, 1, -1)
-    kvl = torch.tensor(lens, device=dev).view(B, 1, 1, 1)
-    q_pos = kvl - Tq + torch.arange(Tq, device=dev).view(1, 1, Tq, 1)  # absolute position of each query
     valid = None  # [B, 1 or Hq, 1 or Tq, n'] where some key of [lo, n) is hidden from some row
 
     def hide(keep: Tensor) -> None:
         nonlocal valid
         valid = keep if valid is None else valid & keep
 
-    if min(lens) < n:
-        hide(pos < kvl)
-    if is_causal and Tq > 1:  # a single query sits at kv_len - 1: the length bound says it all
-        hide(pos <= q_pos)
-    if sliding_window > 0 and max(lens) - sliding_window > lo:  # some row's window starts past lo
-        hide(pos > q_pos - sliding_window)
+    hide_len = min(lens) < n
+    hide_causal = is_causal and Tq > 1  # a single query sits at kv_len - 1: the length bound says it all
+    hide_window = sliding_window > 0 and max(lens) - sliding_window > lo  # some row's window starts past lo
+    if hide_len or hide_causal or hide_window:
+        pos = torch.arange(lo, n, device=dev).view(1, 1, 1, -1)
+        kvl = torch.tensor(lens, device=dev).view(B, 1, 1, 1)
+        q_pos = kvl - Tq + torch.arange(Tq, device=dev).view(1, 1, Tq, 1)  # absolute position of each query
+        if hide_len:
+            hide(pos < kvl)
+        if hide_causal:
+            hide(pos <= q_pos)
+        if hide_window:
+            hide(pos > q_pos - sliding_window)
+    additive = None
     if attn_mask is not None:
         m = attn_mask if attn_mask.shape[-1] == 1 else attn_mask[..., lo:n]  # its keys [lo, n) (or broadcast)
         m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape))
         if m.dtype == torch.bool:
             hide(m)
         else:
-            s = s + m.to(compute_dtype)
+            additive = m.to(compute_dtype)
+
+    if compute_dtype == torch.float32 and softcap == 0 and sinks is None and additive is None:
+        # the CPU's common case in a few ops: one fused SDPA call (grouped-query, the visibility as its
+        # bool mask); a row with no visible key gives NaN there and zeros here
+        o = F.scaled_dot_product_attention(qc, k, v, attn_mask=valid, scale=sm_scale, enable_gqa=group > 1)
+        if valid is not None:
+            o = torch.where(valid.any(dim=-1, keepdim=True), o, torch.zeros((), dtype=o.dtype, device=dev))
+    else:
+        o = _explicit_softmax(qc, k, v, valid, additive, sm_scale, softcap, sinks, group)
+    if v_rotation is not None:  # V's codes hold v @ R_v: P (V R_v) R_v^T = P V
+        o = torch.matmul(o, v_rotation.to(compute_dtype).t())
+    return o.to(q.dtype)
+
+
+def _explicit_softmax(qc: Tensor, k: Tensor, v: Tensor, valid: Optional[Tensor], additive: Optional[Tensor],
+                      sm_scale: float, softcap: float, sinks: Optional[Tensor], group: int) -> Tensor:
+    """Softmax attention written out (float64 oracle, softcap, sinks, additive masks): the query
+    heads of one kv head are rows of one matmul against its keys (no repeated K/V)."""
+    B, Hq, Tq, D = qc.shape
+    Hkv, n = k.shape[1], k.shape[2]
+    s = torch.matmul(qc.reshape(B, Hkv, group * Tq, D), k.transpose(-1, -2)).view(B, Hq, Tq, n) * sm_scale
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap  # on the scaled logits, before the mask
+    if additive is not None:
+        s = s + additive
     if valid is not None:
         s = s.masked_fill(~valid, float("-inf"))
     row_max = s.amax(dim=-1, keepdim=True)
     if sinks is not None:  # one more logit per head in the denominator: it joins the max too
-        sink = sinks.to(device=dev, dtype=compute_dtype).view(1, Hq, 1, 1)
+        sink = sinks.to(device=qc.device, dtype=qc.dtype).view(1, Hq, 1, 1)
         row_max = torch.maximum(row_max, torch.where(torch.isneginf(row_max), row_max, sink))
     empty = torch.isneginf(row_max)  # a row with no visible key -> zeros, not NaN
     m_safe = torch.where(empty, torch.zeros_like(row_max), row_max)
@@ -182,7 +254,4 @@ def attention(
     if sinks is not None:
         denom = denom + torch.where(empty, torch.zeros_like(denom), torch.exp(sink - m_safe))
     p = p / torch.where(empty, torch.ones_like(denom), denom)
-    o = torch.matmul(p.view(B, Hkv, group * Tq, n - lo), v).view(B, Hq, Tq, D)
-    if v_rotation is not None:  # V's codes hold v @ R_v: P (V R_v) R_v^T = P V
-        o = torch.matmul(o, v_rotation.to(compute_dtype).t())
-    return o.to(q.dtype)
+    return torch.matmul(p.view(B, Hkv, group * Tq, n), v).view(B, Hq, Tq, D)
