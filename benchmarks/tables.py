@@ -31,6 +31,7 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 DOCS = ("README.md", "BENCHMARKS.md")
 
 H200 = "H200 (sm_90, 132 SMs), torch 2.11, Triton 3.6"
+CPU2 = "CPU, 2 shared cores, torch 2.13.0+cpu, transformers 5.24"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +94,9 @@ RUNS = {
         "h200_s8_run3_prefill.csv", "b138f24", H200, "session 8, run 3",
         "python benchmarks/bench_kv.py --subjects prefill --formats fp8 --prefill-formats fp8,int8+rot "
         "--prefill-q 16384,1024"),
+    "cpu": Run(
+        "cpu_s8_bench_cpu.csv", "7988b5a", CPU2, "session 8",
+        "python benchmarks/bench_cpu.py --providers hf-static kvcompile-int8 kvcompile-fp8_e4m3 kvcompile-q8_0"),
     "rot-e2e": Run(
         "h200_s8_run3_e2e.csv", "b138f24", H200, "session 8, run 3",
         "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024 "
@@ -406,6 +410,23 @@ def rot_e2e(results: str = RESULTS) -> str:
     return _e2e_steps((("rot-e2e", "Llama-3-8B shape, 4 layers"),), "CUDA graphs, 20 steps (median).", results)
 
 
+def cpu(results: str = RESULTS) -> str:
+    """BENCHMARKS: greedy decode of the embedded model on the CPU, kvcompile against HF's compiled StaticCache."""
+    run = RUNS["cpu"]
+    rows = read(run, results)
+    hf = {r["max_cache_len"]: float(r["decode_tok_s"]) for r in rows if r["provider"] == "hf-static"}
+    lines = [f"SmolLM2-135M-Instruct (fp32), greedy 64 tokens. {run.caption()}", "",
+             "| provider | max_cache_len | prefill ms | decode tok/s | vs HF static compiled | compile warm-up s |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        tok_s = float(r["decode_tok_s"])
+        base = hf.get(r["max_cache_len"])
+        warm = f"{float(r['warmup_s']):.0f}" if r["warmup_s"] not in ("", "None") else "—"
+        lines.append(f"| {r['provider']} | {r['max_cache_len']} | {float(r['prefill_ms']):.0f} | {tok_s:.2f} | "
+                     f"{_x(tok_s / base) if base else '—'} | {warm} |")
+    return "\n".join(lines)
+
+
 def command(*keys: str) -> Callable[[str], str]:
     def render(results: str = RESULTS) -> str:
         return "```\n" + "\n".join(RUNS[key].command for key in keys) + "\n```"
@@ -415,6 +436,8 @@ def command(*keys: str) -> Callable[[str], str]:
 
 
 TABLES: dict[str, Callable[[str], str]] = {
+    "cpu": cpu,
+    "cpu-command": command("cpu"),
     "decode-ratios": decode_ratios,
     "decode": decode_full,
     "decode-command": command("decode"),
