@@ -20,7 +20,8 @@ def test_bench_cpu_smoke(tmp_path, capsys):
     path = tmp_path / "rows.csv"
     rows = bench_cpu.main(["--smoke", "--csv", str(path)])
     assert [(r["provider"], r["max_cache_len"]) for r in rows] == [
-        ("hf-dynamic", "-"), ("hf-static", 48), ("kvcompile-fp8_e4m3", 48), ("kvcompile-q8_0", 48)]
+        ("hf-dynamic", "-"), ("hf-static", 48), ("kvcompile-int8", 48), ("kvcompile-fp8_e4m3", 48),
+        ("kvcompile-q8_0", 48)]
     for r in rows:
         assert r["new_tokens"] == 8 and r["prompt_tokens"] == len(bench_cpu.SMOKE_PROMPT)  # byte tokenizer
         assert r["prefill_ms"] > 0 and math.isfinite(r["decode_tok_s"]) and r["decode_tok_s"] > 0, r
