@@ -408,10 +408,12 @@ def test_left_alone_with_reason(name):
 def test_k_and_v_formats():
     """kv_dtype sets both, k_dtype / v_dtype override; a cache of another format is a clear error
     naming the operand."""
-    assert (KVAttentionPass().k_dtype, KVAttentionPass().v_dtype) == ("fp8_e4m3", "fp8_e4m3")
+    # nothing given: the documented default format on both sides
+    assert (KVAttentionPass().k_dtype, KVAttentionPass().v_dtype) == (kvcompile.DEFAULT_KV_DTYPE,) * 2 == ("int8",) * 2
     mixed = KVAttentionPass("fp8_e4m3", v_dtype="q8_0")
     assert (mixed.k_dtype, mixed.v_dtype, mixed.kv_dtype) == ("fp8_e4m3", "q8_0", "fp8_e4m3/q8_0")
-    assert len({mixed.uuid(), KVAttentionPass("fp8_e4m3").uuid(), KVAttentionPass(k_dtype="q8_0").uuid()}) == 3
+    other = KVAttentionPass(k_dtype="int8", v_dtype="fp8_e4m3")
+    assert len({mixed.uuid(), KVAttentionPass("fp8_e4m3").uuid(), other.uuid()}) == 3
     with pytest.raises(ValueError, match="unknown v_dtype 'int4'"):
         KVAttentionPass(v_dtype="int4")
     fresh_dynamo()
