@@ -305,18 +305,15 @@ def quantize(
         return _encode(y, code_dtype), scale
     if kv_dtype == "int8" and groups != 1:
         raise ValueError(f"kvcompile.formats.quantize: int8 keeps one scale per token (groups=1), got groups={groups}")
-    if kv_dtype == "int8" and xf.device.type == "cpu" and bool(torch.isfinite(xf).all()):
-        # the same values in fewer ops (a host read is free on the CPU): with no NaN / Inf there is
-        # nothing to mask, and an all-zero token (s == 0) divides by 1 to the same zeros
-        xg = xf.unsqueeze(-2)  # [B, H, T, 1, D]
-        amax = xg.abs().amax(dim=-1, keepdim=True)
-        s = amax / torch.full_like(amax, INT8_MAX)
-        y = xg / torch.where(s > 0, s, torch.ones_like(s))
-        return torch.round(y.clamp_(-INT8_MAX, INT8_MAX)).flatten(-2).to(torch.int8), s.squeeze(-1)
 
     xg = _group_view(xf, groups)  # [B, H, T, G, D/G]
-    finite = torch.isfinite(xg)
-    amax = torch.where(finite, xg.abs(), torch.zeros_like(xg)).amax(dim=-1, keepdim=True)
+    # no NaN / Inf anywhere: the special-value steps below change nothing and are skipped (a host
+    # read, so on the CPU only, where it is free; the values are the same either way)
+    special = xf.device.type != "cpu" or not bool(torch.isfinite(xf).all())
+    if special:
+        amax = torch.where(torch.isfinite(xg), xg.abs(), torch.zeros_like(xg)).amax(dim=-1, keepdim=True)
+    else:
+        amax = xg.abs().amax(dim=-1, keepdim=True)
     if kv_dtype == "q8_0":
         # a tensor divisor: CUDA torch turns `t / python_scalar` into t * (1/scalar), which rounds
         # differently from the true division the kernels (and CPU torch) do
@@ -324,25 +321,30 @@ def quantize(
         inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
         # x * (1/d), as GGUF computes it (not x / d: the two round differently).
         y = xg * inv
-        y = torch.where(torch.isinf(xg), torch.sign(xg) * Q8_0_MAX, y)
-        has_nan = torch.isnan(xg).any(dim=-1, keepdim=True)
-        s = torch.where(has_nan, torch.full_like(d, float("nan")), d).to(torch.float16)
+        s = d
+        if special:
+            y = torch.where(torch.isinf(xg), torch.sign(xg) * Q8_0_MAX, y)
+            s = torch.where(torch.isnan(xg).any(dim=-1, keepdim=True), torch.full_like(d, float("nan")), d)
+        s = s.to(torch.float16)
         codes = _encode(y.flatten(-2), code_dtype)
     elif kv_dtype == "int8":
         s = amax / torch.full_like(amax, INT8_MAX)  # true division on every device (see q8_0)
-        y = torch.where(s > 0, xg / s, torch.zeros_like(xg))  # x / s, true division, as fp8
-        y = torch.where(torch.isinf(xg), torch.sign(xg) * INT8_MAX, y)  # also where s == 0
-        # round half to even, saturate; int8 has no NaN code: 0 there, and the token's scale is NaN
-        codes = torch.nan_to_num(torch.round(y.clamp(-INT8_MAX, INT8_MAX)), nan=0.0).flatten(-2).to(torch.int8)
-        has_nan = torch.isnan(xg).any(dim=-1, keepdim=True)
-        s = torch.where(has_nan, torch.full_like(s, float("nan")), s)
+        # x / s, true division, as fp8; s == 0: every finite value is 0, and 0 / 1 = 0 (int8 has no -0)
+        y = xg / torch.where(s > 0, s, torch.ones_like(s))
+        if special:
+            y = torch.where(torch.isinf(xg), torch.sign(xg) * INT8_MAX, y)  # also where s == 0
+            y = torch.nan_to_num(y, nan=0.0)  # int8 has no NaN code: 0 there, and the token's scale is NaN
+            s = torch.where(torch.isnan(xg).any(dim=-1, keepdim=True), torch.full_like(s, float("nan")), s)
+        # round half to even, saturate
+        codes = torch.round(y.clamp(-INT8_MAX, INT8_MAX)).flatten(-2).to(torch.int8)
     else:
         s = amax / torch.full_like(amax, FP8_E4M3_MAX)  # true division on every device (see q8_0)
-        y = torch.where(s > 0, xg / s, torch.zeros_like(xg))
-        # 0 * inf is nan: an Inf in an otherwise-zero group must still saturate.
-        y = torch.where(torch.isinf(xg), torch.sign(xg) * FP8_E4M3_MAX, y)
-        # an all-zero group has s == 0: its NaN must still be stored as NaN (the policy above)
-        y = torch.where(torch.isnan(xg), xg, y)
+        y = torch.where(s > 0, xg / s, torch.zeros_like(xg))  # +0 where s == 0 (e4m3 has a -0 code)
+        if special:
+            # 0 * inf is nan: an Inf in an otherwise-zero group must still saturate.
+            y = torch.where(torch.isinf(xg), torch.sign(xg) * FP8_E4M3_MAX, y)
+            # an all-zero group has s == 0: its NaN must still be stored as NaN (the policy above)
+            y = torch.where(torch.isnan(xg), xg, y)
         codes = _encode(y.flatten(-2), code_dtype)
     return codes, s.squeeze(-1)
 

@@ -21,12 +21,17 @@ def _as_bytes(t: Tensor) -> Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
+def _per_head(offset: Tensor) -> Tensor:
+    """A K offset [H, D] as float32 [H, 1, D]: it broadcasts over [..., H, T, D]."""
+    return offset.float().view(offset.shape[0], 1, offset.shape[1])
+
+
 def _rotate_center(x: Tensor, offset: Optional[Tensor], rotation: Optional[Tensor]) -> Tensor:
-    """``x @ R - offset`` in float32 (each step only when given); the offset broadcasts over [..., H, T, D]."""
+    """``x @ R - offset`` in float32 (each step only when given)."""
     if rotation is not None:
         x = torch.matmul(x.float(), rotation)  # float32, as the Triton launcher does
     if offset is not None:
-        x = x.float() - offset.float().view(offset.shape[0], 1, offset.shape[1])
+        x = x.float() - _per_head(offset)
     return x
 
 
@@ -83,10 +88,9 @@ def store_kv(
         where = torch.arange(T, device=k.device) + start.to(device=k.device, dtype=torch.long)
     if _one_format(k_cache, k_scale, v_cache, v_scale, k, v, k_rotation, v_rotation):
         # K and V quantized as one [2, B, H, T, D] tensor: half the ops, the same values
-        x = _rotate_center(torch.stack((k, v)), None, k_rotation)
+        x = _rotate_center(torch.stack((k, v)), None, k_rotation).float()
         if k_offset is not None:
-            x = x.float()
-            x[0] -= k_offset.float().view(k_offset.shape[0], 1, k_offset.shape[1])
+            x[0] -= _per_head(k_offset)  # K only
         codes, s = _quantize_as(k_cache, k_scale, x)
         _write(k_cache, k_scale, codes[0], None if s is None else s[0], where)
         _write(v_cache, v_scale, codes[1], None if s is None else s[1], where)
@@ -110,7 +114,7 @@ def dequantize(
 ) -> Tensor:
     x = formats.dequantize(codes, scale, torch.float32)
     if offset is not None:
-        x = x + offset.float().view(1, offset.shape[0], 1, offset.shape[1])
+        x = x + _per_head(offset)
     B, _, L, _ = codes.shape
     x = torch.where(_valid_positions(kv_len, B, L, codes.device).transpose(-1, -2), x, torch.zeros((), device=x.device))
     if rotation is not None:  # back from the rotated space: x @ R^T, float32 (zeros stay zeros)

@@ -32,6 +32,7 @@ import triton.language as tl  # noqa: E402
 
 from kvcompile import kernels  # noqa: E402
 from kvcompile.kernels import attention_launcher as attn_mod  # noqa: E402
+from kvcompile.kernels import dense as dense_mod  # noqa: E402
 from kvcompile.kernels import store as store_mod  # noqa: E402
 from kvcompile.kernels._codes import codes_to_f16_pinned  # noqa: E402
 from kvcompile.kernels.store import dequantize as dequantize_launcher  # noqa: E402
@@ -577,7 +578,7 @@ def test_dense_workspace_released_when_sdpa_raises(monkeypatch):
         del k, v, attn_mask
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(attn_mod, "_sdpa", boom)
+    monkeypatch.setattr(dense_mod, "_sdpa", boom)
     gen = torch.Generator().manual_seed(0)
     kc, ks, vc, vs = random_cache("fp8_e4m3", "token", 1, 1, 24, 64, gen)
     q = torch.randn(1, 2, 20, 64, device=DEV)

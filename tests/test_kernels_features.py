@@ -30,6 +30,7 @@ pytest.importorskip("triton")
 
 from kvcompile import kernels  # noqa: E402
 from kvcompile.kernels import attention_launcher as attn_mod  # noqa: E402
+from kvcompile.kernels import dense as dense_mod  # noqa: E402
 
 OPS = torch.ops.kvcompile
 TOL = 1e-5  # fp32 dots (interpreter, or fp32 q on the GPU): measured <= 1e-6
@@ -381,8 +382,8 @@ def test_dense_path_window(case, monkeypatch):
     can see."""
     monkeypatch.setenv("KVCOMPILE_PREFILL", "dense")
     got = []
-    real = attn_mod.dequantize_kv
-    monkeypatch.setattr(attn_mod, "dequantize_kv", lambda *a: (got.append(a[5]), real(*a))[1])
+    real = dense_mod.dequantize_kv
+    monkeypatch.setattr(dense_mod, "dequantize_kv", lambda *a: (got.append(a[5]), real(*a))[1])
     B, Hkv, group, L, D = 2, 2, 2, 60, 64
     cache = make_cache("fp8", "fp8", B, Hkv, L, D, seed=5, v_layout="keys")
     q = make_q(B, Hkv * group, 20, D, seed=5)

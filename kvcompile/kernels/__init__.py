@@ -8,7 +8,8 @@ launcher                   kernels                                 file
 =========================  ======================================  ==========================
 ``store_kv``               ``_store_kv_kernel`` (K and V at once)   store.py / _store_kernel.py
 ``dequantize``             ``_dequantize_kernel``                  store.py / _store_kernel.py
-``attention``              ``_attention_kernel``, ``_merge_kernel``  attention_launcher.py / _attention_kernel.py
+``attention``              ``_attention_kernel``, ``_merge_kernel``  attention_launcher.py (+ dense.py) / _attention_kernel.py, _merge_kernel.py
+``rotate_rows``            ``_rotate_rows_kernel``                 rotate.py / _rotation.py
 =========================  ======================================  ==========================
 """
 

@@ -6,12 +6,10 @@ Paths (``KVCOMPILE_PREFILL=auto|fused|dense`` forces the prefill path; read per 
   number of splits fixed by ``max_cache_len`` and the batch shape (never by the current length:
   graph safe, no host sync); splits past ``kv_len`` exit at once; an LSE merge kernel combines.
 * ``fused``: one pass of the fused kernel over the codes, one program per query block.
-* ``dense``: dequantize the live prefix once into a 16-bit workspace, then the best SDPA
-  (cuDNN / FlashAttention). Needs one host sync (the prefix length), so never used while a CUDA
-  graph is being captured. The workspace is dropped even when a later step raises. A sliding
-  window goes into SDPA's mask (only keys some query can see are dequantized); auto sends
-  windowed prefills to the fused kernel instead, which skips the tiles below the window.
-  SDPA has no softcap and no sinks: calls with either always take the fused kernel.
+* ``dense`` (:mod:`kvcompile.kernels.dense`): dequantize the live prefix once, then the best
+  SDPA. Needs one host sync, so never used while a CUDA graph is being captured; auto sends
+  windowed prefills to the fused kernel, which skips the tiles below the window. SDPA has no
+  softcap and no sinks: calls with either always take the fused kernel.
 
 Sliding window, softcap and sinks are constexpr switches of the kernel (``HAS_WINDOW``,
 ``HAS_SOFTCAP``, ``HAS_SINKS``): off, it compiles to the code it had without them.
@@ -26,15 +24,16 @@ import os
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .. import tiles
 from . import _attention_kernel as _k
-from ._attention_kernel import _attention_kernel, _merge_kernel
+from ._attention_kernel import _attention_kernel
+from ._merge_kernel import _merge_kernel
+from . import dense
 from .common import device_cc, interpreting, kv_len_arg, next_pow2, sm_count
 from .rotate import ROT_CHUNK, rotate_rows
-from .store import dequantize_kv, triton_cdiv
+from .store import triton_cdiv
 
 # the kernel's mode constants (tl.constexpr there) as plain ints here
 SCALE_TOKEN, SCALE_BLOCK, SCALE_STATIC = (int(c.value) for c in (_k.SCALE_TOKEN, _k.SCALE_BLOCK, _k.SCALE_STATIC))
@@ -362,84 +361,6 @@ def _launch(tile, q, kc, vc, ks, vs, kvl, kvl_stride, mask, mstride, mask_kind, 
         out.copy_(rotate_rows(o_buf, r_v, transpose=True, dtype=out.dtype))
 
 
-def _sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa):
-    """The dense path's attention call (a seam for tests that inject failures)."""
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
-    )
-
-
-def _dense(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, window: int = 0,
-           v_rotation: Optional[Tensor] = None) -> Tensor:
-    """Dequantize the live prefix once, then SDPA (q arrives rotated by K's R when K is rotated);
-    a rotated V: the output times R_V^T after it, in q's dtype as SDPA's output is."""
-    out = _dense_sdpa(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, window)
-    if v_rotation is not None:
-        out = rotate_rows(out, v_rotation, transpose=True, dtype=out.dtype)
-    return out
-
-
-def _dense_sdpa(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, window: int = 0) -> Tensor:
-    B, Hq, Tq, D = q.shape
-    Hkv, L = k_q.shape[1], k_q.shape[2]
-    kvl = kv_len.to(q.device).reshape(-1).expand(B)
-    # the one host sync: the live prefix length (one scalar copy when every row has one length)
-    if kv_len.numel() == 1:
-        lo = hi = int(kv_len.reshape(()).item())
-    else:
-        lo, hi = (int(x) for x in torch.stack([kvl.min(), kvl.max()]).tolist())
-    n = min(max(hi, 1), L)
-    # A window hides keys only where some query sits at >= window (the last one sits at hi - 1).
-    # Keys below the first one any query sees (query 0 of the shortest row) are not dequantized.
-    window = window if 0 < window < hi else 0
-    start = min(max(lo - Tq - window + 1, 0), n) if window else 0
-    ws_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float32
-
-    k = v = mask = None
-    try:
-        # K and V in one launch; K centering offsets are left out: softmax does not see them.
-        if start:
-            k, v = dequantize_kv(k_q[:, :, start:], k_scale if k_scale.dim() == 1 else k_scale[:, :, start:],
-                                 v_q[:, :, start:], v_scale if v_scale.dim() == 1 else v_scale[:, :, start:],
-                                 kvl - start, n - start, ws_dtype)
-        else:
-            k, v = dequantize_kv(k_q, k_scale, v_q, v_scale, kv_len, n, ws_dtype)
-        qq = q if q.dtype == ws_dtype else q.to(ws_dtype)
-        if attn_mask is None and lo == hi and (not is_causal or Tq <= n) and not window:
-            # every row sees the same prefix: the fastest SDPA kernels (plain, causal, or causal
-            # aligned to the last key for an extend: flash attention's own lower-right variant
-            # instead of a materialized mask)
-            if is_causal and Tq < n:
-                from torch.nn.attention.bias import causal_lower_right
-
-                out = _sdpa(qq, k, v, causal_lower_right(Tq, n), False, sm_scale, Hq != Hkv)
-            else:
-                out = _sdpa(qq, k, v, None, bool(is_causal), sm_scale, Hq != Hkv)
-            return out.to(q.dtype)
-        pos = torch.arange(start, n, device=q.device).view(1, 1, 1, n - start)
-        valid = pos < kvl.view(B, 1, 1, 1)
-        q_pos = kvl.view(B, 1, 1, 1) - Tq + torch.arange(Tq, device=q.device).view(1, 1, Tq, 1)
-        if is_causal:
-            valid = valid & (pos <= q_pos)
-        if window:  # SDPA has no window: it goes into the mask (HF: kv_idx > q_idx - window)
-            valid = valid & (pos > q_pos - window)
-        if attn_mask is not None:
-            am = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
-            am = am.expand(*am.shape[:3], L)[..., start:n]
-            if am.dtype == torch.bool:
-                valid = valid & am
-                mask = valid
-            else:
-                mask = torch.where(valid, am.to(ws_dtype), float("-inf"))
-        else:
-            mask = valid
-        empty = ~valid.any(dim=-1, keepdim=True) if mask.dtype == torch.bool else torch.isneginf(mask).all(-1, keepdim=True)
-        out = _sdpa(qq, k, v, mask, False, sm_scale, Hq != Hkv)
-        return torch.where(empty, torch.zeros((), dtype=out.dtype, device=out.device), out).to(q.dtype)
-    finally:
-        del k, v, mask  # the workspace goes now, also when a step above raised
-
-
 def attention(
     q: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Tensor, kv_len: Tensor,
     attn_mask: Optional[Tensor], is_causal: bool, scale: Optional[float],
@@ -465,7 +386,7 @@ def attention(
         # fp32 for the fused kernel (it rounds q once, into its dot type); the dense path's SDPA takes q's dtype
         q = rotate_rows(q, k_rotation, dtype=q_dtype if path == "dense" else torch.float32)
     if path == "dense":
-        return _dense(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, sliding_window,
-                      v_rotation)
+        return dense.attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale,
+                               sliding_window, v_rotation)
     return _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, decode=path == "decode",
                   window=sliding_window, softcap=softcap, sinks=sinks, v_rotation=v_rotation, q_dtype=q_dtype)
