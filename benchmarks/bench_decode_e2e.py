@@ -189,7 +189,20 @@ def main(argv=None):
     p.add_argument("--v-layout", default="auto", choices=("auto", "keys", "head_dim"),
                    help="QuantizedCache(v_layout=...) for the kvcompile providers (A/B)")
     p.add_argument("--profile", type=int, default=0, help="print the GPU kernels of this many steps per provider")
+    p.add_argument("--plan", default="", help="launch-plan fields for the kvcompile providers (A/B), NAME=VALUE,... "
+                   "(kvcompile/kernels/plan.py; e.g. o_rotation=merge,int8_bias=0)")
     args = p.parse_args(argv)
+    from kvcompile.kernels import plan as plan_mod
+
+    fields = {}
+    for item in filter(None, args.plan.split(",")):
+        k, v = item.split("=")
+        fields[k] = v if k.endswith("rotation") else (int(v) if k in ("splits", "split_len") else bool(int(v)))
+    with plan_mod.override(**fields):
+        _run(args)
+
+
+def _run(args):
     global V_LAYOUT, PROFILE
     V_LAYOUT, PROFILE = args.v_layout, args.profile
     if not torch.cuda.is_available():

@@ -25,10 +25,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from kvcompile import formats, reference, rotation  # noqa: E402
+from kvcompile import formats, reference, rotation, tiles  # noqa: E402
 from kvcompile.cache import v_codes_buffer  # noqa: E402
 from kvcompile import kernels  # noqa: E402
 from kvcompile.kernels import attention_launcher as launcher  # noqa: E402
+from kvcompile.kernels import plan as plan_mod  # noqa: E402
 from kvcompile.kernels import store as store_launcher  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
@@ -130,7 +131,7 @@ FORMATS = {"fp8": ("fp8_e4m3", "token"), "fp8/block32": ("fp8_e4m3", "block32"),
 
 def rot(name):
     """The rotation matrix a format name stores K and V in (None: not rotated)."""
-    return rotation.hadamard(D, torch.float32, "cuda") if name.endswith("+rot") else None
+    return rotation.shared(D, "cuda") if name.endswith("+rot") else None  # the caches' own: generated in-kernel
 
 
 def sdpa_decode_baseline(B, L):
@@ -165,15 +166,16 @@ def decode(args):
             ms = bench(fns, len(fns))
             splits = splits_used(fns[0])
             record("decode", shape, f"kvcompile-{name}", ms, nb + 4 * B * HQ * D, base_ms=base, splits=splits)
-            if R is not None:  # A/B: the rotations as torch matmuls around the kernel (fp32, cast back)
-                fns_t = [lambda q=q, c=c: torch.matmul(kernels.attention(
-                             torch.matmul(q.float(), R).to(q.dtype), c[0], c[1], c[2], c[3], kv_len, None, False, None
-                         ).float(), R.t()).to(q.dtype) for q, c in zip(qs, caches)]
-                record("decode", shape, f"kvcompile-{name} torch-rot", bench(fns_t, len(fns_t)), nb + 4 * B * HQ * D,
-                       base_ms=base, splits=splits)
-                del fns_t
-            if args.sweep and (B, L) in ((8, 32768), (1, 32768), (4, 131072), (32, 8192), (32, 32768)):
-                sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=args.tile_sweep)
+            if R is not None:  # A/B: another matrix (same values, not the shared tensor): R read from memory,
+                # q rotated by a launch before the kernel and the output by the merge (or a launch) after it
+                Rm = R.clone()
+                fns_m = [lambda q=q, c=c: kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, False, None,
+                                                            0, 0.0, None, Rm, Rm) for q, c in zip(qs, caches)]
+                record("decode", shape, f"kvcompile-{name} R-launches", bench(fns_m, len(fns_m)),
+                       nb + 4 * B * HQ * D, base_ms=base, splits=splits)
+                del fns_m
+            if args.sweep and (B, L) in ((1, 4096), (8, 32768), (1, 32768), (4, 131072), (32, 8192), (32, 32768)):
+                sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=args.tile_sweep, R=R)
             del caches, fns
         torch.cuda.empty_cache()
 
@@ -210,25 +212,26 @@ def window(args):
 
 
 def splits_used(fn) -> int:
-    """The split count the launcher picks for this call (its decode_splits, observed)."""
-    seen, orig = [], launcher.decode_splits
-    launcher.decode_splits = lambda *a, **kw: seen.append(orig(*a, **kw)) or seen[-1]
+    """The split count of the plan the launcher ran for this call (observed)."""
+    seen, orig = [], launcher.plan_of
+    launcher.plan_of = lambda call: seen.append(orig(call)) or seen[-1]
     try:
         fn()
     finally:
-        launcher.decode_splits = orig
-    return seen[-1][0] if seen else 1
+        launcher.plan_of = orig
+    return seen[-1].splits if seen else 1
 
 
-def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False):
-    """A/B of the launcher's switches on one shape (module globals of attention_launcher, or a
-    forced decode tile): bf16 vs fp16 dots, block32 scale layout, V widened before/after smem."""
-    variants = [("bf16-dots", dict(FP16_DOTS=False))]
-    if name in ("q8_0", "fp8/block32"):
-        variants.append(("reshape-tile", dict(BCAST_SCALE=False)))
-    variants.append(("vpin-off", dict(V_PIN=False)))
+def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False, R=None):
+    """A/B of launch-plan variants on one shape (``plan.override``): V widened after its smem read,
+    int8 widened by Triton's arithmetic, forced decode tiles and split counts, V in the other layout."""
+    variants = [("vpin-off", dict(v_pin=False))]
+    if name.startswith("int8"):  # the K tile widened with its exact subtraction, no score correction
+        variants.append(("int8bias-off", dict(int8_bias=False)))
+    if R is not None:  # q rotated by a launch before the kernel instead of in its prologue
+        variants.append(("q-launch", dict(q_rotation="launch")))
     if name == "q8_0":
-        variants.append(("int8ptx-off", dict(INT8_PTX=False)))
+        variants.append(("int8ptx-off", dict(int8_ptx=False)))
     if tiles_sweep and name in ("fp8", "q8_0"):
         for bn, w, st in ((128, 4, 2), (128, 4, 3), (128, 4, 4), (64, 4, 3), (64, 4, 4), (128, 8, 2), (256, 4, 2),
                           (64, 2, 3), (16, 1, 3), (32, 1, 3), (32, 1, 4), (64, 1, 3)):  # 1 warp: no cross-warp reductions
@@ -238,12 +241,8 @@ def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False):
         for bn, w, st, r in ((128, 4, 3, 168), (128, 4, 2, 168), (128, 4, 2, 128), (64, 4, 3, 168), (64, 4, 3, 128),
                              (64, 4, 4, 168)):
             variants.append((f"tile{bn}x{w}w{st}s r{r}", dict(_tile=(bn, w, st, r))))
-        for pps in (2, 3, 4):  # at B*Hkv <= 16 only
-            variants.append((f"pps{pps}", dict(DECODE_PROGRAMS_PER_SM_SMALL=pps)))
-        for waves in (1, 2, 3, 4, 6):
-            variants.append((f"waves{waves}", dict(DECODE_WAVES=waves)))
     for want in SPLITS.get(shape, ()):  # explicit split counts (what decode_splits would pick instead: see its model)
-        variants.append((f"splits{want}", dict(_splits=want)))
+        variants.append((f"splits{want}", dict(splits=want)))
     # V in the layout the cache does not use for this format (key- vs head_dim-contiguous)
     other = "V " + ("head_dim" if v_layout_name(caches[0][2]) == "keys" else "keys")
     variants.append((other, dict(_vswap=True)))
@@ -262,43 +261,30 @@ def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False):
         changes = dict(changes)
         tile = changes.pop("_tile", None)
         kernel_file = changes.pop("_kernel", None)
-        want = changes.pop("_splits", None)
         use = caches
         qv = [q.half() for q in qs] if changes.pop("_qfp16", False) else qs
         if changes.pop("_vswap", False):
             if swapped is None:
                 swapped = [(c[0], c[1], other_v_layout(c[2]), c[3]) for c in caches]
             use = swapped
-        saved = {k: getattr(launcher, k) for k in changes}
-        saved_tile = launcher.tiles.decode_tile
+        if tile is not None:
+            changes["tile"] = tiles.Tile(16, *tile)
         saved_kernel = launcher._attention_kernel
-        saved_splits = launcher.decode_splits
         try:
-            if want is not None:
-                def fixed(programs, max_len, block_n, sms, resident=1, want=want):
-                    split_len = -(-(-(-max_len // want)) // block_n) * block_n
-                    return -(-max_len // split_len), split_len
-                launcher.decode_splits = fixed
-            for k, v in changes.items():
-                setattr(launcher, k, v)
             if kernel_file is not None:
                 launcher._attention_kernel = load_kernel_file(kernel_file)
-            if tile is not None:
-                launcher.tiles.decode_tile = lambda *a, t=launcher.tiles.Tile(16, *tile), **kw: t
-            fns = [lambda q=q, c=c: kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, False, None)
+            fns = [lambda q=q, c=c: kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, False, None,
+                                                      0, 0.0, None, R, R)
                    for q, c in zip(qv, use)]
-            ms = bench(fns, len(fns))
+            with plan_mod.override(**changes):
+                ms = bench(fns, len(fns))
             if launcher._SHRUNK:  # Triton refused the tile; say what ran instead
                 label += " (ran " + ",".join(f"{t.block_n}x{t.num_warps}w{t.num_stages}s" for t in launcher._SHRUNK.values()) + ")"
             record("sweep", shape, f"kvcompile-{name} {label}", ms, nb, base_ms=base)
         except Exception as e:
             print("sweep skip", label, type(e).__name__, str(e)[:120])
         finally:
-            for k, v in saved.items():
-                setattr(launcher, k, v)
-            launcher.tiles.decode_tile = saved_tile
             launcher._attention_kernel = saved_kernel
-            launcher.decode_splits = saved_splits
             launcher._SHRUNK.clear()
 
 
@@ -347,32 +333,26 @@ def prefill(args):
                 finally:
                     launcher._attention_kernel = saved_kernel
             if path == "fused" and args.sweep:
-                launcher.V_PIN = False
-                try:
+                with plan_mod.override(v_pin=False):
                     record("sweep", shape, "kvcompile-fp8-fused vpin-off", bench([fn], 1), 0, flops, base_ms=base)
-                finally:
-                    launcher.V_PIN = True
             if path == "fused" and args.tile_sweep:
                 # fused prefill tiles, V in the cache's layout and in the other one
                 vt = other_v_layout(c[2])
                 fnt = lambda: kernels.attention(q, c[0], c[1], vt, c[3], kv_len, None, causal, None)
-                saved_tile = launcher.tiles.prefill_tile
                 for vk, f in ((" V " + v_layout_name(c[2]), fn), (" V " + v_layout_name(vt), fnt)):
                     for t in (None, (128, 128, 8, 3), (128, 64, 8, 3), (64, 128, 4, 2), (64, 128, 4, 3), (64, 64, 4, 2),
                               (128, 128, 8, 2), (64, 128, 8, 2), (32, 128, 4, 2)):
-                        if t is not None:
-                            launcher.tiles.prefill_tile = lambda *a, t=launcher.tiles.Tile(*t), **kw: t
                         launcher._SHRUNK.clear()
                         label = "default" if t is None else "tile{}x{}x{}w{}s".format(*t)
                         try:
-                            ms = bench([f], 1)
+                            with plan_mod.override(**({} if t is None else {"tile": tiles.Tile(*t)})):
+                                ms = bench([f], 1)
                             ran = ",".join(f"{r.block_m}x{r.block_n}x{r.num_warps}w{r.num_stages}s" for r in launcher._SHRUNK.values())
                             record("sweep", shape, f"kvcompile-fp8-fused{vk} {label}" + (f" (ran {ran})" if ran else ""),
                                    ms, 0, flops, base_ms=base)
                         except Exception as e:
                             print("sweep skip", vk, label, type(e).__name__, str(e)[:120])
                         finally:
-                            launcher.tiles.prefill_tile = saved_tile
                             launcher._SHRUNK.clear()
                 os.environ["KVCOMPILE_PREFILL"] = "dense"
                 try:
@@ -431,11 +411,11 @@ def store(args):
             nb = 2 * nel * (2 + 1) + 2 * B * HKV * T * g * (2 if kv_dtype == "q8_0" else 4)
             record("store", shape, f"kvcompile-{name}", bench(fns, len(fns)), nb, base_ms=base)
             if args.sweep and kv_dtype == "fp8_e4m3":  # A/B: e4m3 encoded by integer arithmetic, not cvt
-                hw, store_launcher.HW_E4M3 = store_launcher.HW_E4M3, False
+                hw, store_launcher.hw_e4m3 = store_launcher.hw_e4m3, lambda device: False
                 try:
                     record("sweep", shape, f"store-{name} e4m3 bits", bench(fns, len(fns)), nb, base_ms=base)
                 finally:
-                    store_launcher.HW_E4M3 = hw
+                    store_launcher.hw_e4m3 = hw
         del ks, vs, kb, vb
         torch.cuda.empty_cache()
 
@@ -487,7 +467,7 @@ def read(args):
         n = copies_for(nb)
         kv = [(torch.randint(0, 255, (B * HKV * L * D,), dtype=torch.uint8, device="cuda"),
                torch.randint(0, 255, (B * HKV * L * D,), dtype=torch.uint8, device="cuda")) for _ in range(n)]
-        splits, split_len = launcher.decode_splits(B * HKV, L, 128, sms, 3)  # the fp8 decode tile's 3 per SM
+        splits, split_len = plan_mod.decode_splits(B * HKV, L, 128, sms, 3)  # the fp8 decode tile's 3 per SM
         out = torch.empty(B * HKV * splits, dtype=torch.int32, device="cuda")
         for layout, bt, label in ((0, 1, "V [L, D]"), (1, 1, "V [D, L] (cache)"), (2, 16, "V [L/16, D, 16]"),
                                   (2, 128, "V [L/128, D, 128]"), (2, 256, "V [L/256, D, 256]")):

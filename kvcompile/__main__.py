@@ -1,4 +1,4 @@
-"""``python -m kvcompile info``: the GPU, the attention tiles chosen for it, and the KV formats.
+"""``python -m kvcompile info``: the GPU, the launch plans chosen for it, and the KV formats.
 
 ``python -m kvcompile info --config MODEL_DIR_OR_CONFIG_JSON --max-cache-len N [--batch B]
 [--kv-dtype ...]``: the bytes a ``QuantizedCache`` for that model would hold, per layer and in
@@ -9,9 +9,10 @@ network (the config is read from a local directory, a ``config.json``, or the Hu
 for an arch (no GPU needed) and print its registers, shared memory and SASS opcode counts
 (:mod:`kvcompile.kernels.aot`).
 
-Prints the detected CUDA device and compute capability (or "no CUDA device"), the prefill and
-decode tiles :mod:`kvcompile.tiles` picks for common head dims per format on that arch (on a
-machine without CUDA: for a few reference archs), and every format with its bytes per element.
+Prints the detected CUDA device and compute capability (or "no CUDA device"), the decode and
+prefill launch plans :mod:`kvcompile.kernels.plan` makes for common head dims per format on that
+arch (on a machine without CUDA: for a few reference archs), and every format with its bytes per
+element.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ REFERENCE_ARCHS = ((8, 0), (8, 9), (9, 0))  # shown when no GPU is present: A100
 Q_BYTES = 2  # bf16 / fp16 queries
 
 
-def _device_lines() -> tuple[list[str], list[tuple[int, int]]]:
+def _device_lines() -> tuple[list[str], list]:
     import torch
 
     lines = [f"torch {torch.__version__}"]
@@ -44,8 +45,8 @@ def _device_lines() -> tuple[list[str], list[tuple[int, int]]]:
         lines.append(
             f"GPU {i}: {props.name}  sm_{cc[0]}{cc[1]}  {props.total_memory / 2**30:.0f} GiB"
         )
-        if cc not in archs:
-            archs.append(cc)
+        if (cc, props.multi_processor_count) not in archs:
+            archs.append((cc, props.multi_processor_count))
     return lines, archs
 
 
@@ -64,38 +65,46 @@ def _format_rows():
     return rows
 
 
-def _tile_lines(archs) -> list[str]:
+def _plan_lines(archs) -> list[str]:
+    """The launch plan (kernels/plan.py) of a Llama-3-8B-shaped layer (32 q heads, 8 kv heads, bf16
+    q) at B=8 over a 32k cache, per arch, head_dim and format: decode and a 1024-token prefill."""
     try:
-        from . import tiles
+        import torch
+
+        from . import formats, tiles
+        from .kernels import plan as plan_mod
     except ImportError as e:
-        return [f"tile table unavailable ({e})"]
-    shown = archs or list(REFERENCE_ARCHS)
+        return [f"launch plans unavailable ({e})"]
+    shown = archs or [(cc, 132 if cc >= (9, 0) else 108) for cc in REFERENCE_ARCHS]
     lines = []
     if not archs:
-        lines.append("(no GPU: tiles shown for reference archs " + ", ".join(f"sm_{a}{b}" for a, b in shown) + ")")
-    lines.append(f"{'arch':8s} {'head_dim':>8s} {'cache':>11s}  {'prefill (M,N,warps,stages)':28s} "
-                 f"{'decode (M,N,warps,stages[,registers])':28s}")
-
-    def fmt(t):
-        return f"{t.block_m},{t.block_n},{t.num_warps},{t.num_stages}" + (f",{t.maxnreg}" if t.maxnreg else "")
-
-    for cc in shown:
+        lines.append("(no GPU: plans shown for reference archs " + ", ".join(f"sm_{a}{b}" for (a, b), _ in shown)
+                     + ")")
+    kinds = {"token": plan_mod.SCALE_TOKEN, "static": plan_mod.SCALE_STATIC, "block32": plan_mod.SCALE_BLOCK}
+    for cc, sms in shown:
+        lines.append(f"sm_{cc[0]}{cc[1]}: fp8 e4m3 " + ("native (tl.float8e4nv)" if tiles.has_native_fp8(cc)
+                                                       else "decoded by bit manipulation"))
         for d in HEAD_DIMS:
-            # each format in QuantizedCache's V layout (key-contiguous for token and static scales),
-            # its scale bytes per key; "16-bit" bills 2-byte K/V for comparison
-            for label, kv_bytes, v_keys, sb in (("fp8 token", 1, True, 4), ("fp8 static", 1, True, 0),
-                                                ("fp8 block32", 1, False, d // 8), ("q8_0", 1, False, d // 16),
-                                                ("16-bit", 2, False, None)):
-                try:
-                    pre = fmt(tiles.prefill_tile(tuple(cc), d, Q_BYTES, kv_bytes, kv_bytes, v_keys, sb))
-                    dec = fmt(tiles.decode_tile(tuple(cc), d, Q_BYTES, kv_bytes, kv_bytes, 16, v_keys, sb))
-                except (ValueError, AttributeError, TypeError) as e:
-                    pre, dec = f"n/a ({e})"[:28], ""
-                lines.append(f"sm_{cc[0]}{cc[1]:<5d} {d:8d} {label:>11s}  {pre:28s} {dec:28s}")
-    if hasattr(tiles, "has_native_fp8"):
-        for cc in shown:
-            native = tiles.has_native_fp8(tuple(cc))
-            lines.append(f"sm_{cc[0]}{cc[1]}: fp8 e4m3 {'native (tl.float8e4nv)' if native else 'decoded by bit manipulation'}")
+            for label, kv, gran, rot in (("int8", "int8", "token", True), ("fp8", "fp8_e4m3", "token", False),
+                                         ("fp8 static", "fp8_e4m3", "static", False),
+                                         ("fp8 block32", "fp8_e4m3", "block32", False), ("q8_0", "q8_0", "block32", False)):
+                fmt = formats.get_format(kv, gran)
+                kind = kinds[gran]
+                group = d if gran != "block32" else 32
+                # scale bytes per key: one per token, one per 32 values, none for static scales
+                sb = {"token": 1, "block32": d // 32, "static": 0}[gran] * fmt.scale_dtype.itemsize
+                r = plan_mod.ROT_NONE if not rot else (plan_mod.ROT_SYLVESTER if d & (d - 1) == 0 else plan_mod.ROT_MATRIX)
+                for decode in (True, False):
+                    call = plan_mod.Call(cc=tuple(cc), sms=sms, interpret=False, B=8, Hq=32, Hkv=8, Tq=1 if decode else 1024,
+                                         L=32768, D=d, q_dtype=torch.bfloat16, k_code=fmt.code_dtype,
+                                         v_code=fmt.code_dtype, scale_kind=kind, group_size=group, scale_bytes=sb,
+                                         is_causal=not decode, k_rot=r, v_rot=r, v_keys=fmt.v_keys_contiguous,
+                                         decode=decode)
+                    try:
+                        desc = plan_mod.plan(call).describe()
+                    except ValueError as e:
+                        desc = f"n/a ({e})"
+                    lines.append(f"  D={d:<3d} {label + (' (rotated)' if rot else ''):16s} {desc}")
     return lines
 
 
@@ -123,8 +132,8 @@ def info(out=print) -> None:
     out("  sliding-window layers (Mistral, Phi-3, Gemma 2/3, gpt-oss, ...): compiled attention skips keys below")
     out("  the window, but each layer still stores max_cache_len positions: memory grows with max_cache_len.")
     out("")
-    out("attention tiles (kvcompile.tiles):")
-    for line in _tile_lines(archs):
+    out("launch plans (kvcompile/kernels/plan.py; B=8, 32 q / 8 kv heads, bf16 q, 32k cache; prefill: 1024 tokens):")
+    for line in _plan_lines(archs):
         out("  " + line)
 
 

@@ -154,7 +154,7 @@ class QuantizedLayer(CacheLayerMixin):
         if self._k_offset is not None:
             self.k_offset = self._k_offset.to(device=device, dtype=torch.float32).contiguous()
         if self.k_rotate or self.v_rotate:
-            R = rotation.hadamard(D, torch.float32, self.device)  # one matrix per layer, shared by K and V
+            R = rotation.shared(D, self.device)  # one matrix for every layer of this head_dim, K and V alike
             self.k_rotation = R if self.k_rotate else None
             self.v_rotation = R if self.v_rotate else None
         self.cumulative_length = self.cumulative_length.to(device)
@@ -317,8 +317,10 @@ class QuantizedLayer(CacheLayerMixin):
     def nbytes(self) -> int:
         if not self.is_initialized:
             return 0
-        # V codes own their buffer, padding included (a key-contiguous view shows L of its L16 keys)
-        rest = sum(t.numel() * t.element_size() for t in self.buffers() if t is not self.v_codes)
+        # V codes own their buffer, padding included (a key-contiguous view shows L of its L16 keys);
+        # the rotation matrix is kvcompile.rotation.shared's, one per head_dim for every cache: not counted
+        own = [t for t in self.buffers() if not any(t is x for x in (self.v_codes, self.k_rotation, self.v_rotation))]
+        rest = sum(t.numel() * t.element_size() for t in own)
         return rest + self.v_codes.untyped_storage().nbytes()
 
     @property

@@ -31,7 +31,7 @@ import math
 
 import torch
 
-__all__ = ["hadamard", "hadamard_blocks", "check_head_dim", "MIN_BLOCK"]
+__all__ = ["hadamard", "hadamard_blocks", "check_head_dim", "shared", "is_shared_sylvester", "MIN_BLOCK"]
 
 MIN_BLOCK = 8  # smallest Hadamard block: head_dim must be a multiple of it
 
@@ -73,3 +73,32 @@ def _hadamard_f64(head_dim: int) -> torch.Tensor:
 def hadamard(head_dim: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
     """The orthonormal ``[head_dim, head_dim]`` rotation (see the module docstring), a new tensor."""
     return _hadamard_f64(head_dim).to(dtype=dtype, device=device, copy=True)
+
+
+_SHARED: dict = {}  # (head_dim, device) -> the float32 matrix every cache layer of that head_dim holds
+
+
+def shared(head_dim: int, device) -> torch.Tensor:
+    """The float32 rotation of ``head_dim`` on ``device``, one tensor per (head_dim, device) shared by
+    every cache (16 KiB at head_dim 64, once instead of per layer). Read-only: the kernels take it
+    for the Sylvester matrix without reading it."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (head_dim, str(device))
+    t = _SHARED.get(key)
+    if t is None:
+        t = _SHARED[key] = hadamard(head_dim, torch.float32, device)
+    return t
+
+
+def is_shared_sylvester(r: torch.Tensor) -> bool:
+    """Whether ``r`` is :func:`shared`'s matrix for a power-of-two head_dim (the Sylvester matrix
+    ``H_D / sqrt(D)``): same storage, shape and strides. Graph safe (no read of the values)."""
+    if r.dim() != 2 or r.shape[0] != r.shape[1]:
+        return False
+    d = r.shape[0]
+    if d & (d - 1) or r.dtype != torch.float32:
+        return False
+    t = _SHARED.get((d, str(r.device)))
+    return t is not None and r.data_ptr() == t.data_ptr() and r.stride() == t.stride()

@@ -35,3 +35,17 @@ def fp8_safe_schema_check(monkeypatch):
         return real(a, b, *args, **kwargs)
 
     monkeypatch.setattr(torch, "allclose", allclose)
+
+
+@pytest.fixture
+def fp16_dots():
+    """The attention kernels' dots in fp16, as the GPU runs them for 16-bit queries, in the
+    interpreter too (whose plans take fp32 dots: numpy has no bf16 dot); GPU plans are left alone."""
+    from kvcompile.kernels import plan
+    from kvcompile.kernels.common import interpreting
+
+    if not interpreting():
+        yield
+        return
+    with plan.override(dot_dtype=torch.float16):
+        yield

@@ -33,6 +33,7 @@ import triton.language as tl  # noqa: E402
 from kvcompile import kernels  # noqa: E402
 from kvcompile.kernels import attention_launcher as attn_mod  # noqa: E402
 from kvcompile.kernels import dense as dense_mod  # noqa: E402
+from kvcompile.kernels import plan as plan_mod  # noqa: E402
 from kvcompile.kernels import store as store_mod  # noqa: E402
 from kvcompile.kernels._codes import codes_to_f16_pinned  # noqa: E402
 from kvcompile.kernels.store import dequantize as dequantize_launcher  # noqa: E402
@@ -137,7 +138,8 @@ ENCODERS = ["bits", "cvt"] if DEV == "cuda" and tiles.has_native_fp8(torch.cuda.
 
 @pytest.fixture(params=ENCODERS)
 def e4m3_encoder(request, monkeypatch):
-    monkeypatch.setattr(store_mod, "HW_E4M3", request.param == "cvt")
+    if request.param == "bits":  # the arch decides (store.hw_e4m3): force the integer encoder
+        monkeypatch.setattr(store_mod, "hw_e4m3", lambda device: False)
     return request.param
 
 
@@ -349,14 +351,9 @@ def test_codes_to_f16_pinned_all_codes(code_dtype):
 
 @pytest.mark.parametrize("kv_dtype,gran", FORMATS, ids=FMT_IDS)
 @pytest.mark.parametrize("Tq", [1, 20])
-@pytest.mark.parametrize("bcast", [False, True], ids=["reshape-tile", "bcast-scale"])
 @pytest.mark.parametrize("v_layout", ["head_dim", "keys"], ids=["v-d", "v-keys"])
-def test_attention_fp16_dot_path(kv_dtype, gran, Tq, bcast, v_layout, monkeypatch):
+def test_attention_fp16_dot_path(kv_dtype, gran, Tq, v_layout, fp16_dots):
     """The GPU's fp16-dot path (int8 magic conversion, P * s_v / max s_v), run by the interpreter too."""
-    if gran != "block32" and bcast:
-        pytest.skip("the scale layout only matters for block32")
-    monkeypatch.setattr(attn_mod, "INTERPRET_FP16", True)
-    monkeypatch.setattr(attn_mod, "BCAST_SCALE", bcast)
     q_dtype = torch.float32 if DEV == "cpu" else torch.float16
     check_attention(kv_dtype, gran, Tq=Tq, causal=True, L=45, kv_len=torch.tensor([45, 30], device=DEV),
                     tol=FP16_TOL, q_dtype=q_dtype, v_layout=v_layout)
@@ -385,12 +382,11 @@ def _fp16_path_err(q, cache, kv_len, mask):
 
 
 @pytest.mark.parametrize("v_layout", ["head_dim", "keys"], ids=["v-d", "v-keys"])
-def test_attention_fp16_path_v_scales_six_orders_apart(v_layout, monkeypatch):
+def test_attention_fp16_path_v_scales_six_orders_apart(v_layout, fp16_dots):
     """fp8 token scales on the fp16 PV path: P is scaled by s_v / max s_v of each tile and the
     accumulator carries O / max s_v of the last tile, rescaled by max_prev / max at every tile.
     V magnitudes 1, 1e-3, 1e3, 1 by 16-key block (the interpreter's tile) make those ratios 1e3-1e6
     up and down; the result must match float64 as closely as with ordinary V (FP16_TOL)."""
-    monkeypatch.setattr(attn_mod, "INTERPRET_FP16", True)
     L = 64
     mag = torch.tensor([1.0, 1e-3, 1e3, 1.0]).repeat_interleave(16)
     q, cache = _fp8_token_cache_with_v_magnitudes(mag, 2, v_layout, seed=3)
@@ -405,12 +401,11 @@ def test_attention_fp16_path_v_scales_six_orders_apart(v_layout, monkeypatch):
 
 
 @pytest.mark.parametrize("v_layout", ["head_dim", "keys"], ids=["v-d", "v-keys"])
-def test_attention_fp16_path_v_scales_six_orders_apart_in_one_tile(v_layout, monkeypatch):
+def test_attention_fp16_path_v_scales_six_orders_apart_in_one_tile(v_layout, fp16_dots):
     """Keys of magnitude 1e3 and 1e-3 alternate inside every tile (the GPU's 128-key tile holds the
     four blocks above at once), and a mask leaves only the small ones: P * s_v / max s_v is ~1e-6
     for every visible key. Without the kernel's PV_HEADROOM that is subnormal in fp16 (measured on
     the H200 and here: 3% error); with it, ordinary fp16 precision (FP16_TOL)."""
-    monkeypatch.setattr(attn_mod, "INTERPRET_FP16", True)
     L = 64
     small = (torch.arange(L) % 2).bool()
     q, cache = _fp8_token_cache_with_v_magnitudes(torch.where(small, 1e-3, 1e3), 1, v_layout, seed=4)
@@ -420,11 +415,10 @@ def test_attention_fp16_path_v_scales_six_orders_apart_in_one_tile(v_layout, mon
 @pytest.mark.parametrize("kv_dtype,gran", [("fp8_e4m3", "token"), ("q8_0", "block32"), ("fp8_e4m3", "static")],
                          ids=["fp8", "q8_0", "fp8-static"])
 @pytest.mark.parametrize("Tq", [1, 20])
-def test_attention_fp16_dots_take_queries_beyond_fp16_range(kv_dtype, gran, Tq, monkeypatch):
+def test_attention_fp16_dots_take_queries_beyond_fp16_range(kv_dtype, gran, Tq, fp16_dots):
     """|q| up to 2e5 (beyond fp16's 65504) with a softmax scale 1e-5 smaller: the scores are ordinary,
     so the result is well conditioned; the fp16-dot path must scale q into range (by a power of two,
     folded into the softmax scale), not overflow to inf/NaN. Same tolerance as the fp16 path."""
-    monkeypatch.setattr(attn_mod, "INTERPRET_FP16", True)
     q_dtype = torch.float32 if DEV == "cpu" else torch.bfloat16
     check_attention(kv_dtype, gran, Tq=Tq, causal=Tq > 1, L=45, kv_len=torch.tensor([45, 30], device=DEV),
                     tol=FP16_TOL, q_dtype=q_dtype, q_mult=5e4, scale=64**-0.5 / 5e4)
@@ -496,11 +490,11 @@ def test_attention_kv_len_zero_gives_zeros():
 
 
 def test_decode_splits_depend_on_shapes_only():
-    s1 = attn_mod.decode_splits(programs=8, max_len=32768, block_n=64, sms=132)
-    assert s1 == attn_mod.decode_splits(programs=8, max_len=32768, block_n=64, sms=132)
+    s1 = plan_mod.decode_splits(programs=8, max_len=32768, block_n=64, sms=132)
+    assert s1 == plan_mod.decode_splits(programs=8, max_len=32768, block_n=64, sms=132)
     splits, split_len = s1
     assert split_len % 64 == 0 and splits * split_len >= 32768 and (splits - 1) * split_len < 32768
-    assert attn_mod.decode_splits(programs=8, max_len=10, block_n=64, sms=132) == (1, 64)
+    assert plan_mod.decode_splits(programs=8, max_len=10, block_n=64, sms=132) == (1, 64)
 
 
 @pytest.mark.parametrize("programs,max_len,resident", [(256, 8192, 3), (256, 32768, 3), (64, 32768, 3),
@@ -512,7 +506,7 @@ def test_decode_splits_fill_whole_waves(programs, max_len, resident):
     the cache with whole blocks."""
     sms, block_n = 132, 128
     slots = resident * sms
-    splits, split_len = attn_mod.decode_splits(programs, max_len, block_n, sms, resident)
+    splits, split_len = plan_mod.decode_splits(programs, max_len, block_n, sms, resident)
     assert split_len % block_n == 0 and (splits - 1) * split_len < max_len <= splits * split_len
 
     def fill(s, sl):  # the launcher's model: a last wave of only the short last split takes its length
@@ -522,21 +516,21 @@ def test_decode_splits_fill_whole_waves(programs, max_len, resident):
         return waves, programs * max_len / (slots * ((waves - 1) * sl + tail))
 
     waves, got = fill(splits, split_len)
-    assert waves <= max(attn_mod.DECODE_WAVES, -(-programs // slots))
+    assert waves <= max(plan_mod.DECODE_WAVES, -(-programs // slots))
     for want in range(1, -(-max_len // block_n) + 1):
         sl = -(-(-(-max_len // want)) // block_n) * block_n
         s = -(-max_len // sl)
         w, f = fill(s, sl)
-        if s == want and w <= attn_mod.DECODE_WAVES:
+        if s == want and w <= plan_mod.DECODE_WAVES:
             assert got >= f - 0.01, (want, f, splits, got)
 
 
 def test_decode_splits_h200_picks():
     """The counts measured best on the H200 (fp8 token tile: 3 programs per SM; BENCHMARKS.md session 6)."""
-    assert attn_mod.decode_splits(32 * 8, 8192, 128, 132, 3)[0] == 3  # was 5: 3.2 waves, 8% slower
-    assert attn_mod.decode_splits(32 * 8, 32768, 128, 132, 3)[0] == 3
-    assert attn_mod.decode_splits(8 * 8, 32768, 128, 132, 3)[0] == 6
-    assert attn_mod.decode_splits(4 * 8, 131072, 128, 132, 3)[0] == 24
+    assert plan_mod.decode_splits(32 * 8, 8192, 128, 132, 3)[0] == 3  # was 5: 3.2 waves, 8% slower
+    assert plan_mod.decode_splits(32 * 8, 32768, 128, 132, 3)[0] == 3
+    assert plan_mod.decode_splits(8 * 8, 32768, 128, 132, 3)[0] == 6
+    assert plan_mod.decode_splits(4 * 8, 131072, 128, 132, 3)[0] == 24
 
 
 def test_decode_many_splits_match():

@@ -31,6 +31,7 @@ pytest.importorskip("triton")
 from kvcompile import kernels  # noqa: E402
 from kvcompile.kernels import attention_launcher as attn_mod  # noqa: E402
 from kvcompile.kernels import dense as dense_mod  # noqa: E402
+from kvcompile.kernels import plan as plan_mod  # noqa: E402
 
 OPS = torch.ops.kvcompile
 TOL = 1e-5  # fp32 dots (interpreter, or fp32 q on the GPU): measured <= 1e-6
@@ -334,7 +335,7 @@ def test_window(Tq, causal, mask, kv_len, window, v_layout):
 
 
 @pytest.mark.parametrize("Tq,causal", [(1, False), (5, True), (24, True)], ids=["decode", "spec5", "prefill"])
-def test_window_skips_tiles_below_it(Tq, causal, monkeypatch):
+def test_window_skips_tiles_below_it(Tq, causal):
     """Codes and scales of every tile wholly below the window's first tile are NaN: a kernel that
     read any of them (masked or not; V head_dim-contiguous, where 0 * NaN stays NaN) would return
     NaN. And the decode launch plans its splits for the window's span, not the cache's length."""
@@ -343,15 +344,12 @@ def test_window_skips_tiles_below_it(Tq, causal, monkeypatch):
     cache = make_cache("fp8", "fp8", B, Hkv, L, D, seed=Tq)
     q = make_q(B, Hkv * group, Tq, D, seed=Tq)
     kvl = torch.tensor(kv_len, device=DEV)
-    seen = []
-    real_launch, real_splits = attn_mod._launch, attn_mod.decode_splits
-    monkeypatch.setattr(attn_mod, "_launch", lambda tile, *a, **kw: (seen.append(tile), real_launch(tile, *a, **kw)))
-    monkeypatch.setattr(attn_mod, "decode_splits",
-                        lambda p, max_len, *a: (seen.append(max_len), real_splits(p, max_len, *a))[1])
-    kernels.attention(q, *cache, kvl, None, causal, None, window)  # learn the tile (block_n)
-    block_n = seen[0].block_n
-    if Tq <= attn_mod.DECODE_MAX_Q:
-        assert seen[1] == window + Tq - 1 + block_n - 1, "decode splits planned for the cache, not the window"
+    p = attn_mod.plan_of(attn_mod.call_of(q, *cache, is_causal=causal, decode=Tq <= attn_mod.DECODE_MAX_Q,
+                                          window=window))
+    block_n = p.tile.block_n
+    if p.call.decode:  # splits cover the window's span (it ends a tile past query 0's first key), not the cache
+        span = window + Tq - 1 + block_n - 1
+        assert (p.splits - 1) * p.split_len < span <= p.splits * p.split_len, "decode splits planned for the cache"
     kc, ks, vc, vs = (t.clone() for t in cache)
     for b, n in enumerate(kv_len):
         below = max(n - Tq - window + 1, 0) // block_n * block_n  # the first tile a query can see
@@ -463,7 +461,7 @@ def test_sinks(Tq, causal, kv_len, Hkv, mask):
         assert (out[0, :, 0] == 0).all()
 
 
-def test_sinks_split_and_unsplit_decode_agree(monkeypatch):
+def test_sinks_split_and_unsplit_decode_agree():
     """The sink joins the denominator once per row: in the merge when the cache is split, in the
     epilogue when it is not. Both give the reference's answer."""
     B, Hkv, group, L, D = 2, 2, 4, 45, 64
@@ -472,13 +470,9 @@ def test_sinks_split_and_unsplit_decode_agree(monkeypatch):
     sinks = torch.linspace(-2, 4, Hkv * group).to(DEV)
     kvl = torch.tensor([45, 19], device=DEV)
     for forced in (1, 3):
-
-        def plan(programs, max_len, block_n, *args, want=forced):
-            split_len = -(-(-(-max_len // want)) // block_n) * block_n
-            return -(-max_len // split_len), split_len
-
-        monkeypatch.setattr(attn_mod, "decode_splits", plan)
-        run(q, cache, kvl, None, False, sinks=sinks, off=dict(sinks=None))
+        with plan_mod.override(splits=forced):
+            assert attn_mod.plan_of(attn_mod.call_of(q, *cache, sinks=sinks)).splits == forced
+            run(q, cache, kvl, None, False, sinks=sinks, off=dict(sinks=None))
 
 
 @pytest.mark.parametrize("v_layout", ["head_dim", "keys"], ids=["v-d", "v-keys"])
@@ -495,10 +489,9 @@ def test_window_softcap_sinks_together(Tq, v_layout):
 
 @pytest.mark.parametrize("Tq", [1, 20])
 @pytest.mark.parametrize("kinds", [("fp8", "fp8"), ("int8", "int8"), ("q8_0", "q8_0")], ids=["fp8", "int8", "q8_0"])
-def test_features_fp16_dot_path(Tq, kinds, monkeypatch):
+def test_features_fp16_dot_path(Tq, kinds, fp16_dots):
     """The GPU's fp16 dots (int8 magic conversion, P * s_v / max s_v for token scales), run by the
     interpreter: window, softcap and sinks together."""
-    monkeypatch.setattr(attn_mod, "INTERPRET_FP16", True)
     B, Hkv, group, L, D = 2, 2, 2, 45, 64
     cache = make_cache(*kinds, B, Hkv, L, D, seed=2, v_layout="keys" if kinds[0] != "q8_0" else "head_dim")
     q = make_q(B, Hkv * group, Tq, D, seed=2, mult=3.0)
@@ -532,8 +525,7 @@ def test_code_types(kinds, v_layout, Tq, causal):
 
 @pytest.mark.parametrize("kinds", PAIRS[:3], ids=PAIR_IDS[:3])
 @pytest.mark.parametrize("Tq", [1, 20])
-def test_code_types_fp16_dot_path(kinds, Tq, monkeypatch):
-    monkeypatch.setattr(attn_mod, "INTERPRET_FP16", True)
+def test_code_types_fp16_dot_path(kinds, Tq, fp16_dots):
     B, Hkv, group, L, D = 2, 2, 2, 45, 64
     cache = make_cache(*kinds, B, Hkv, L, D, seed=Tq, v_layout="keys")
     q = make_q(B, Hkv * group, Tq, D, seed=Tq)

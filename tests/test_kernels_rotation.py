@@ -4,7 +4,12 @@ unsplit, fused prefill, dense prefill) against the float64 reference, with R on 
 R is a random orthonormal matrix, not the cache's Hadamard: a Sylvester Hadamard is symmetric, so a
 kernel that used R^T for R would pass with it.
 
-The kernels rotate q (``q @ R_k``) and the output (``@ R_v^T``) themselves, in fp32 FMA dots, so
+The cache's own matrix (``kvcompile.rotation.shared``, a Sylvester Hadamard for a power-of-two
+head_dim) takes another path: the decode kernel generates its +-1 entries in registers and rotates q
+and the output itself; the ``sylvester`` tests run that path (and check the plan chose it), where
+symmetry is no blind spot since no R is read.
+
+The kernels rotate q (``q @ R_k``) and the output (``@ R_v^T``) in fp32 FMA dots here, so
 the tolerances are those of tests/test_kernels_features.py for the same dot types (fp32 dots 1e-5,
 bf16 on the GPU 1e-2): the rotations add fp32 rounding only (~1e-7 relative). Each case also runs
 the kernel without the rotation it needs and asserts that the result moves by far more (a kernel
@@ -20,7 +25,7 @@ import pytest
 import torch
 
 import kvcompile  # noqa: F401  (registers the ops)
-from kvcompile import reference
+from kvcompile import reference, rotation
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -28,6 +33,7 @@ if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
 pytest.importorskip("triton")
 
 from kvcompile import kernels  # noqa: E402
+from kvcompile.kernels import plan as plan_mod  # noqa: E402
 
 from test_kernels_features import BF16_TOL, OFF_MIN, TOL, quantize, rel_err  # noqa: E402
 
@@ -40,11 +46,17 @@ def orthonormal(D, seed):
     return q.float().contiguous()
 
 
-def rotated_cache(B, Hkv, L, D, rot_k, rot_v, seed, kind="int8"):
-    """Codes of K @ R (rot_k) or K, V @ R (rot_v) or V, and R."""
+def rotated_cache(B, Hkv, L, D, rot_k, rot_v, seed, kind="int8", sylvester=False):
+    """Codes of K @ R (rot_k) or K, V @ R (rot_v) or V, and R: a random orthonormal matrix, or with
+    ``sylvester`` the caches' shared Hadamard matrix (power-of-two D)."""
     gen = torch.Generator().manual_seed(seed)
     k = torch.randn(B, Hkv, L, D, generator=gen) * 2
     v = torch.randn(B, Hkv, L, D, generator=gen)
+    if sylvester:
+        R = rotation.shared(D, DEV)
+        kc, ks = quantize(k @ R.cpu() if rot_k else k, kind, gen)
+        vc, vs = quantize(v @ R.cpu() if rot_v else v, kind, gen)
+        return (kc.to(DEV), ks.to(DEV), vc.to(DEV), vs.to(DEV)), R
     R = orthonormal(D, seed)
     kc, ks = quantize(k @ R if rot_k else k, kind, gen)
     vc, vs = quantize(v @ R if rot_v else v, kind, gen)
@@ -113,11 +125,54 @@ def test_decode_rotated(side, D, L):
         _check(q, cache, kv_len, R, side, causal=Tq > 1, tol=TOL)
 
 
+def _plan(q, cache, R, side):
+    from kvcompile.kernels import attention_launcher as launcher
+
+    r_k, r_v = rotations(side, R)
+    return launcher.plan_of(launcher.call_of(q, *cache, k_rotation=r_k, v_rotation=r_v, decode=q.shape[2] <= 16))
+
+
 @pytest.mark.parametrize("side", list(SIDES))
-@pytest.mark.parametrize("path", ["fused", "dense"])
-def test_prefill_rotated(side, path, monkeypatch):
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("L", [13, 150], ids=["one-split", "split"])
+def test_decode_rotated_sylvester(side, D, L):
+    """The shared Hadamard matrix: q rotated in the kernel's prologue (H generated in registers),
+    the output by the merge (H generated there too) or, unsplit, by a launch."""
+    B, Hq, Hkv = 2, 4, 2
+    cache, R = rotated_cache(B, Hkv, L, D, *SIDES[side], seed=9, sylvester=True)
+    assert rotation.is_shared_sylvester(R)
+    for Tq in (1, 3):
+        q = torch.randn(B, Hq, Tq, D, generator=torch.Generator().manual_seed(10)).to(DEV)
+        p = _plan(q, cache, R, side)
+        rk_on, rv_on = SIDES[side]
+        out_rot = ("merge" if L == 150 else "launch") if rv_on else ""
+        assert (p.q_rotation, p.o_rotation) == ("kernel" if rk_on else "", out_rot)
+        assert (p.splits > 1) == (L == 150)
+        _check(q, cache, torch.tensor([L, L - 7], device=DEV), R, side, causal=Tq > 1, tol=TOL)
+        if rk_on:  # q rotated by a launch instead (the plan's way for any other matrix), same answer
+            with plan_mod.override(q_rotation="launch"):
+                assert _plan(q, cache, R, side).q_rotation == "launch"
+                _check(q, cache, torch.tensor([L, L - 7], device=DEV), R, side, causal=Tq > 1, tol=TOL)
+    # the same values in another tensor are an ordinary matrix: read from memory, rotated by launches
+    p = _plan(q, cache, R.clone(), side)
+    assert "kernel" not in (p.q_rotation, p.o_rotation)
+
+
+def test_shared_rotation_is_one_tensor_per_head_dim():
+    a, b = rotation.shared(64, DEV), rotation.shared(64, DEV)
+    assert a is b and torch.equal(a.cpu(), rotation.hadamard(64))
+    assert rotation.is_shared_sylvester(a) and not rotation.is_shared_sylvester(a.clone())
+    assert not rotation.is_shared_sylvester(rotation.shared(80, DEV))  # block-diagonal: read from memory
+
+
+@pytest.mark.parametrize("side", list(SIDES))
+@pytest.mark.parametrize("path,Tq", [("fused", 21), ("dense", 21), ("dense", 40)],
+                         ids=["fused", "dense-rotates-q", "dense-rotates-kv"])
+def test_prefill_rotated(side, path, Tq, monkeypatch):
+    """Dense: with Hq * Tq <= Hkv * n (84 <= 90) q and the output are rotated, beyond (160) the
+    dequantized keys and values are rotated back instead."""
     monkeypatch.setenv("KVCOMPILE_PREFILL", path)
-    B, Hq, Hkv, L, D, Tq = 2, 4, 2, 45, 80, 21
+    B, Hq, Hkv, L, D = 2, 4, 2, 45, 80
     cache, R = rotated_cache(B, Hkv, L, D, *SIDES[side], seed=5)
     q = torch.randn(B, Hq, Tq, D, generator=torch.Generator().manual_seed(6)).to(DEV)
     _check(q, cache, torch.tensor([45, 33], device=DEV), R, side, causal=True, tol=TOL)
@@ -130,6 +185,19 @@ def test_rotated_bf16_gpu(Tq):
     cache, R = rotated_cache(B, Hkv, L, D, True, True, seed=7)
     q = torch.randn(B, Hq, Tq, D, generator=torch.Generator().manual_seed(8)).to(DEV, torch.bfloat16)
     _check(q, cache, torch.tensor([4096, 3000, 1999, 4001], device=DEV), R, "kv", causal=True, tol=BF16_TOL)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="bf16 / fp16 MMAs: GPU only (the interpreter has no bf16 arithmetic)")
+@pytest.mark.parametrize("Tq", [1, 4])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("L", [300, 4096])
+def test_rotated_sylvester_gpu(Tq, q_dtype, L):
+    B, Hq, Hkv, D = 4, 32, 8, 128
+    cache, R = rotated_cache(B, Hkv, L, D, True, True, seed=11, sylvester=True)
+    q = torch.randn(B, Hq, Tq, D, generator=torch.Generator().manual_seed(12)).to(DEV, q_dtype)
+    p = _plan(q, cache, R, "kv")
+    assert (p.q_rotation, p.o_rotation) == ("kernel", "merge" if p.splits > 1 else "launch"), p.describe()
+    _check(q, cache, torch.tensor([L, L - 96, L // 2 + 1, L - 1], device=DEV), R, "kv", causal=Tq > 1, tol=BF16_TOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -77,7 +77,7 @@ def test_decode_interior_loop_runs_without_masks(reports, case):
 
 
 def test_q8_0_tiles_widened_four_codes_at_a_time(reports):
-    """int8 -> fp16 by inline PTX (attention_launcher.INT8_PTX): per four codes one prmt pair and
+    """int8 -> fp16 by inline PTX (the plan's int8_ptx, kernels/plan.py): per four codes one prmt pair and
     two sub.f16x2, where Triton's own arithmetic adds a 16-bit VIADD per code (64 per thread and
     K tile; 1341 instead of 1161 instructions in the loop, 3% slower on the H200)."""
     r = reports[("q8_0", "block32")]
@@ -86,7 +86,7 @@ def test_q8_0_tiles_widened_four_codes_at_a_time(reports):
 
 def test_unpinned_v_is_what_the_pin_avoids(reports):
     """Control: with V converted by .to(fp16), this Triton reads the V tile byte by byte. If this
-    fails after a Triton upgrade, the pin (attention_launcher.V_PIN) may no longer be needed:
+    fails after a Triton upgrade, the pin (the plan's v_pin, kernels/plan.py) may no longer be needed:
     measure both on the GPU."""
     r = reports["unpinned"]
     assert _byte_loads(r) > 0, r.summary()
@@ -167,7 +167,8 @@ def test_store_rounds_e4m3_by_the_convert_instruction_from_sm_89(store_reports, 
 def feature_reports():
     cases = [dict(cc=H200, kv_dtype="fp8_e4m3", granularity="token", v_keys=True, window=True),
              dict(cc=H200, kv_dtype="fp8_e4m3", granularity="token", v_keys=True, k_codes="int8", v_codes="int8"),
-             dict(cc=H200, kv_dtype="int8", v_keys=True)]  # the int8 format as QuantizedCache stores it
+             dict(cc=H200, kv_dtype="int8", v_keys=True),  # the int8 format as QuantizedCache stores it, unrotated
+             dict(cc=H200, kv_dtype="int8", v_keys=True, rotated=True)]  # ... and rotated (its default)
     return aot.compile_attention_isolated(cases)
 
 
@@ -229,3 +230,19 @@ def test_int8_decode_loop_is_fp8s_plus_the_widening(reports, feature_reports):
         assert wf["F2FP.F16.E4M3.UNPACK_B"] == codes // 2, wf
         rest, rest_fp8 = sum(loop.values()) - sum(w.values()), sum(ref.values()) - sum(wf.values())
         assert rest <= rest_fp8 + 16, (rest, rest_fp8, loop, ref)
+
+
+def test_rotated_int8_decode_rotates_outside_the_loops(feature_reports):
+    """int8 as the cache stores it by default (K and V rotated by the shared Sylvester matrix): q is
+    rotated in the prologue, H generated in registers, on the tensor cores. The key loops are the
+    unrotated int8 loops, nothing spills under the register cap, and three programs still fit one SM.
+    (Rotating the output in the epilogue too made ptxas spill 40 B, reloaded inside the loops: it
+    lost end to end on the H200 and is gone, docs/perf-log.md.)"""
+    plain, r = feature_reports[2], feature_reports[3]
+    assert r.stack_bytes == 0, r.summary()
+    assert tiles.programs_per_sm(r.tile, H200, r.shared_bytes) >= 3, r.summary()
+    assert 3 * r.registers * 32 * r.tile.num_warps <= tiles.REGISTERS_PER_SM, r.summary()
+    assert len(r.loops) == len(plain.loops) == 2, (r.summary(), plain.summary())
+    for loop, ref in zip(r.loops, plain.loops):
+        assert abs(sum(loop.values()) - sum(ref.values())) <= 0.02 * sum(ref.values()), (loop, ref)
+    assert r.count("HMMA") > plain.count("HMMA"), (r.summary(), plain.summary())

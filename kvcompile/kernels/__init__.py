@@ -1,14 +1,16 @@
 """Triton kernels behind the kvcompile ops (launchers; the @triton.jit code lives beside them).
 
 Entry points, called by :mod:`kvcompile.ops` with the op's exact arguments:
-``store_kv``, ``dequantize``, ``attention``. Tile and arch choices: :mod:`kvcompile.tiles`.
+``store_kv``, ``dequantize``, ``attention``. How each attention call runs (path, tile, splits, dot
+type, where rotations happen, every constexpr): :mod:`kvcompile.kernels.plan`, from the tile table
+in :mod:`kvcompile.tiles`.
 
 =========================  ======================================  ==========================
 launcher                   kernels                                 file
 =========================  ======================================  ==========================
 ``store_kv``               ``_store_kv_kernel`` (K and V at once)   store.py / _store_kernel.py
 ``dequantize``             ``_dequantize_kernel``                  store.py / _store_kernel.py
-``attention``              ``_attention_kernel``, ``_merge_kernel``  attention_launcher.py (+ dense.py) / _attention_kernel.py, _merge_kernel.py
+``attention``              ``_attention_kernel``, ``_merge_kernel``  plan.py, attention_launcher.py (+ dense.py) / _attention_kernel.py, _merge_kernel.py
 ``rotate_rows``            ``_rotate_rows_kernel``                 rotate.py / _rotation.py
 =========================  ======================================  ==========================
 """

@@ -11,12 +11,10 @@ Scales never enter the 8-bit tiles (per-token formats): the QK^T tile's columns 
 s_k, P by s_v before the PV dot, and the running denominator sums the unscaled p. The 8-bit
 tile is widened to 16 bits (exact for e4m3 and int8) into ``tl.dot``; accumulation is fp32.
 V is reduced over keys in ``P @ V``. Stored key-contiguous (``V_KEYS_CONTIG``: QuantizedCache's
-layout for token and static scales) it feeds the dot like K feeds ``Q K^T``, widened in registers, no
-transpose; it is read in whole 16-key chunks so the loads stay 16-byte vectors. Stored
-head_dim-contiguous, the GPU widens the V tile by pinned inline PTX before its shared-memory
-transpose (``V_PIN``; why: ``_codes.codes_to_f16_pinned``). Other int8 tiles (q8_0's K) are
-widened by the same PTX unpinned (``INT8_PTX``), four codes at a time. K and V may hold
-different code types (e4m3 / int8, same scale granularity): each tile is widened by its own type.
+layout for token and static scales) it feeds the dot like K, widened in registers, read in whole
+16-key chunks (16-byte loads). Stored head_dim-contiguous, the GPU widens it by pinned inline PTX
+before its shared-memory transpose (``V_PIN``: ``_codes.codes_to_f16_pinned``); other int8 tiles by
+the same PTX unpinned (``INT8_PTX``). K and V may hold different code types (each widened by its own).
 block32 formats dequantize the tile (codes * scale of each 32-wide slice) before the dot.
 Keys are walked in loops over one tile step (``_attend_tile``): with a sliding window
 (``HAS_WINDOW``) first the masked tiles at the window's lower edge (every tile wholly below it is
@@ -27,15 +25,17 @@ Softcap (``HAS_SOFTCAP``) bends the scaled logits before the mask; sinks (``HAS_
 softmax denominator once per row, in the epilogue or, when split, in ``_merge_kernel``. All three
 switches off, the kernel compiles to the code it had without them.
 Static scales: K scale folded into the softmax scale, V scale applied once at the end.
-Rotated caches (codes of ``x @ R``): this kernel never sees R. The launcher hands in q already
-multiplied by K's R (fp32, one launch for all rows, not once per split) and multiplies the output by
-V's R^T after it: in ``_merge_kernel`` (``HAS_V_ROT``) when split, else by one more launch.
+Rotated caches (codes of ``x @ R``): with the shared Sylvester Hadamard matrix (power-of-two
+head_dim) the kernel rotates q in its prologue (``Q_HADAMARD``), generating H's +-1 entries in
+registers (``_rotation.py``): no launch and no read of R. The output goes back through V's R^T in
+the merge or in a launch after this kernel; any other R for q also in a launch before (``plan.py``).
 """
 
 import triton
 import triton.language as tl
 
 from ._codes import codes_to, codes_to_f16_pinned, to_store_dtype
+from ._rotation import hadamard_rows
 
 LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): exp(x) = exp2(x * LOG2E)
 # fp16 P * s_v / max(s_v) is <= 1: times 2^14 (exact) it stays <= 16384 < 65504, and a key whose
@@ -65,30 +65,23 @@ def _tanh(x):
 
 
 @triton.jit
-def _scale_groups(x, s, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                  BCAST_SCALE: tl.constexpr):
-    """x [BLOCK_N, BLOCK_D] * s [BLOCK_N, BLOCK_D // GROUP_SIZE], each scale over its GROUP_SIZE columns.
-
-    BCAST_SCALE reshapes the broadcast scales to the tile instead of reshaping the tile (two
-    layouts for Triton; which is faster is measured in BENCHMARKS.md).
-    """
-    if BCAST_SCALE:
-        sb = tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_D // GROUP_SIZE, GROUP_SIZE))
-        return x * tl.reshape(sb, (BLOCK_N, BLOCK_D))
-    else:
-        x3 = tl.reshape(x, (BLOCK_N, BLOCK_D // GROUP_SIZE, GROUP_SIZE))
-        return tl.reshape(x3 * s[:, :, None], (BLOCK_N, BLOCK_D))
+def _scale_groups(x, s, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_SIZE: tl.constexpr):
+    """x [BLOCK_N, BLOCK_D] * s [BLOCK_N, BLOCK_D // GROUP_SIZE], each scale over its GROUP_SIZE
+    columns: the scales broadcast to the tile's shape (reshaping the tile instead ran q8_0 decode
+    1.9x slower on the H200: docs/perf-log.md)."""
+    sb = tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_D // GROUP_SIZE, GROUP_SIZE))
+    return x * tl.reshape(sb, (BLOCK_N, BLOCK_D))
 
 
 @triton.jit
 def _attend_tile(
-    acc, l_i, m_i, v_prev, start_n, n_hi, q, qk_scale, row_ok, q_pos, win_lo, softcap, inv_softcap, d, d_ok, D,
+    acc, l_i, m_i, v_prev, start_n, n_hi, q, q_bias, qk_scale, row_ok, q_pos, win_lo, softcap, inv_softcap, d, d_ok, D,
     k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd, ks_base, stride_ksn, stride_ksg,
     vs_base, stride_vsn, stride_vsg, m_base, stride_mn,
     GROUP_SIZE: tl.constexpr, SCALE_KIND: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    K_FP8_BITS: tl.constexpr, V_FP8_BITS: tl.constexpr, DOT_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr,
-    BCAST_SCALE: tl.constexpr, V_PIN: tl.constexpr, V_KEYS_CONTIG: tl.constexpr, INT8_PTX: tl.constexpr,
+    K_FP8_BITS: tl.constexpr, V_FP8_BITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    V_PIN: tl.constexpr, V_KEYS_CONTIG: tl.constexpr, INT8_PTX: tl.constexpr, K_BIAS: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key of the tile is visible to every row (see the caller)
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -97,7 +90,7 @@ def _attend_tile(
     ``win_lo`` [BLOCK_M]: each row's first visible key (read with HAS_WINDOW by masked tiles only);
     ``softcap`` / ``inv_softcap``: c and 1 / c (HAS_SOFTCAP).
     """
-    FOLD_V_MAX: tl.constexpr = SCALE_KIND == SCALE_TOKEN and PV_DTYPE == tl.float16
+    FOLD_V_MAX: tl.constexpr = SCALE_KIND == SCALE_TOKEN and DOT_DTYPE == tl.float16
     n = start_n + tl.arange(0, BLOCK_N)
     if MASKED:
         n_ok = n < n_hi
@@ -114,13 +107,15 @@ def _attend_tile(
     if SCALE_KIND == SCALE_BLOCK:
         ksb = tl.load(ks_base + n[:, None] * stride_ksn + gi[None, :] * stride_ksg, mask=gs_ok, other=0.0)
         k = codes_to(kc, DOT_DTYPE, K_FP8_BITS, INT8_PTX).to(tl.float32)
-        k = _scale_groups(k, ksb.to(tl.float32), BLOCK_N, BLOCK_D, GROUP_SIZE, BCAST_SCALE).to(DOT_DTYPE)
+        k = _scale_groups(k, ksb.to(tl.float32), BLOCK_N, BLOCK_D, GROUP_SIZE).to(DOT_DTYPE)
     else:
-        k = codes_to(kc, DOT_DTYPE, K_FP8_BITS, INT8_PTX)  # e4m3 / int8 -> 16 bits is exact
+        k = codes_to(kc, DOT_DTYPE, K_FP8_BITS, INT8_PTX, K_BIAS)  # e4m3 / int8 -> 16 bits is exact
     if DOT_DTYPE == tl.float32:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
+    if K_BIAS:  # the int8 K tile arrived as 1152 + code: q . (1152 + k) - 1152 sum(q) = q . k
+        s = s - q_bias[:, None]
     if SCALE_KIND == SCALE_TOKEN:
         if MASKED:
             ks = tl.load(ks_base + n * stride_ksn, mask=n_ok, other=0.0).to(tl.float32)
@@ -175,29 +170,29 @@ def _attend_tile(
         if V_PIN:
             v = codes_to_f16_pinned(vc).to(tl.float32)
         else:
-            v = codes_to(vc, PV_DTYPE, V_FP8_BITS, INT8_PTX).to(tl.float32)
-        v = _scale_groups(v, vsb.to(tl.float32), BLOCK_N, BLOCK_D, GROUP_SIZE, BCAST_SCALE).to(PV_DTYPE)
-        pv = p.to(PV_DTYPE)
+            v = codes_to(vc, DOT_DTYPE, V_FP8_BITS, INT8_PTX).to(tl.float32)
+        v = _scale_groups(v, vsb.to(tl.float32), BLOCK_N, BLOCK_D, GROUP_SIZE).to(DOT_DTYPE)
+        pv = p.to(DOT_DTYPE)
     else:
         if V_PIN:
             v = codes_to_f16_pinned(vc)
         else:
-            v = codes_to(vc, PV_DTYPE, V_FP8_BITS, INT8_PTX)
+            v = codes_to(vc, DOT_DTYPE, V_FP8_BITS, INT8_PTX)
         if SCALE_KIND == SCALE_TOKEN:
             if MASKED:
                 vs = tl.load(vs_base + n * stride_vsn, mask=n_ok, other=0.0).to(tl.float32)
             else:
                 vs = tl.load(vs_base + n * stride_vsn).to(tl.float32)
-            if PV_DTYPE == tl.float16:
+            if DOT_DTYPE == tl.float16:
                 # fp16 has no room for p * s_v (s_v ~ amax / 448 underflows): scale P by s_v / max(s_v)
                 # of this tile (<= 1) times PV_HEADROOM, and the tile's PV product by max(s_v) in fp32
                 v_max = tl.max(vs, axis=0)
                 v_max = tl.where(v_max > 0, v_max, 1.0)
-                pv = (p * (vs * (PV_HEADROOM / v_max))[None, :]).to(PV_DTYPE)
+                pv = (p * (vs * (PV_HEADROOM / v_max))[None, :]).to(DOT_DTYPE)
             else:
-                pv = (p * vs[None, :]).to(PV_DTYPE)
+                pv = (p * vs[None, :]).to(DOT_DTYPE)
         else:
-            pv = p.to(PV_DTYPE)
+            pv = p.to(DOT_DTYPE)
     if MASKED and V_KEYS_CONTIG and v_base.dtype.element_ty != tl.int8:
         # e4m3 codes past n_hi may be NaN, and p = 0 does not cancel NaN. max() returns its non-NaN
         # operand: NaN becomes the lowest finite value (finite values pass) and 0 * it = 0. (An
@@ -206,7 +201,7 @@ def _attend_tile(
             v = tl.maximum(v, tl.full([1, 1], -65504.0, v.dtype))
         else:
             v = tl.maximum(v, tl.full([1, 1], -3.0e38, v.dtype))
-    if PV_DTYPE == tl.float32:
+    if DOT_DTYPE == tl.float32:
         acc += tl.dot(pv, v, input_precision="ieee")
     elif FOLD_V_MAX:  # the rescale rides on the dot's accumulator input: no separate pass over acc
         acc = tl.dot(pv, v, acc * (alpha * (v_prev / v_max))[:, None])
@@ -230,7 +225,7 @@ def _attention_kernel(
     O, stride_ob, stride_oh, stride_om, stride_od,
     OP, stride_opb, stride_oph, stride_opm, stride_ops,  # partial outputs [B, Hq, Tq, S, D] fp32
     LSE, stride_lb, stride_lh, stride_lm, stride_ls,     # their log2-sum-exp [B, Hq, Tq, S]
-    Hkv, Tq, D, sm_scale, split_len, window, softcap,
+    Hkv, Tq, D, sm_scale, split_len, window, softcap, rot_scale,  # rot_scale: 1 / sqrt(D) (Q_HADAMARD)
     GROUP: tl.constexpr,         # query heads per kv head
     GROUP_SIZE: tl.constexpr,    # values per scale group (block32: 32)
     SCALE_KIND: tl.constexpr,    # SCALE_TOKEN / SCALE_BLOCK / SCALE_STATIC
@@ -242,12 +237,14 @@ def _attention_kernel(
     SPLIT_OUTPUT: tl.constexpr,  # write partial outputs + LSE for _merge_kernel
     K_FP8_BITS: tl.constexpr,    # K's e4m3 codes arrive as uint8 bits (no fp8 type on this arch)
     V_FP8_BITS: tl.constexpr,    # V's e4m3 codes arrive as uint8 bits (K and V may differ in code type)
-    DOT_DTYPE: tl.constexpr,     # operand type of the QK^T dot (fp16 / bf16, or fp32)
-    PV_DTYPE: tl.constexpr,      # operand type of the PV dot (bf16, or fp16 with P * s_v / max s_v)
-    BCAST_SCALE: tl.constexpr,   # block32: broadcast the scales to the tile (else reshape the tile)
+    DOT_DTYPE: tl.constexpr,     # operand type of both dots: fp16 (P scaled by s_v / max s_v), or fp32
     V_PIN: tl.constexpr,         # widen V by pinned inline PTX before its smem transpose (GPU; _codes.py)
     V_KEYS_CONTIG: tl.constexpr,  # V codes key-contiguous (stride_vn == 1; QuantizedCache's token / static layout)
     INT8_PTX: tl.constexpr,      # widen int8 tiles to fp16 by inline PTX, four at a time (GPU; _codes.codes_to)
+    K_BIAS: tl.constexpr,        # int8 K widened to 1152 + code (no subtraction), S corrected by 1152 sum(q) per row
+    Q_HADAMARD: tl.constexpr,    # q times H_D / sqrt(D) in the prologue (K stored rotated by it)
+    ROT_CHUNK: tl.constexpr,     # columns per dot of that product
+    ROT_EXACT: tl.constexpr,     # that product as fp32 FMA dots (interpreter, fp32 q) instead of 16-bit MMAs
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -285,12 +282,13 @@ def _attention_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
 
-    q = tl.load(
-        Q + b * stride_qb + h[:, None] * stride_qh + qi[:, None] * stride_qm + d[None, :] * stride_qd,
-        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-    )
+    q_rows = Q + b * stride_qb + h[:, None] * stride_qh + qi[:, None] * stride_qm
+    if Q_HADAMARD:  # scores against K's rotated codes: (q H)(k H)^T = q k^T
+        q = hadamard_rows(q_rows, stride_qd, row_ok[:, None], rot_scale, ROT_EXACT, BLOCK_M, BLOCK_D, ROT_CHUNK)
+    else:
+        q = tl.load(q_rows + d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q_unscale = 1.0
-    if DOT_DTYPE == tl.float16 and Q.dtype.element_ty != tl.float16:
+    if DOT_DTYPE == tl.float16 and q.dtype != tl.float16:
         # fp16 holds |x| < 65504, bf16 / fp32 queries may not: a block whose largest |q| reaches
         # 2^15 is scaled by 2^-shift (exact), and 2^shift goes into the softmax scale (shift = 0 otherwise).
         q = q.to(tl.float32)
@@ -299,6 +297,9 @@ def _attention_kernel(
         q = q * ((127 - q_shift) << 23).to(tl.float32, bitcast=True)
         q_unscale = ((127 + q_shift) << 23).to(tl.float32, bitcast=True)
     q = q.to(DOT_DTYPE)
+    q_bias = 0.0
+    if K_BIAS:  # 1152 * sum(q) of the values the dot sees, once per program (_attend_tile subtracts it)
+        q_bias = 1152.0 * tl.sum(q.to(tl.float32), axis=1)
 
     # ---- keys this program reads: its split, cut at kv_len and (causal) at its last query ----
     n_hi = tl.minimum(kv_len, n_lo + split_len)
@@ -324,7 +325,7 @@ def _attention_kernel(
     # token scales with an fp16 PV dot: P is scaled by s_v / v_max of each tile (x PV_HEADROOM), so acc
     # holds O * PV_HEADROOM / v_max of the last tile and is rescaled by alpha * v_max_prev / v_max as
     # the dot's accumulator input
-    FOLD_V_MAX: tl.constexpr = SCALE_KIND == SCALE_TOKEN and PV_DTYPE == tl.float16
+    FOLD_V_MAX: tl.constexpr = SCALE_KIND == SCALE_TOKEN and DOT_DTYPE == tl.float16
     v_prev = 1.0
 
     # Key tiles in up to three loops over one tile step. With a window, the walk starts at the tile
@@ -350,32 +351,32 @@ def _attention_kernel(
             n_body = tl.maximum(n_start, (tl.maximum(win_last, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
             for start_n in tl.range(n_start, n_body, BLOCK_N, num_stages=1):  # window edge: not pipelined
                 acc, l_i, m_i, v_prev = _attend_tile(
-                    acc, l_i, m_i, v_prev, start_n, n_hi, q, qk_scale, row_ok, q_pos, win_lo, softcap, inv_softcap,
+                    acc, l_i, m_i, v_prev, start_n, n_hi, q, q_bias, qk_scale, row_ok, q_pos, win_lo, softcap, inv_softcap,
                     d, d_ok, D,
                     k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd, ks_base, stride_ksn, stride_ksg,
                     vs_base, stride_vsn, stride_vsg, m_base, stride_mn,
                     GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
-                    DOT_DTYPE, PV_DTYPE, BCAST_SCALE, V_PIN, V_KEYS_CONTIG, INT8_PTX, True, BLOCK_N, BLOCK_D)
+                    DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, True, BLOCK_N, BLOCK_D)
         n_vis = n_hi
         if IS_CAUSAL:
             n_vis = tl.minimum(n_vis, kv_len - Tq + (pid_m * BLOCK_M) // GROUP + 1)
         n_full = n_body + tl.maximum(n_vis - n_body, 0) // BLOCK_N * BLOCK_N
         for start_n in range(n_body, n_full, BLOCK_N):
             acc, l_i, m_i, v_prev = _attend_tile(
-                acc, l_i, m_i, v_prev, start_n, n_hi, q, qk_scale, row_ok, q_pos, win_lo, softcap, inv_softcap,
+                acc, l_i, m_i, v_prev, start_n, n_hi, q, q_bias, qk_scale, row_ok, q_pos, win_lo, softcap, inv_softcap,
                 d, d_ok, D,
                 k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd, ks_base, stride_ksn, stride_ksg,
                 vs_base, stride_vsn, stride_vsg, m_base, stride_mn,
                 GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
-                DOT_DTYPE, PV_DTYPE, BCAST_SCALE, V_PIN, V_KEYS_CONTIG, INT8_PTX, False, BLOCK_N, BLOCK_D)
+                DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, False, BLOCK_N, BLOCK_D)
     for start_n in tl.range(n_full, n_hi, BLOCK_N, num_stages=1):  # at most 2 tiles without a mask: not pipelined
         acc, l_i, m_i, v_prev = _attend_tile(
-            acc, l_i, m_i, v_prev, start_n, n_hi, q, qk_scale, row_ok, q_pos, win_lo, softcap, inv_softcap,
+            acc, l_i, m_i, v_prev, start_n, n_hi, q, q_bias, qk_scale, row_ok, q_pos, win_lo, softcap, inv_softcap,
             d, d_ok, D,
             k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd, ks_base, stride_ksn, stride_ksg,
             vs_base, stride_vsn, stride_vsg, m_base, stride_mn,
             GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
-            DOT_DTYPE, PV_DTYPE, BCAST_SCALE, V_PIN, V_KEYS_CONTIG, INT8_PTX, True, BLOCK_N, BLOCK_D)
+            DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, True, BLOCK_N, BLOCK_D)
 
     # ---- epilogue: rows with no visible key give zeros ----
     has_key = l_i > 0

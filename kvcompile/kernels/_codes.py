@@ -105,6 +105,13 @@ _INT8_TO_F16X2 = tl.constexpr("""{
     sub.f16x2 $0, lo, m;
     sub.f16x2 $1, hi, m;
     }""")
+# ... the same without the subtraction: 1152 + code (the attention kernel corrects the dot instead)
+_INT8_TO_F16X2_BIASED = tl.constexpr("""{
+    .reg .b32 x;
+    xor.b32 x, $2, 0x80808080;
+    prmt.b32 $0, x, 0x64646464, 0x4140;
+    prmt.b32 $1, x, 0x64646464, 0x4342;
+    }""")
 _E4M3_TO_F16X2 = tl.constexpr("""{
     .reg .b16 lo, hi;
     mov.b32 {lo, hi}, $2;
@@ -140,7 +147,8 @@ def to_store_dtype(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def codes_to(c, DTYPE: tl.constexpr, FP8_BITS: tl.constexpr, INT8_PTX: tl.constexpr = False):
+def codes_to(c, DTYPE: tl.constexpr, FP8_BITS: tl.constexpr, INT8_PTX: tl.constexpr = False,
+             BIASED: tl.constexpr = False):
     """Loaded codes -> DTYPE, exactly. int8 -> fp16 by the magic-number trick (integer add +
     one fp16 subtract instead of a quarter-rate int->float convert): fp16 bits 0x6400 | (c + 128)
     is 1024 + 128 + c, exact since fp16 steps by 1 in [1024, 2048).
@@ -149,33 +157,22 @@ def codes_to(c, DTYPE: tl.constexpr, FP8_BITS: tl.constexpr, INT8_PTX: tl.conste
     and two ``sub.f16x2`` per four codes, where Triton emits a ``prmt`` and a 16-bit add per code).
     Unpinned (``is_pure=True``): Triton may still sink it below the shared-memory read into the
     dot-operand layout, which is where a K tile (reduced over its contiguous dim) wants it.
+
+    ``BIASED`` (int8 -> fp16 only): 1152 + code, without the subtraction (one ``sub.f16x2`` per two
+    codes saved; the caller corrects its dot by 1152 times the sum of the other operand).
     """
     if FP8_BITS:
         return e4m3_decode_bits(c).to(DTYPE)
     elif INT8_PTX and c.dtype == tl.int8 and DTYPE == tl.float16:
+        if BIASED:
+            return tl.inline_asm_elementwise(asm=_INT8_TO_F16X2_BIASED, constraints="=r,=r,r", args=[c],
+                                             dtype=tl.float16, is_pure=True, pack=4)
         return tl.inline_asm_elementwise(asm=_INT8_TO_F16X2, constraints="=r,=r,r", args=[c], dtype=tl.float16,
                                          is_pure=True, pack=4)
     elif c.dtype == tl.int8 and DTYPE == tl.float16:
         u = (c.to(tl.int16) + 0x6480).to(tl.uint16)  # 0x6400 = 1024.0, + 128 shifts [-128, 127] to [0, 255]
+        if BIASED:
+            return u.to(tl.float16, bitcast=True)
         return u.to(tl.float16, bitcast=True) - 1152.0
     else:
         return c.to(DTYPE)
-
-
-@triton.jit
-def div_rn_by_row(x, s, r, EXACT_DIV: tl.constexpr):
-    """x / s[:, None] rounded to nearest, with ``r = div_rn(1, s)`` computed once per row.
-
-    Markstein's correction: q0 = RN(x * r) is within an ulp of x / s; the remainder x - q0 * s is
-    exact in one fma, and RN(q0 + rem * r) is then the correctly rounded quotient (normal range;
-    the callers only need the quotient's rounding to 8 bits, and |x / s| <= 448). EXACT_DIV uses
-    div_rn per element instead (the interpreter has no fused fma). NOTE: on the H200 the fix-up
-    path disagreed with torch's division on one value of the rounding sweep, so the launcher
-    keeps EXACT_DIV on (see store.py).
-    """
-    if EXACT_DIV:
-        return tl.math.div_rn(x, s[:, None])
-    else:
-        q0 = x * r[:, None]
-        rem = tl.fma(-q0, s[:, None], x)
-        return tl.fma(rem, r[:, None], q0)

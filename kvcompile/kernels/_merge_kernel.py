@@ -8,6 +8,7 @@ import triton.language as tl
 
 from ._attention_kernel import LOG2E
 from ._codes import to_store_dtype
+from ._rotation import sylvester_sign
 
 
 @triton.jit
@@ -18,7 +19,7 @@ def _merge_kernel(
     KVLEN, stride_kvl,
     VS, stride_vsh,
     SINKS, stride_sink,
-    R_V,
+    R_V, rot_scale,             # R_V [D, D] (read unless R_SYLVESTER); 1 / sqrt(D)
     Hq, Tq, D, split_len, num_splits, window,
     GROUP: tl.constexpr,
     STATIC_SCALE: tl.constexpr,
@@ -26,6 +27,7 @@ def _merge_kernel(
     HAS_SINKS: tl.constexpr,    # SINKS[h] joins the denominator once per row
     HAS_V_ROT: tl.constexpr,    # the partials are in V's rotated space: program (row, c) stores columns
     ROT_CHUNK: tl.constexpr,    # [c * ROT_CHUNK, (c + 1) * ROT_CHUNK) of the row times R_V^T
+    R_SYLVESTER: tl.constexpr,  # R_V is H_D / sqrt(D): its entries generated, not read
     SPLITS_P2: tl.constexpr,
     BLOCK_N: tl.constexpr,      # the attention kernel's key tile (its splits' alignment)
     BLOCK_D: tl.constexpr,
@@ -66,7 +68,10 @@ def _merge_kernel(
     o_row = O + b * stride_ob + h * stride_oh + qi * stride_om
     if HAS_V_ROT:  # out_j = sum_i out_i R_V[j, i] (fp32) for this program's ROT_CHUNK columns j
         j = tl.program_id(1) * ROT_CHUNK + tl.arange(0, ROT_CHUNK)
-        r = tl.load(R_V + j[:, None] * D + d[None, :], mask=(j < D)[:, None] & (d < D)[None, :], other=0.0)
+        if R_SYLVESTER:
+            r = sylvester_sign(j[:, None], d[None, :]) * rot_scale
+        else:
+            r = tl.load(R_V + j[:, None] * D + d[None, :], mask=(j < D)[:, None] & (d < D)[None, :], other=0.0)
         tl.store(o_row + j * stride_od, to_store_dtype(tl.sum(r * out[None, :], axis=1), O.dtype.element_ty),
                  mask=j < D)
     else:

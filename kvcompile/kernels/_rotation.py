@@ -88,3 +88,44 @@ def _rotate_rows_kernel(
     else:
         _rotate_cols(X2, stride_x2m, stride_x2d, R2, Y2, stride_y2m, stride_y2d, M, D, tl.program_id(0),
                      tl.program_id(1), TRANSPOSE, X_PARTS, EXACT_FMA, BLOCK_M, BLOCK_D, RC)
+
+
+# ---- the Sylvester Hadamard matrix generated in registers (attention prologue, split-K merge) ----
+# H_D[i, j] = (-1)^popcount(i & j) for D a power of two; R = H_D / sqrt(D) is kvcompile.rotation's
+# matrix for such a D. For c a multiple of RC and k < RC the bits of c and k are disjoint, so
+# H[c + k, j] = H[k, j] * H[c, j]: one generated [RC, D] block of H serves every chunk of RC rows,
+# its columns' signs flipped by row c of H.
+
+
+@triton.jit
+def sylvester_sign(i, j):
+    """``H_D[i, j]`` as fp32 +-1: (-1)^popcount(i & j) (integers below 2^16, broadcast)."""
+    x = i & j
+    x = x ^ (x >> 8)
+    x = x ^ (x >> 4)
+    x = x ^ (x >> 2)
+    x = x ^ (x >> 1)
+    return 1.0 - 2.0 * (x & 1).to(tl.float32)
+
+
+@triton.jit
+def hadamard_rows(rows, stride_d, rows_ok, scale, EXACT: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_D: tl.constexpr, RC: tl.constexpr):
+    """fp32 ``x @ H_D * scale`` of the rows at pointers ``rows`` [BLOCK_M, 1] (column j at ``rows + j *
+    stride_d``, D == BLOCK_D), read RC columns at a time. A 16-bit x meets H's +-1 (exact in its
+    type) in one 16-bit MMA per chunk: exact products, fp32 sums. ``EXACT``: fp32 FMA dots."""
+    k = tl.arange(0, RC)
+    n = tl.arange(0, BLOCK_D)
+    XTYPE: tl.constexpr = rows.dtype.element_ty
+    h = sylvester_sign(k[:, None], n[None, :])  # H[0:RC, :]
+    if not (EXACT or XTYPE == tl.float32):
+        h = h.to(XTYPE)  # +-1: exact
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for c in tl.static_range(0, BLOCK_D, RC):
+        x = tl.load(rows + (c + k)[None, :] * stride_d, mask=rows_ok, other=0.0)
+        if EXACT or XTYPE == tl.float32:
+            part = tl.dot(x.to(tl.float32), h, input_precision="ieee")
+        else:
+            part = tl.dot(x, h)
+        acc += part * sylvester_sign(c, n)[None, :]
+    return acc * scale

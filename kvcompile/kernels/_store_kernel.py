@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from ._codes import FP8_MAX, Q8_MAX, codes_to_float, div_rn_by_row, e4m3_encode, e4m3_encode_hw, to_store_dtype
+from ._codes import FP8_MAX, Q8_MAX, codes_to_float, e4m3_encode, e4m3_encode_hw, to_store_dtype
 
 # CODE constexpr of _quantize_rows: which format a side (K or V) is written in
 CODE_FP8 = tl.constexpr(0)  # fp8_e4m3 (any granularity)
@@ -21,7 +21,6 @@ def _quantize_rows(
     HAS_OFFSET: tl.constexpr,
     CODE: tl.constexpr,        # CODE_FP8, CODE_Q8_0 or CODE_INT8
     STATIC_SCALE: tl.constexpr,
-    EXACT_DIV: tl.constexpr,   # per-element div_rn (interpreter) instead of reciprocal + fix-up
     HW_E4M3: tl.constexpr,     # encode e4m3 by the sm_89+ convert instruction (else integer arithmetic)
     GROUPS_P2: tl.constexpr,   # scale groups per token, padded to a power of two (1 for token/static)
     GROUP_SIZE: tl.constexpr,  # values per scale group (32 for block32; padded head_dim otherwise)
@@ -62,12 +61,12 @@ def _quantize_rows(
             else:
                 qmax = FP8_MAX
             s = tl.math.div_rn(amax, qmax)  # s = amax / 448 (fp8) or amax / 127 (int8)
-            # x / s with one reciprocal per row + Markstein's fix-up. A tiny s (possibly subnormal) and
-            # its row are first scaled by 2**64: exact, same quotient, and 1 / s stays finite.
+            # x / s per element, correctly rounded (bit-exact with formats.py; one reciprocal per row
+            # with a Markstein fix-up was 1.5x faster but an ulp off on the H200: docs/perf-log.md). A
+            # tiny s (possibly subnormal) and its row are first scaled by 2**64: exact, same quotient.
             up = tl.where(s < 8.673617379884035e-19, 18446744073709551616.0, 1.0)  # 2**-60, 2**64
             ss = tl.where(s > 0, s * up, 1.0)
-            r = tl.math.div_rn(1.0, ss)
-            y = div_rn_by_row(x * up[:, None], ss, r, EXACT_DIV)
+            y = tl.math.div_rn(x * up[:, None], ss[:, None])
             y = tl.where(s[:, None] > 0, y, 0.0)
             y = tl.where(is_inf, tl.where(x > 0, qmax, -qmax), y)
             if CODE == CODE_INT8:  # no NaN code: the token's scale carries it (as q8_0's block scale)
@@ -115,7 +114,6 @@ def _store_kv_kernel(
     K_CODE: tl.constexpr,  # K's format (CODE_*); V's may differ when both share one scale granularity
     V_CODE: tl.constexpr,
     STATIC_SCALE: tl.constexpr,
-    EXACT_DIV: tl.constexpr,
     HW_E4M3: tl.constexpr,
     GROUPS_P2: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
@@ -134,7 +132,7 @@ def _store_kv_kernel(
             KS, stride_ksb, stride_ksh, stride_kst, stride_ksg,
             OFF, stride_oh, stride_od,
             b, h, t0, start, T, D,
-            HAS_OFFSET, K_CODE, STATIC_SCALE, EXACT_DIV, HW_E4M3, GROUPS_P2, GROUP_SIZE, BLOCK_T,
+            HAS_OFFSET, K_CODE, STATIC_SCALE, HW_E4M3, GROUPS_P2, GROUP_SIZE, BLOCK_T,
         )
     else:
         _quantize_rows(
@@ -143,7 +141,7 @@ def _store_kv_kernel(
             VS, stride_vsb, stride_vsh, stride_vst, stride_vsg,
             OFF, stride_oh, stride_od,
             b, h, t0, start, T, D,
-            False, V_CODE, STATIC_SCALE, EXACT_DIV, HW_E4M3, GROUPS_P2, GROUP_SIZE, BLOCK_T,
+            False, V_CODE, STATIC_SCALE, HW_E4M3, GROUPS_P2, GROUP_SIZE, BLOCK_T,
         )
 
 

@@ -5,8 +5,8 @@ bundled ``cuobjdump`` prints the machine code. Used by ``python -m kvcompile sas
 ``tests/test_sass.py``, which pins the code shape of the decode loop in CI (no byte-wise
 shared-memory reads of V; no register spills) on a machine without a GPU.
 
-The compile mirrors one real launch of :func:`attention_launcher._launch`: the constexprs it
-passes, the tile :mod:`kvcompile.tiles` picks, and the launch-time specializations Triton makes
+The compile is one real launch of :func:`attention_launcher._run`: the constexprs of the plan
+:mod:`kvcompile.kernels.plan` makes for the call, and the launch-time specializations Triton makes
 (integer arguments equal to 1 become constants, multiples of 16 and pointers are marked
 16-divisible) for contiguous ``[B, H, L, D]`` tensors (V key-contiguous with ``v_keys``). The
 version of Triton installed decides the code: compare against the GPU machine's Triton when it
@@ -97,22 +97,29 @@ def compile_attention(
     sinks: bool = False,
     k_codes: Optional[str] = None,
     v_codes: Optional[str] = None,
+    rotated=False,
+    plan_fields: Optional[dict] = None,
 ) -> SassReport:
     """Compile ``_attention_kernel`` as the launcher would for this case; return its SASS report.
 
     ``q_len <= 16`` is the split-K decode launch (partial outputs), longer the fused prefill launch
     (causal). ``causal`` defaults to ``q_len > 1``. ``mask``: "none", "bool" or "add" (an explicit attention mask, as HF passes for padded
-    batches). Queries bf16, fp16 dots (the GPU default). ``v_pin`` defaults to the launcher's
-    ``V_PIN``; ``tile`` to the one :mod:`kvcompile.tiles` picks. ``v_keys``: V key-contiguous (the
+    batches). Queries bf16, fp16 dots (the GPU default). ``v_pin`` overrides the plan's V pinning
+    (A/B); ``tile`` the tile the plan picks. ``v_keys``: V key-contiguous (the
     cache's transposed V layout; never pinned). ``window`` / ``softcap`` / ``sinks``: the kernel's
     HAS_WINDOW / HAS_SOFTCAP / HAS_SINKS switches. ``k_codes`` / ``v_codes`` ("e4m3" or "int8")
     override the format's code type of K / V (e.g. int8 codes with token scales, or K and V of
-    different code types); scales keep the format's.
+    different code types); scales keep the format's. ``rotated``: K and V (or only "k" / "v")
+    stored rotated by the shared Sylvester matrix (decode rotates q in the kernel). ``plan_fields``:
+    fields of the plan to replace (:func:`kvcompile.kernels.plan.override`), e.g. ``{"q_rotation": "launch"}``.
+
+    The constexprs are exactly those of :func:`kvcompile.kernels.plan.plan` for this call (no copy of
+    its logic here).
     """
     import torch
-    import triton.language as tl
 
     from . import attention_launcher as launcher
+    from . import plan as plan_mod
     from ._attention_kernel import _attention_kernel
     from .common import interpreting
 
@@ -124,38 +131,46 @@ def compile_attention(
 
     fmt = formats.get_format(kv_dtype, granularity)
     tiles.check_head_dim(head_dim)
-    decode = q_len <= launcher.DECODE_MAX_Q
+    decode = q_len <= plan_mod.DECODE_MAX_Q
     code_types = {"e4m3": torch.float8_e4m3fn, "int8": torch.int8, None: fmt.code_dtype}
     if k_codes not in code_types or v_codes not in code_types:
         raise ValueError(f"kvcompile.kernels.aot: k_codes / v_codes must be 'e4m3' or 'int8', got {k_codes!r} / {v_codes!r}")
-    k_dtype, v_dtype = code_types[k_codes], code_types[v_codes]
-    k_fp8, fp8 = k_dtype.is_floating_point, v_dtype.is_floating_point  # fp8: V's
-    k_fp8_bits = k_fp8 and not tiles.has_native_fp8(cc)
-    fp8_bits = fp8 and not tiles.has_native_fp8(cc)
-    v_pin = (launcher.V_PIN if v_pin is None else v_pin) and not fp8_bits and not v_keys
-    # the launcher reads the scale kind off the scale tensors' shapes: give it shape-only ones
-    scales = torch.empty(fmt.scale_shape(1, 1, 1, head_dim), device="meta")
-    kind, group_size = launcher._scale_kind(scales, scales, head_dim)
-    if tile is None:
-        sb = launcher.scale_bytes(scales)
-        tile = (tiles.decode_tile(cc, head_dim, 2, 1, 1, q_len * group, v_keys, sb) if decode
-                else tiles.prefill_tile(cc, head_dim, 2, 1, 1, v_keys, sb))
-    # code pointers as the launcher passes them: e4m3 as uint8 bits below sm_89 and for pinned V
-    k_code = "*i8" if not k_fp8 else ("*u8" if k_fp8_bits else "*fp8e4nv")
-    v_code = "*i8" if not fp8 else ("*u8" if fp8_bits or v_pin else "*fp8e4nv")
-    scale = "*fp32" if fmt.scale_dtype.itemsize == 4 else "*fp16"
-    masks = {"none": (launcher.MASK_NONE, "*bf16"), "bool": (launcher.MASK_BOOL, "*u8"), "add": (launcher.MASK_ADD, "*bf16")}
+    masks = {"none": (plan_mod.MASK_NONE, "*bf16"), "bool": (plan_mod.MASK_BOOL, "*u8"),
+             "add": (plan_mod.MASK_ADD, "*bf16")}
     if mask not in masks:
         raise ValueError(f"kvcompile.kernels.aot: mask must be one of {list(masks)}, got {mask!r}")
     mask_kind, mask_ptr = masks[mask]
+    # the launcher reads the scale kind off the scale tensors' shapes: give it shape-only ones
+    scales = torch.empty(fmt.scale_shape(1, 1, 1, head_dim), device="meta")
+    kind, group_size = launcher._scale_kind(scales, scales, head_dim)
+    k_rot = plan_mod.ROT_SYLVESTER if rotated in (True, "k") else plan_mod.ROT_NONE
+    v_rot = plan_mod.ROT_SYLVESTER if rotated in (True, "v") else plan_mod.ROT_NONE
+    # a call of one kv head over a long cache (decode splits), bf16 queries (the GPU default)
+    call = plan_mod.Call(
+        cc=tuple(cc), sms=132, interpret=False, B=1, Hq=group, Hkv=1, Tq=q_len, L=32768, D=head_dim,
+        q_dtype=torch.bfloat16, k_code=code_types[k_codes], v_code=code_types[v_codes], scale_kind=kind,
+        group_size=group_size, scale_bytes=launcher.scale_bytes(scales), mask_kind=mask_kind,
+        is_causal=q_len > 1 if causal is None else causal, window=1024 if window else 0, softcap=softcap,
+        sinks=sinks, k_rot=k_rot, v_rot=v_rot, v_keys=v_keys, decode=decode)
+    fields = dict(plan_fields or {})
+    if v_pin is not None:
+        fields["v_pin"] = v_pin and not v_keys
+    if decode:
+        fields["splits"] = 2  # the partial-output epilogue (a split launch), whatever the split planner says
+    with plan_mod.override(**fields, **({"tile": tile} if tile is not None else {})):
+        p = plan_mod.plan(call)
+    tile = p.tile
+    k_code = "*i8" if not p.call.k_code.is_floating_point else ("*u8" if p.k_fp8_bits else "*fp8e4nv")
+    v_code = "*i8" if not p.call.v_code.is_floating_point else ("*u8" if p.v_fp8_bits or p.v_pin else "*fp8e4nv")
+    scale = "*fp32" if fmt.scale_dtype.itemsize == 4 else "*fp16"
     ptrs = {"Q": "*bf16", "K": k_code, "V": v_code, "KS": scale, "VS": scale, "KVLEN": "*i64", "MASK": mask_ptr,
             "SINKS": "*fp32" if sinks else "*bf16", "O": "*bf16", "OP": "*fp32", "LSE": "*fp32"}
     ones = {"stride_qd", "stride_kd", "stride_vn" if v_keys else "stride_vd", "stride_od", "stride_kvl", "stride_ls"}
     if sinks:
         ones.add("stride_sink")  # a contiguous [Hq] parameter (without sinks the launcher passes 0)
-    if kind == launcher.SCALE_TOKEN:
+    if kind == plan_mod.SCALE_TOKEN:
         ones |= {"stride_ksn", "stride_vsn", "stride_ksg", "stride_vsg"}
-    elif kind == launcher.SCALE_BLOCK:
+    elif kind == plan_mod.SCALE_BLOCK:
         ones |= {"stride_ksg", "stride_vsg"}
     else:  # static: [Hkv] viewed as [1, Hkv, 1, 1]
         ones |= {"stride_ksh", "stride_vsh", "stride_ksn", "stride_vsn", "stride_ksg", "stride_vsg"}
@@ -166,16 +181,9 @@ def compile_attention(
     if mask != "none":
         ones.add("stride_mn")
     not16 = {"Hkv", "Tq", "window"}
-    consts = dict(
-        GROUP=group, GROUP_SIZE=group_size, SCALE_KIND=kind, MASK_KIND=mask_kind, IS_CAUSAL=q_len > 1 if causal is None else causal,
-        HAS_WINDOW=window, HAS_SOFTCAP=softcap, HAS_SINKS=sinks,
-        SPLIT_OUTPUT=decode, K_FP8_BITS=k_fp8_bits, V_FP8_BITS=fp8_bits, DOT_DTYPE=tl.float16, PV_DTYPE=tl.float16,
-        BCAST_SCALE=launcher.BCAST_SCALE, V_PIN=v_pin, V_KEYS_CONTIG=v_keys,
-        INT8_PTX=launcher.int8_ptx(k_dtype, torch.float16) or launcher.int8_ptx(v_dtype, torch.float16),
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=1 << (head_dim - 1).bit_length(),
-    )
+    consts = p.constexprs()
     compiled = _compile(_attention_kernel, cc, consts, ptrs, ones, zeros | not16, "compile_attention",
-                        "attention_launcher._launch", num_warps=tile.num_warps, num_stages=tile.num_stages,
+                        "attention_launcher._run", num_warps=tile.num_warps, num_stages=tile.num_stages,
                         **launcher._FP_FUSION, **launcher._maxnreg(tile))
     return _report(compiled, f"sm_{cc[0]}{cc[1]}", tile)
 
@@ -207,8 +215,8 @@ def compile_store(
     group_size = next_pow2(head_dim) if groups == 1 else head_dim // groups
     block_t = max(1, min(next_pow2(tokens), 4096 // (groups_p2 * group_size)))
     code = {"fp8_e4m3": 0, "q8_0": 1, "int8": 2}[fmt.kv_dtype]  # store._code: the CODE constexpr
-    consts = dict(HAS_OFFSET=False, K_CODE=code, V_CODE=code, STATIC_SCALE=static, EXACT_DIV=launcher.EXACT_DIV,
-                  HW_E4M3=launcher.HW_E4M3 and not int8 and tiles.has_native_fp8(cc),
+    consts = dict(HAS_OFFSET=False, K_CODE=code, V_CODE=code, STATIC_SCALE=static,
+                  HW_E4M3=not int8 and tiles.has_native_fp8(cc),  # store.hw_e4m3 for a GPU of this arch
                   GROUPS_P2=groups_p2, GROUP_SIZE=group_size, BLOCK_T=block_t)
     scale = "*fp16" if fmt.scale_dtype.itemsize == 2 else "*fp32"
     code_ptr = "*i8" if int8 else "*u8"  # e4m3 codes go in as uint8 bits
@@ -250,7 +258,7 @@ def _compile(kernel, cc, consts: dict, ptrs: dict, ones: set, not16: set, mirror
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif a in ones:
             signature[a], constexprs[(i,)] = "constexpr", 1
-        elif a in ("sm_scale", "softcap"):  # the kernel's float arguments
+        elif a in ("sm_scale", "softcap", "rot_scale"):  # the kernel's float arguments
             signature[a] = "fp32"
         else:
             signature[a] = "i32"

@@ -3,8 +3,12 @@ workspace, then the best SDPA (cuDNN / FlashAttention).
 
 Needs one host sync (the prefix length), so the launcher never takes it while a CUDA graph is
 being captured. The workspace is dropped even when a later step raises. A sliding window goes
-into SDPA's mask, and only keys some query can see are dequantized. A rotated V: the output is
-multiplied by R_V^T after SDPA (q arrives already rotated by K's R from the launcher).
+into SDPA's mask, and only keys some query can see are dequantized.
+
+A rotated cache: either the dequantized K and V are rotated back (``@ R^T``, one launch for both)
+and SDPA sees the model's own q, or q is rotated by K's R and SDPA's output by V's R^T, whichever
+side has fewer rows: a prefill over its own keys rotates the keys (Hkv * n rows against Hq * Tq: a
+GQA group fewer), an extend over a long prefix rotates q and the output.
 """
 
 from __future__ import annotations
@@ -29,16 +33,29 @@ def _sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa):
 
 
 def attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, window: int = 0,
-           v_rotation: Optional[Tensor] = None) -> Tensor:
-    """Dequantize the live prefix once, then SDPA (q arrives rotated by K's R when K is rotated);
-    a rotated V: the output times R_V^T after it, in q's dtype as SDPA's output is."""
-    out = _dense_sdpa(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, window)
-    if v_rotation is not None:
+              k_rotation: Optional[Tensor] = None, v_rotation: Optional[Tensor] = None) -> Tensor:
+    """Dequantize the live prefix once, then SDPA; rotations as the module docstring says."""
+    out, v_rotation = _dense_sdpa(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, window,
+                                  k_rotation, v_rotation)
+    if v_rotation is not None:  # SDPA's output is in V's rotated space
         out = rotate_rows(out, v_rotation, transpose=True, dtype=out.dtype)
     return out
 
 
-def _dense_sdpa(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, window: int = 0) -> Tensor:
+def _unrotate(k, v, k_rotation, v_rotation):
+    """Dequantized K / V (rotated space, workspace dtype) back to the model's space: ``@ R^T``."""
+    if k_rotation is not None and v_rotation is not None:
+        return rotate_rows(k, k_rotation, transpose=True, dtype=k.dtype, x2=v, rotation2=v_rotation)
+    if k_rotation is not None:
+        k = rotate_rows(k, k_rotation, transpose=True, dtype=k.dtype)
+    if v_rotation is not None:
+        v = rotate_rows(v, v_rotation, transpose=True, dtype=v.dtype)
+    return k, v
+
+
+def _dense_sdpa(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, window: int = 0,
+                k_rotation=None, v_rotation=None) -> tuple[Tensor, Optional[Tensor]]:
+    """SDPA's output, and V's rotation when the output is still in V's rotated space (else None)."""
     B, Hq, Tq, D = q.shape
     Hkv, L = k_q.shape[1], k_q.shape[2]
     kvl = kv_len.to(q.device).reshape(-1).expand(B)
@@ -63,6 +80,13 @@ def _dense_sdpa(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_
                                  kvl - start, n - start, ws_dtype)
         else:
             k, v = dequantize_kv(k_q, k_scale, v_q, v_scale, kv_len, n, ws_dtype)
+        # rotate the side with fewer rows: the dequantized keys (Hkv * (n - start)) or q and the output (Hq * Tq)
+        kv_side = Hkv * (n - start) < Hq * Tq
+        if kv_side and (k_rotation is not None or v_rotation is not None):
+            k, v = _unrotate(k, v, k_rotation, v_rotation)
+            v_rotation = None
+        elif k_rotation is not None:  # scores against K's rotated codes: (q R)(k R)^T = q k^T
+            q = rotate_rows(q, k_rotation, dtype=q.dtype)
         qq = q if q.dtype == ws_dtype else q.to(ws_dtype)
         if attn_mask is None and lo == hi and (not is_causal or Tq <= n) and not window:
             # every row sees the same prefix: the fastest SDPA kernels (plain, causal, or causal
@@ -74,7 +98,7 @@ def _dense_sdpa(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_
                 out = _sdpa(qq, k, v, causal_lower_right(Tq, n), False, sm_scale, Hq != Hkv)
             else:
                 out = _sdpa(qq, k, v, None, bool(is_causal), sm_scale, Hq != Hkv)
-            return out.to(q.dtype)
+            return out.to(q.dtype), v_rotation
         pos = torch.arange(start, n, device=q.device).view(1, 1, 1, n - start)
         valid = pos < kvl.view(B, 1, 1, 1)
         q_pos = kvl.view(B, 1, 1, 1) - Tq + torch.arange(Tq, device=q.device).view(1, 1, Tq, 1)
@@ -94,6 +118,6 @@ def _dense_sdpa(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_
             mask = valid
         empty = ~valid.any(dim=-1, keepdim=True) if mask.dtype == torch.bool else torch.isneginf(mask).all(-1, keepdim=True)
         out = _sdpa(qq, k, v, mask, False, sm_scale, Hq != Hkv)
-        return torch.where(empty, torch.zeros((), dtype=out.dtype, device=out.device), out).to(q.dtype)
+        return torch.where(empty, torch.zeros((), dtype=out.dtype, device=out.device), out).to(q.dtype), v_rotation
     finally:
         del k, v, mask  # the workspace goes now, also when a step above raised

@@ -12,15 +12,6 @@ from ._store_kernel import _dequantize_kernel, _dequantize_kv_kernel, _store_kv_
 from .common import device_cc, interpreting, kv_len_arg, next_pow2
 from .rotate import rotate_rows
 
-# x / s per element with div_rn (bit-exact, verified on the H200). False: one reciprocal per row +
-# Markstein's fma fix-up, 1.5x faster at T=16k, but it FAILED test_store_rounding_sweep on the H200
-# (some quotient off by an ulp next to an e4m3 rounding boundary): kept off, for the A/B only.
-EXACT_DIV = True
-
-# e4m3 codes by the sm_89+ convert (cvt.rn.satfinite.e4m3x2.f32) on the GPU; False: integer
-# arithmetic (what archs below sm_89 and the interpreter run). Both are bit-exact with formats.py.
-HW_E4M3 = True
-
 # Exact rounding must not be contracted into FMAs (x * s + o must round twice, as torch does).
 _EXACT = {} if interpreting() else {"enable_fp_fusion": False}
 
@@ -93,11 +84,17 @@ def store_kv(
         off, *off_strides,
         start, H, T, D,
         HAS_OFFSET=k_offset is not None, K_CODE=k_code, V_CODE=v_code, STATIC_SCALE=static,
-        EXACT_DIV=interpreting() or EXACT_DIV,
-        HW_E4M3=HW_E4M3 and any_fp8 and not interpreting() and tiles.has_native_fp8(device_cc(k.device)),
+        HW_E4M3=any_fp8 and hw_e4m3(k.device),
         GROUPS_P2=groups_p2, GROUP_SIZE=group_size, BLOCK_T=block_t,
         num_warps=4, **_EXACT,
     )
+
+
+def hw_e4m3(device: torch.device) -> bool:
+    """Whether e4m3 codes are encoded by the sm_89+ convert (``cvt.rn.satfinite.e4m3x2.f32``; H200,
+    session 4: fp8 store at T=16k 92.5 instead of 100.2 us, block32 86.6 instead of 133.2) or by
+    integer arithmetic (archs below sm_89, the interpreter). Both are bit-exact with formats.py."""
+    return not interpreting() and tiles.has_native_fp8(device_cc(device))
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -1,0 +1,336 @@
+"""Launch plans of ``kvcompile::attention``: every decision about how one call runs, in one place.
+
+In the manner of FlashInfer's plan/run: :func:`plan` is a pure function from what a call is
+(:class:`Call`: arch, shapes, dtypes, code types, scale layout, mask, features, rotations) to a
+frozen :class:`LaunchPlan` (tile, split count, dot type, where the rotations run, every constexpr of
+``_attention_kernel``). The launcher only executes a plan; :mod:`kvcompile.kernels.aot` compiles
+exactly :meth:`LaunchPlan.constexprs`; ``python -m kvcompile info`` prints plans. Plans are cached
+per call (a call is hashable; no tensor in it).
+
+Variants for tests and benchmarks go through :func:`override` (``dataclasses.replace`` of every
+plan made inside the ``with``), never through module flags. Tiles themselves are data in
+:mod:`kvcompile.tiles`. Alternatives that lost their A/B, and by how much, are in
+docs/perf-log.md; only what an architecture or a call shape chooses is left here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import math
+import os
+from typing import Optional
+
+import torch
+
+from .. import tiles
+
+__all__ = ["Call", "LaunchPlan", "plan", "override", "prefill_path", "decode_splits", "SCALE_TOKEN", "SCALE_BLOCK",
+           "SCALE_STATIC", "MASK_NONE", "MASK_BOOL", "MASK_ADD", "ROT_NONE", "ROT_MATRIX", "ROT_SYLVESTER",
+           "DECODE_MAX_Q", "DENSE_MIN_Q", "DECODE_WAVES", "DECODE_PROGRAMS_PER_SM_SMALL", "INTERPRET_TILE"]
+
+# the kernel's mode constants (tl.constexpr in _attention_kernel.py; equal by test_plan)
+SCALE_TOKEN, SCALE_BLOCK, SCALE_STATIC = 0, 1, 2
+MASK_NONE, MASK_BOOL, MASK_ADD = 0, 1, 2
+# how a side of the cache is rotated: not, by any orthonormal matrix (read from memory), or by the
+# shared Sylvester Hadamard matrix of a power-of-two head_dim (its +-1 entries generated in registers)
+ROT_NONE, ROT_MATRIX, ROT_SYLVESTER = 0, 1, 2
+
+# Query blocks up to this length go to the split-K decode kernel (decode, speculative verification).
+DECODE_MAX_Q = 16
+# auto: prefills of at least this many new tokens use the dense-dequant path. H200, 16k prefix
+# (BENCHMARKS.md, session 5): the fused kernel is faster up to 2048 (1933 vs 2072 us), dense from
+# 4096 (3192 vs 3593 us); 3072 lies between the two measured points.
+DENSE_MIN_Q = 3072
+# Split-K: the split count whose equal-work programs fill whole waves of the resident programs
+# best, at most this many waves (H200, session 6 run 5: 1-4 within 1% at B=8 L=32k and B=4 L=128k;
+# 1 loses 7% at B=32 L=32k, 6 loses 4-8%).
+DECODE_WAVES = 2
+# ... when batch * kv heads is small (<= 16) a split per program cannot fill a wave anyway: this
+# many programs per SM (session 6 run 3: 3 instead of 2 at B=1 L=32k, 27.3 vs 26.0 us fp8, 49.6 vs
+# 38.2 q8_0).
+DECODE_PROGRAMS_PER_SM_SMALL = 2
+# The interpreter (tests): small tiles so that short test caches cross tile edges.
+INTERPRET_TILE = (32, 16)  # (largest block_m, block_n)
+# Columns per product of a rotation (the q prologue's and the merge's); tl.dot needs >= 16.
+ROT_CHUNK = 32
+_PATHS = ("auto", "fused", "dense")
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What one ``kvcompile::attention`` call on the Triton kernels is, as far as planning goes."""
+
+    cc: tuple  # compute capability; the interpreter counts as (9, 0)
+    sms: int  # SMs of the device (the interpreter: 4)
+    interpret: bool
+    B: int
+    Hq: int
+    Hkv: int
+    Tq: int
+    L: int  # cache positions (max_cache_len)
+    D: int
+    q_dtype: torch.dtype
+    k_code: torch.dtype  # code dtypes: float8_e4m3fn or int8
+    v_code: torch.dtype
+    scale_kind: int  # SCALE_*
+    group_size: int  # values per scale (D for token / static)
+    scale_bytes: int  # scale bytes per key, the larger of K's and V's (0: static)
+    mask_kind: int = MASK_NONE
+    is_causal: bool = False
+    window: int = 0  # > 0 only when it hides keys (< L)
+    softcap: bool = False
+    sinks: bool = False
+    k_rot: int = ROT_NONE
+    v_rot: int = ROT_NONE
+    v_keys: bool = False  # V codes key-contiguous with room for 16-key chunks (launcher.v_keys_contiguous)
+    decode: bool = True  # split-K decode kernel (else the fused prefill kernel)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """How one call runs. ``splits == 1``: no merge; the fields below ``tile`` are the kernel's switches."""
+
+    call: Call
+    tile: tiles.Tile
+    resident: int  # programs of the tile per SM (decode split planning)
+    splits: int
+    split_len: int
+    dot_dtype: torch.dtype  # both dots' operand type: fp16 for 16-bit q (module docstring of the kernel), else fp32
+    k_fp8_bits: bool  # e4m3 codes passed as uint8 bits (no fp8 type in Triton for this arch)
+    v_fp8_bits: bool
+    v_pin: bool  # widen V by pinned inline PTX before its shared-memory transpose (_codes.codes_to_f16_pinned)
+    int8_ptx: bool  # widen int8 tiles four codes at a time by inline PTX (_codes.codes_to)
+    # int8 K (token or static scales) widened to 1152 + code without the fp16 subtraction, the scores
+    # corrected by 1152 sum(q) per row instead (with fp16 dots; fp32 dots widen exactly anyway)
+    int8_bias: bool
+    # where a rotation runs: q "kernel" (generated H in _attention_kernel's prologue) or "launch"
+    # (rotate_rows before); the output "merge" (R_V^T in _merge_kernel) or "launch" (rotate_rows
+    # after); "" where that side is not rotated
+    q_rotation: str = ""
+    o_rotation: str = ""
+
+    @property
+    def window(self) -> int:
+        return self.call.window
+
+    def constexprs(self) -> dict:
+        """The constexprs of ``_attention_kernel`` for this plan, as Triton types (what aot.py compiles)."""
+        import triton.language as tl
+
+        c = self.call
+        dt = {torch.float16: tl.float16, torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}[self.dot_dtype]
+        return dict(
+            GROUP=c.Hq // c.Hkv, GROUP_SIZE=c.group_size, SCALE_KIND=c.scale_kind, MASK_KIND=c.mask_kind,
+            IS_CAUSAL=bool(c.is_causal), HAS_WINDOW=c.window > 0, HAS_SOFTCAP=c.softcap, HAS_SINKS=c.sinks,
+            SPLIT_OUTPUT=self.splits > 1, K_FP8_BITS=self.k_fp8_bits, V_FP8_BITS=self.v_fp8_bits, DOT_DTYPE=dt,
+            V_PIN=self.v_pin, V_KEYS_CONTIG=c.v_keys, INT8_PTX=self.int8_ptx,
+            K_BIAS=self.int8_bias and self.dot_dtype == torch.float16,
+            Q_HADAMARD=self.q_rotation == "kernel", ROT_CHUNK=ROT_CHUNK,
+            ROT_EXACT=c.interpret or self.dot_dtype == torch.float32,
+            BLOCK_M=self.tile.block_m, BLOCK_N=self.tile.block_n, BLOCK_D=_pow2(c.D),
+        )
+
+    def describe(self) -> str:
+        t, c = self.tile, self.call
+        split = f", {self.resident}/SM, {self.splits} splits of {self.split_len}" if c.decode else ""
+        rot = [f"{side} rotated by {where}" for side, where in (("q", self.q_rotation), ("out", self.o_rotation)) if where]
+        return (f"{'decode' if c.decode else 'fused'}: tile {t.block_m}x{t.block_n} {t.num_warps}w {t.num_stages}s"
+                + (f" maxnreg {t.maxnreg}" if t.maxnreg else "") + split + f", {str(self.dot_dtype)[6:]} dots"
+                + (", V pinned" if self.v_pin else "") + (", int8 PTX" if self.int8_ptx else "")
+                + (", int8 K biased" if self.int8_bias and self.dot_dtype == torch.float16 else "")
+                + (", V key-contiguous" if c.v_keys else "") + "".join(", " + r for r in rot))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+_OVERRIDE: contextvars.ContextVar = contextvars.ContextVar("kvcompile_plan_override", default=None)
+
+
+@contextlib.contextmanager
+def override(**fields):
+    """Inside the ``with``, every plan made is ``dataclasses.replace(plan, **fields)`` (tests and
+    benchmarks: a forced tile, split count, dot type, V pin...). ``splits`` without ``split_len``
+    gets whole tiles per split; a ``tile`` without ``splits`` is re-planned for its splits."""
+    token = _OVERRIDE.set({**(_OVERRIDE.get() or {}), **fields})
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)
+
+
+def plan(call: Call, tile: Optional[tiles.Tile] = None) -> LaunchPlan:
+    """The plan of ``call`` (cached); ``tile`` replaces the table's (the launcher's fallback when
+    Triton refuses a tile for lack of shared memory)."""
+    fields = _OVERRIDE.get()
+    if fields:
+        fields = dict(fields)
+        tile = fields.pop("tile", tile)
+        p = _plan(call, tile)
+        if "splits" in fields and "split_len" not in fields:
+            span = _span(call, p.tile)
+            bn = p.tile.block_n
+            fields["split_len"] = -(-(-(-span // fields["splits"])) // bn) * bn
+            fields["splits"] = -(-span // fields["split_len"])
+        p = dataclasses.replace(p, **fields)
+        # a forced rotation place only where it applies: a rotated side, the generated matrix only
+        # for the Sylvester one, a merge only when split
+        q_rot, o_rot = p.q_rotation, p.o_rotation
+        if call.k_rot == ROT_NONE or (q_rot == "kernel" and call.k_rot != ROT_SYLVESTER):
+            q_rot = _plan(call, tile).q_rotation
+        if call.v_rot == ROT_NONE:
+            o_rot = _plan(call, tile).o_rotation
+        if o_rot == "merge" and p.splits == 1:
+            o_rot = "launch"
+        return dataclasses.replace(p, q_rotation=q_rot, o_rotation=o_rot)
+    return _plan(call, tile)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(call: Call, tile: Optional[tiles.Tile]) -> LaunchPlan:
+    c = call
+    native_fp8 = tiles.has_native_fp8(c.cc)
+    k_fp8_bits = c.k_code == torch.float8_e4m3fn and not c.interpret and not native_fp8
+    v_fp8_bits = c.v_code == torch.float8_e4m3fn and not c.interpret and not native_fp8
+    if c.interpret:  # numpy underneath: no bf16 dot (tests run fp16 dots through override(dot_dtype=...))
+        dot_dtype = torch.float32
+    elif c.q_dtype == torch.float32:
+        dot_dtype = torch.float32
+    else:
+        # fp16 dots for 16-bit q: e4m3 -> fp16 is one convert per two values and int8 -> fp16 a
+        # magic-number add, and decode is bound by those instructions (H200, session 1 run 4: dots
+        # in bf16 took fp8 B=8 L=32k 267.8 instead of 201.5 us, q8_0 1061.9 instead of 301.2). A q
+        # block beyond fp16's range is scaled by a power of two inside the kernel.
+        dot_dtype = torch.float16
+    gpu16 = not c.interpret and dot_dtype == torch.float16
+    # V widened by pinned PTX before its transpose (GPU, fp16 PV dot, codes the PTX decodes: int8 or
+    # native e4m3; never for key-contiguous V, which needs no transpose). H200, session 2 run 3:
+    # Triton's own placement of the convert reads V a byte per lane, fp8 B=8 L=32k 201.9 vs 190.5 us,
+    # fp8/block32 638.0 vs 292.6.
+    v_pin = gpu16 and not c.v_keys and not v_fp8_bits
+    # int8 tiles widened by PTX four codes at a time (H200, session 5 run 1: q8_0 decode 2.7-3% faster
+    # than Triton's per-code arithmetic, which the interpreter keeps)
+    int8_ptx = gpu16 and torch.int8 in (c.k_code, c.v_code)
+    # the K tile's fp16 subtraction (one per two codes) moves to one per score: 128 codes per thread and
+    # tile against 16 scores at the 16x128 decode tile. Not for block32 scales, which multiply the
+    # widened tile before the dot.
+    int8_bias = c.k_code == torch.int8 and c.scale_kind != SCALE_BLOCK
+    qb = torch.empty((), dtype=dot_dtype).element_size()
+    kb = vb = 1
+    rows = c.Tq * (c.Hq // c.Hkv)
+    if tile is None:
+        if c.decode:
+            tile = tiles.decode_tile(c.cc, c.D, qb, kb, vb, rows, c.v_keys, c.scale_bytes)
+        else:
+            tile = tiles.prefill_tile(c.cc, c.D, qb, kb, vb, c.v_keys, c.scale_bytes)
+        if c.interpret:
+            tile = dataclasses.replace(tile, block_m=min(tile.block_m, INTERPRET_TILE[0]), block_n=INTERPRET_TILE[1])
+    # programs of this tile one SM holds at once: the decode split count fills whole waves of them
+    resident = (tiles.programs_per_sm(tile, c.cc, tiles.smem_bytes(tile, c.D, qb, kb, vb, c.v_keys, c.scale_bytes))
+                if c.decode else 1)
+    if c.decode:
+        m_blocks = -(-rows // tile.block_m)
+        splits, split_len = decode_splits(c.B * c.Hkv * m_blocks, _span(c, tile), tile.block_n, c.sms, resident)
+    else:
+        splits, split_len = 1, -(-c.L // tile.block_n) * tile.block_n
+    # Rotations (int8's default; see kvcompile.rotation). q: with the shared Sylvester matrix of a
+    # power-of-two head_dim, in decode, rotated in the kernel's prologue from H's generated +-1
+    # entries (no launch, no read of R; the key loops compile as unrotated); otherwise by one
+    # rotate_rows launch per call (prefill: amortized over its tokens). The output: by the split-K
+    # merge (H generated there for the Sylvester matrix, else R read), or by one launch when the
+    # call is not split. (Rotating each split's partial in the kernel's epilogue instead spilled
+    # under the decode tile's register cap and lost end to end: H200, session 9, B=8 ctx 32k, 2.467
+    # against 2.133 ms per step.)
+    q_rot = o_rot = ""
+    if c.k_rot != ROT_NONE:
+        q_rot = "kernel" if c.k_rot == ROT_SYLVESTER and c.decode else "launch"
+    if c.v_rot != ROT_NONE:
+        o_rot = "merge" if splits > 1 else "launch"
+    return LaunchPlan(call=c, tile=tile, resident=max(1, resident), splits=splits, split_len=split_len,
+                      dot_dtype=dot_dtype, k_fp8_bits=k_fp8_bits, v_fp8_bits=v_fp8_bits, v_pin=v_pin,
+                      int8_ptx=int8_ptx, int8_bias=int8_bias, q_rotation=q_rot, o_rotation=o_rot)
+
+
+def _span(c: Call, tile: tiles.Tile) -> int:
+    """Keys the decode splits cover: the whole cache, or with a window the keys query 0 can see (from
+    its window's first key, rounded down to a tile): a sliding layer plans like a full layer of the
+    window's length."""
+    if c.window and c.decode:
+        return min(c.L, c.window + c.Tq - 1 + tile.block_n - 1)
+    return c.L
+
+
+def prefill_path(Tq: int, is_cuda: bool, capturing: bool, window_hides: bool = False, dense_ok: bool = True) -> str:
+    """"decode", "fused" or "dense" for a query block of ``Tq`` tokens.
+
+    ``KVCOMPILE_PREFILL=auto|fused|dense`` forces the prefill path (read per call). The dense path
+    needs a host sync, so never while a CUDA graph is being ``capturing``. ``window_hides``: a
+    sliding window shorter than the cache; auto then takes the fused kernel, which skips the key
+    tiles below the window (SDPA would read them all under a mask). ``dense_ok`` False (softcap,
+    sinks: SDPA has neither) takes the fused kernel even when ``KVCOMPILE_PREFILL=dense``.
+    """
+    if Tq <= DECODE_MAX_Q:
+        return "decode"
+    choice = os.environ.get("KVCOMPILE_PREFILL", "auto").strip().lower() or "auto"
+    if choice not in _PATHS:
+        raise ValueError(f"KVCOMPILE_PREFILL={choice!r} is not one of {list(_PATHS)}")
+    if not dense_ok:
+        return "fused"
+    if choice == "dense":
+        if capturing:
+            raise RuntimeError(
+                "kvcompile: KVCOMPILE_PREFILL=dense needs a host sync and cannot run inside CUDA graph capture; "
+                "use KVCOMPILE_PREFILL=auto or fused"
+            )
+        return "dense"
+    if choice == "fused" or capturing or not is_cuda or window_hides:
+        return "fused"
+    return "dense" if Tq >= DENSE_MIN_Q else "fused"
+
+
+def decode_splits(programs: int, max_len: int, block_n: int, sms: int, resident: int = 1) -> tuple[int, int]:
+    """(number of splits, keys per split) from static shapes only (never the current length: graph
+    safe, no host sync).
+
+    ``programs`` per split (batch * kv heads * query blocks); ``resident`` programs of the tile fit
+    one SM at once, so ``resident * sms`` run per wave. Every program of a launch reads one split
+    (the last may be shorter), so a launch a few programs past a whole wave ends with that wave
+    nearly empty: the count chosen fills its waves best (ties: more waves), at most ``DECODE_WAVES``
+    of them; with at least one block of keys per split. When batch * kv heads is small (<= 16)
+    a split per program cannot fill a wave anyway: ``DECODE_PROGRAMS_PER_SM_SMALL`` programs per SM.
+    """
+    return _decode_splits(programs, max_len, block_n, sms, max(1, resident), DECODE_WAVES,
+                          DECODE_PROGRAMS_PER_SM_SMALL)
+
+
+@functools.lru_cache(maxsize=4096)
+def _decode_splits(programs, max_len, block_n, sms, resident, waves_max, pps_small):
+    blocks = -(-max_len // block_n)
+
+    def split(want: int) -> tuple[int, int]:
+        split_len = -(-(-(-max_len // want)) // block_n) * block_n
+        return -(-max_len // split_len), split_len
+
+    if programs <= 16:
+        return split(max(1, min(-(-(pps_small * sms) // programs), blocks)))
+    slots = resident * sms
+    best, best_fill = split(1), 0.0
+    for want in range(1, blocks + 1):
+        splits, split_len = split(want)
+        if splits != want:  # not reachable with whole blocks per split
+            continue
+        waves = math.ceil(programs * splits / slots)
+        if waves > waves_max:
+            break
+        # the programs of the last split (launched last) are shorter: a last wave of only those
+        # takes their length
+        last_len = max_len - (splits - 1) * split_len
+        tail = last_len if programs * (splits - 1) <= (waves - 1) * slots else split_len
+        fill = programs * max_len / (slots * ((waves - 1) * split_len + tail))
+        if fill >= best_fill - 0.01:
+            best, best_fill = (splits, split_len), max(fill, best_fill)
+    return best

@@ -1,0 +1,123 @@
+"""Launch plans (kvcompile/kernels/plan.py): one place for every decision of an attention call.
+
+CPU only, no kernel runs: the plan is a pure function of the call, its constexprs are exactly the
+kernel's, its overrides are scoped, and no module of kvcompile/kernels keeps a flag that changes
+what a kernel does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import kvcompile.kernels as kernels_pkg  # noqa: E402
+from kvcompile import rotation, tiles  # noqa: E402
+from kvcompile.kernels import _attention_kernel as kmod  # noqa: E402
+from kvcompile.kernels import attention_launcher as launcher  # noqa: E402
+from kvcompile.kernels import plan as P  # noqa: E402
+
+
+def _call(**kw) -> P.Call:
+    base = dict(cc=(9, 0), sms=132, interpret=False, B=8, Hq=32, Hkv=8, Tq=1, L=32768, D=128,
+                q_dtype=torch.bfloat16, k_code=torch.int8, v_code=torch.int8, scale_kind=P.SCALE_TOKEN,
+                group_size=128, scale_bytes=4, v_keys=True)
+    base.update(kw)
+    return P.Call(**base)
+
+
+def test_mode_constants_are_the_kernels():
+    for name in ("SCALE_TOKEN", "SCALE_BLOCK", "SCALE_STATIC", "MASK_NONE", "MASK_BOOL", "MASK_ADD"):
+        assert getattr(P, name) == getattr(kmod, name).value, name
+
+
+@pytest.mark.parametrize("call", [
+    _call(),
+    _call(k_rot=P.ROT_SYLVESTER, v_rot=P.ROT_SYLVESTER),
+    _call(Tq=1024, decode=False, is_causal=True, k_code=torch.float8_e4m3fn, v_code=torch.float8_e4m3fn),
+    _call(scale_kind=P.SCALE_BLOCK, group_size=32, scale_bytes=8, v_keys=False, mask_kind=P.MASK_BOOL,
+          window=1024, softcap=True, sinks=True),
+], ids=["int8", "int8-rotated", "fp8-prefill", "q8_0-features"])
+def test_constexprs_are_exactly_the_kernels(call):
+    """Every constexpr of _attention_kernel, and nothing else, comes from the plan (aot.py compiles
+    these; a kernel switch added without the plan fails here before any GPU run)."""
+    fn = kmod._attention_kernel
+    params = inspect.signature(getattr(fn, "fn", fn)).parameters  # JITFunction or the interpreter's wrapper
+    declared = {n for n, a in params.items() if "constexpr" in str(a.annotation)}
+    assert len(declared) > 20
+    assert set(P.plan(call).constexprs()) == declared
+
+
+def test_plan_is_pure_and_cached():
+    c = _call()
+    assert P.plan(c) is P.plan(_call())  # equal calls, one cached plan
+    p = P.plan(c)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.splits = 3
+    assert p.tile == tiles.decode_tile((9, 0), 128, 2, 1, 1, 4, True, 4)
+    assert p.splits * p.split_len >= c.L > (p.splits - 1) * p.split_len
+
+
+def test_dot_type_follows_the_query_and_the_interpreter():
+    assert P.plan(_call()).dot_dtype == torch.float16
+    assert P.plan(_call(q_dtype=torch.float32)).dot_dtype == torch.float32
+    interp = P.plan(_call(interpret=True))
+    assert interp.dot_dtype == torch.float32 and not interp.int8_ptx and not interp.v_pin
+    assert (interp.tile.block_m, interp.tile.block_n) == (16, P.INTERPRET_TILE[1])
+
+
+def test_rotation_places():
+    syl = P.plan(_call(k_rot=P.ROT_SYLVESTER, v_rot=P.ROT_SYLVESTER))
+    assert (syl.q_rotation, syl.o_rotation) == ("kernel", "merge") and syl.splits > 1
+    assert syl.constexprs()["Q_HADAMARD"]
+    other = P.plan(_call(k_rot=P.ROT_MATRIX, v_rot=P.ROT_MATRIX))
+    assert (other.q_rotation, other.o_rotation) == ("launch", "merge") and not other.constexprs()["Q_HADAMARD"]
+    prefill = P.plan(_call(Tq=64, decode=False, k_rot=P.ROT_SYLVESTER, v_rot=P.ROT_SYLVESTER))
+    assert (prefill.q_rotation, prefill.o_rotation) == ("launch", "launch")
+    assert (P.plan(_call()).q_rotation, P.plan(_call()).o_rotation) == ("", "")
+
+
+def test_override_is_scoped_and_kept_valid():
+    c = _call(k_rot=P.ROT_SYLVESTER, v_rot=P.ROT_SYLVESTER)
+    with P.override(splits=1):
+        p = P.plan(c)
+        assert p.splits == 1 and p.split_len >= c.L
+        assert p.o_rotation == "launch"  # no merge to rotate in
+        with P.override(q_rotation="launch", int8_bias=False):
+            inner = P.plan(c)
+            assert (inner.splits, inner.q_rotation, inner.int8_bias) == (1, "launch", False)
+    assert P.plan(c) == P.plan(_call(k_rot=P.ROT_SYLVESTER, v_rot=P.ROT_SYLVESTER))
+    assert P.plan(c).splits > 1
+    with P.override(q_rotation="kernel", o_rotation="merge"):  # the generated matrix only for Sylvester
+        p = P.plan(_call(k_rot=P.ROT_MATRIX))
+        assert (p.q_rotation, p.o_rotation) == ("launch", "")
+    with P.override(tile=tiles.Tile(16, 64, 4, 2)):  # a forced tile is planned for its splits
+        p = P.plan(_call())
+        assert p.tile.block_n == 64 and p.split_len % 64 == 0
+
+
+def test_launcher_reads_the_call_off_its_tensors():
+    D, L = 64, 40
+    q = torch.randn(2, 4, 1, D)
+    kc = torch.zeros(2, 2, L, D, dtype=torch.int8)
+    ks = torch.ones(2, 2, L, 1)
+    R = rotation.shared(D, "cpu")
+    c = launcher.call_of(q, kc, ks, kc, ks, k_rotation=R, v_rotation=R.clone())
+    assert (c.k_rot, c.v_rot) == (P.ROT_SYLVESTER, P.ROT_MATRIX)
+    assert (c.B, c.Hq, c.Hkv, c.Tq, c.L, c.D, c.scale_kind) == (2, 4, 2, 1, L, D, P.SCALE_TOKEN)
+    assert launcher.call_of(q, kc, ks, kc, ks, window=L).window == 0  # a window of L keys hides none
+
+
+def test_no_module_flag_changes_a_kernel():
+    """No module of kvcompile.kernels holds a bool switch (a flag benchmarks or tests would flip):
+    decisions are plan fields, or functions of the arch."""
+    for info in pkgutil.iter_modules(kernels_pkg.__path__):
+        mod = importlib.import_module(f"kvcompile.kernels.{info.name}")
+        flags = [n for n, v in vars(mod).items() if n.isupper() and isinstance(v, bool)]
+        assert not flags, (info.name, flags)
