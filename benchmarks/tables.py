@@ -94,6 +94,33 @@ RUNS = {
         "h200_s8_run3_prefill.csv", "b138f24", H200, "session 8, run 3",
         "python benchmarks/bench_kv.py --subjects prefill --formats fp8 --prefill-formats fp8,int8+rot "
         "--prefill-q 16384,1024"),
+    "s9-before": Run(
+        "h200_s9_run1_decode_before.csv", "0790e5d", H200, "session 9, run 1",
+        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8,int8+rot,q8_0 "
+        "--decode-shapes 1x4096,1x32768,8x32768,32x8192,4x131072"),
+    "s9-after": Run(
+        "h200_s9_run1_decode_after.csv", "489df26's tree before the epilogue's removal", H200, "session 9, run 1",
+        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8,int8+rot,q8_0 "
+        "--decode-shapes 1x4096,1x32768,8x32768,32x8192,4x131072 --sweep --variants int8bias-off"),
+    "s9-decode": Run(
+        "h200_s9_run2_decode.csv", "489df26 (its tree plus an unused epilogue path, removed before the commit)", H200,
+        "session 9, run 2",
+        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8,int8+rot "
+        "--decode-shapes 1x4096,1x32768,8x32768,32x8192,4x131072 --sweep --variants 'q-launch|out-kernel'"),
+    "s9-prefill": Run(
+        "h200_s9_run2_prefill.csv", "489df26 (its tree plus an unused epilogue path, removed before the commit)", H200,
+        "session 9, run 2",
+        "python benchmarks/bench_kv.py --subjects prefill --formats fp8 --prefill-formats fp8,int8,int8+rot "
+        "--prefill-q 16384,1024"),
+    "s9-e2e": Run(
+        "h200_s9_run5_e2e_ab.csv", "489df26's tree (--plan selects each configuration)", H200, "session 9, run 5",
+        "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768 --steps 10 "
+        "--providers kvc-fp8_e4m3-graphs,kvc-int8-graphs [--plan o_rotation=merge[,int8_bias=0]]"),
+    "s9-e2e-small": Run(
+        "h200_s9_run3_e2e.csv", "489df26's tree with the epilogue above 16 programs per split", H200,
+        "session 9, run 3",
+        "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024 "
+        "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs"),
     "cpu": Run(
         "cpu_s8_bench_cpu.csv", "7988b5a", CPU2, "session 8",
         "python benchmarks/bench_cpu.py --providers hf-static kvcompile-int8 kvcompile-fp8_e4m3 kvcompile-q8_0"),
@@ -357,6 +384,56 @@ def rot_prefill(results: str = RESULTS) -> str:
     return _prefill("rot-prefill", results, (("fp8", "fp8 token"), ("int8+rot", "int8+rot")))
 
 
+def s9_decode(results: str = RESULTS) -> str:
+    """BENCHMARKS: int8+rot with q rotated in the kernel and the output in the merge (the plan's default)."""
+    return _vs_fp8("s9-decode", (UNROTATED, ("kvcompile-int8+rot", "int8+rot"),
+                                 ("kvcompile-int8+rot R-launches", "int8+rot, R read")), ("int8", "int8+rot"), results)
+
+
+def s9_restructure(results: str = RESULTS) -> str:
+    """BENCHMARKS: decode before (0790e5d) and after the launch-plan restructure, one machine."""
+    before, after = RUNS["s9-before"], RUNS["s9-after"]
+    b = _by(read(before, results), "provider", "shape")
+    a = _by(read(after, results), "provider", "shape")
+    fmts = (("fp8", "fp8 token"), ("q8_0", "q8_0"), ("int8", "int8, not rotated"))
+    lines = [f"us per call, before / after, in one run. {before.device}; before: code at {before.commit}, after: "
+             f"{after.commit} ({after.session}); raw: `benchmarks/results/{before.csv}`, `benchmarks/results/{after.csv}`.",
+             "", "| shape | " + " | ".join(name for _, name in fmts) + " |", "|---|" + "---:|" * len(fmts)]
+    for shape in _shapes(read(after, results), "decode"):
+        sh = _shape(shape)
+        cells = [f"{_us(b, 'kvcompile-' + f, shape):.1f} / {_us(a, 'kvcompile-' + f, shape):.1f}" for f, _ in fmts]
+        lines.append(f"| B={sh['B']} L={_k(sh['L'])} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def s9_prefill(results: str = RESULTS) -> str:
+    """BENCHMARKS: prefill of int8 and int8+rot against fp8 token, one run."""
+    return _prefill("s9-prefill", results, (("fp8", "fp8 token"), ("int8", "int8"), ("int8+rot", "int8+rot")))
+
+
+def s9_e2e(results: str = RESULTS) -> str:
+    """BENCHMARKS: one decode step with int8 (the default) against fp8 token, and the A/B of run 5."""
+    names = {"hf-static-compiled": "HF StaticCache bf16, compiled", "kvc-fp8_e4m3-graphs": "kvcompile fp8 token",
+             "kvc-int8-graphs": "kvcompile int8, output rotated in the epilogue (removed)",
+             "kvc-int8-graphs o_rotation=merge": "kvcompile int8 (the default: output rotated by the merge)",
+             "kvc-int8-graphs o_rotation=merge,int8_bias=0": "kvcompile int8, merge, K bias off"}
+    lines = ["ms per decode step, CUDA graphs, Llama-3-8B shape, 4 layers. Each block is one run.", "",
+             "| case | provider | ms/step | fp8 / this | run |", "|---|---|---:|---:|---|"]
+    # run 3 planned the epilogue only above 16 programs per split: its B=1 rows ran the default
+    small = dict(names, **{"kvc-int8-graphs": "kvcompile int8 (the default: at B=1 the merge rotated in run 3 too)"})
+    for key, keep, labels in (("s9-e2e", None, names), ("s9-e2e-small", ("1", "1024"), small)):
+        run = RUNS[key]
+        rows = [r for r in read(run, results) if keep is None or (r["B"], r["ctx"]) == keep]
+        fp8 = {(r["B"], r["ctx"]): float(r["ms_per_step"]) for r in rows if r["provider"] == "kvc-fp8_e4m3-graphs"}
+        for r in rows:
+            ms = float(r["ms_per_step"])
+            lines.append(f"| B={r['B']} ctx {_k(int(r['ctx']))} | {labels[r['provider']]} | {ms:.3f} | "
+                         f"{fp8[(r['B'], r['ctx'])] / ms:.2f} | {run.session} |")
+    lines += ["", f"{RUNS['s9-e2e'].device}; raw: `benchmarks/results/{RUNS['s9-e2e'].csv}`, "
+              f"`benchmarks/results/{RUNS['s9-e2e-small'].csv}` (its B=1 ctx 1k rows: the default configuration)."]
+    return "\n".join(lines)
+
+
 def window(results: str = RESULTS) -> str:
     """BENCHMARKS: a sliding-window layer against a full layer of the window's length and bf16 SDPA over it."""
 
@@ -460,6 +537,11 @@ TABLES: dict[str, Callable[[str], str]] = {
     "rot-prefill": rot_prefill,
     "rot-e2e": rot_e2e,
     "rot-command": command("rot-store", "rot-prefill", "rot-e2e"),
+    "s9-restructure": s9_restructure,
+    "s9-decode": s9_decode,
+    "s9-prefill": s9_prefill,
+    "s9-e2e": s9_e2e,
+    "s9-command": command("s9-after", "s9-decode", "s9-prefill", "s9-e2e-small", "s9-e2e"),
 }
 
 BLOCK = re.compile(r"(<!-- table:(?P<name>[\w-]+) [^>]*-->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
