@@ -16,7 +16,7 @@ import transformers
 
 import kvcompile
 from models import cache_kwarg, tiny_model
-from test_pass_models import fresh_dynamo, greedy, make_cache, make_model, prompt
+from pass_models import fresh_dynamo, greedy, make_cache, make_model, prompt
 
 ATOL = RTOL = 1e-4
 

@@ -15,7 +15,7 @@ import torch
 
 import kvcompile
 from models import cache_kwarg
-from test_pass_models import greedy, make_cache, make_model, prompt
+from pass_models import greedy, make_cache, make_model, prompt
 
 ATOL = RTOL = 1e-4
 

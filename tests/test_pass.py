@@ -1,6 +1,6 @@
 """KVAttentionPass on real HF graphs and on each spelling: op counts before/after, then numerics.
 
-The pass-only backend (tests/test_pass_models.PassOnly) runs the rewritten Dynamo graph eagerly,
+The pass-only backend (tests/pass_models.PassOnly) runs the rewritten Dynamo graph eagerly,
 so these tests cost tracing only; tests/test_backend.py runs the same models through Inductor.
 
 Tolerance: both sides use the same cache codes and the reference math in float32 (eager:
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import kvcompile
 from kvcompile.passes import ATTENTION_FORMS, KV_SPELLINGS, KVAttentionPass
-from test_pass_models import (
+from pass_models import (
     FAMILIES,
     PassOnly,
     fresh_dynamo,

@@ -2,7 +2,7 @@
 ``cache=``, chunked prefill, left padding, a 4-D mask, q_len 1 and q_len > 1 over a filled cache
 (speculative verification), generate().
 
-The pass-only backend (tests/test_pass_models.PassOnly) runs the rewritten Dynamo graph eagerly;
+The pass-only backend (tests/pass_models.PassOnly) runs the rewritten Dynamo graph eagerly;
 each test compiles its model once and drives every call shape through that one compiled forward.
 Tolerance as in tests/test_pass.py: the same cache codes on both sides, both attentions in
 float32 (reference op vs dequantize + SDPA), so logits differ by float32 summation order only.
@@ -17,7 +17,7 @@ import torch
 import transformers
 
 import kvcompile
-from test_pass_models import _COMMON, VOCAB, PassOnly, fresh_dynamo
+from pass_models import _COMMON, VOCAB, PassOnly, fresh_dynamo
 
 ATOL = RTOL = 2e-5
 MAX_LEN = 32

@@ -4,7 +4,7 @@ softcap and gpt-oss's attention sinks (real tiny models, eager attention), and c
 and rotates q and its output itself).
 
 The op is checked by its emitted arguments; its numerics run through
-``test_pass_models.attention_oracle`` (the op's contract in float64, softcap / sinks / window
+``pass_models.attention_oracle`` (the op's contract in float64, softcap / sinks / window
 included) in place of the op, against the model's own eager attention over the same cache. Each
 feature test also switches the feature off in the oracle and shows the result moves far past
 the tolerance: the test can tell the feature on from off.
@@ -24,7 +24,7 @@ import transformers
 import kvcompile
 from kvcompile import formats
 from kvcompile.passes import KVAttentionPass
-from test_pass_models import _COMMON, ATTENTION, DEQUANTIZE, PassOnly, attention_oracle, fresh_dynamo
+from pass_models import _COMMON, ATTENTION, DEQUANTIZE, PassOnly, attention_oracle, fresh_dynamo
 
 ATOL = RTOL = 2e-5
 MAX_LEN = 32

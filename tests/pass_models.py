@@ -1,4 +1,4 @@
-"""Tiny Hugging Face models and drivers shared by the pass/backend tests (no tests here).
+"""Tiny Hugging Face models and drivers shared by the pass/backend tests (a helper module: no tests here).
 
 Every config is the real architecture shrunk to 2 layers and hidden 64 so that Dynamo tracing
 and Inductor's CPU compile stay within CI's 2 cores; the real sizes are in the comments.
