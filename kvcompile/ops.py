@@ -22,8 +22,9 @@ Shapes (``B`` batch, ``Hq``/``Hkv`` query/kv heads, ``L`` max_cache_len, ``D`` h
   (:mod:`kvcompile.rotation`) or None. A rotated side stores ``quantize(x @ R - offset)`` (the
   offset then lives in rotated space); ``dequantize`` returns ``(codes * scale + offset) @ R^T``.
   ``attention`` takes the same R of a rotated side and works in its space: scores use ``q @ R_k``
-  (``(q R)(k R)^T = q k^T``) and the output is multiplied by ``R_v^T``; the kernels do both inside
-  the attention launch;
+  (``(q R)(k R)^T = q k^T``) and the output is multiplied by ``R_v^T``; on the Triton path the launch
+  plan says where (``kernels/plan.py``: q in the decode kernel's prologue and the output in its
+  split-K merge for the caches' shared matrix);
 * ``kv_len``: int tensor, ``[]`` or ``[B]``: how many positions of the cache hold data.
 """
 
