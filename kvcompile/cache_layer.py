@@ -109,6 +109,7 @@ class QuantizedLayer(CacheLayerMixin):
                 )
         if k_rotate or v_rotate:
             rotation.check_head_dim(head_dim)
+            rotation.prebuild(head_dim)  # now, so that a lazy allocation inside a compiled graph only reads it
         self.v_keys = v_fmt.v_keys_contiguous if v_layout == "auto" else v_layout == "keys"
         self.fmt = self.k_fmt = fmt
         self.v_fmt = v_fmt

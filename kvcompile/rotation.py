@@ -26,12 +26,11 @@ matrix is symmetric (``R == R.T``), but the ops always write ``R^T`` where the m
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
-__all__ = ["hadamard", "hadamard_blocks", "check_head_dim", "shared", "is_shared_sylvester", "MIN_BLOCK"]
+__all__ = ["hadamard", "hadamard_blocks", "check_head_dim", "prebuild", "shared", "is_shared_sylvester", "MIN_BLOCK"]
 
 MIN_BLOCK = 8  # smallest Hadamard block: head_dim must be a multiple of it
 
@@ -60,8 +59,23 @@ def _sylvester(n: int) -> torch.Tensor:
     return h
 
 
-@functools.lru_cache(maxsize=None)
+_F64: dict = {}  # head_dim -> the float64 matrix (a plain dict: Dynamo reads it as a constant when a
+# cache allocates lazily inside a compiled graph; an lru_cache there makes it warn and re-trace the build)
+
+
 def _hadamard_f64(head_dim: int) -> torch.Tensor:
+    t = _F64.get(head_dim)
+    if t is None:
+        t = _F64[head_dim] = _build_f64(head_dim)
+    return t
+
+
+def prebuild(head_dim: int) -> None:
+    """Build the matrix of ``head_dim`` now (caches call this at construction, outside any graph)."""
+    _hadamard_f64(head_dim)
+
+
+def _build_f64(head_dim: int) -> torch.Tensor:
     out = torch.zeros(head_dim, head_dim, dtype=torch.float64)
     i = 0
     for n in hadamard_blocks(head_dim):

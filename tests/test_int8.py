@@ -382,3 +382,28 @@ def test_ops_refuse_bad_rotations():
     # sliding_window is metadata: the result does not change
     assert torch.equal(torch.ops.kvcompile.dequantize(c, s, None, kv_len, torch.float32, None, 3),
                        torch.ops.kvcompile.dequantize(c, s, None, kv_len, torch.float32))
+
+
+def test_lazy_cache_in_a_compiled_graph_holds_the_shared_rotation():
+    """A cache built without a device allocates inside the compiled prefill (fullgraph). Its layers
+    must still hold rotation.shared's matrix (the kernels generate that one instead of reading
+    it), and building it there must not trip Dynamo (no lru_cache traced inside the graph)."""
+    import warnings
+
+    import kvcompile
+    from models import cache_kwarg, tiny_model
+
+    m = tiny_model("llama")
+    cache = kvcompile.QuantizedCache(m.config, max_batch_size=1, max_cache_len=16)  # int8, rotated, lazy
+    f = torch.compile(m.forward, backend=kvcompile.backend(), fullgraph=True)
+    ids = torch.randint(3, 100, (1, 5), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as seen, torch.no_grad():
+        warnings.simplefilter("always")
+        f(input_ids=ids, **{cache_kwarg(m): cache}, use_cache=True)
+    assert not [w for w in seen if "lru_cache" in str(w.message)], [str(w.message)[:120] for w in seen]
+    for layer in cache.layers:
+        assert layer.is_initialized and layer.k_rotation is layer.v_rotation
+        assert rotation.is_shared_sylvester(layer.k_rotation) == (layer.head_dim & (layer.head_dim - 1) == 0)
+        assert layer.k_rotation is rotation.shared(layer.head_dim, layer.device)
+    torch._dynamo.reset()
