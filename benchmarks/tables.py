@@ -48,11 +48,14 @@ class Run:
         return f"{self.device}; code at {self.commit} ({self.session}); raw: `benchmarks/results/{self.csv}`."
 
 
+# bench_kv's standard decode shapes (BxL)
+DECODE_SHAPES = "--decode-shapes 1x4096,1x32768,8x32768,32x8192,4x131072"
+
 # The latest run of each table. The commits were recorded by hand at the time (docs/perf-log.md).
 RUNS = {
     "decode": Run(
         "h200_s6_run6_decode_table.csv", "aecdf70", H200, "session 6, run 6",
-        "python benchmarks/bench_kv.py --subjects decode --decode-shapes 1x4096,1x32768,8x32768,32x8192,4x131072"),
+        "python benchmarks/bench_kv.py --subjects decode " + DECODE_SHAPES),
     "prefill": Run(
         "h200_s6_run2_prefill_dense.csv", "7e2f11c", H200, "session 6, run 2",
         "python benchmarks/bench_kv.py --subjects prefill --prefill-q 16384,4096,1024"),
@@ -84,29 +87,29 @@ RUNS = {
         "--providers hf-static-compiled,kvc-int8-graphs"),
     "rot-decode": Run(
         "h200_s8_run5_decode_rot.csv", "693e9f5", H200, "session 8, run 5",
-        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8,int8+rot "
-        "--decode-shapes 1x4096,1x32768,8x32768,32x8192,4x131072"),
+        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8,int8+rot " +
+        DECODE_SHAPES),
     "rot-store": Run(
         "h200_s8_run3_decode_store.csv", "b138f24", H200, "session 8, run 3",
-        "python benchmarks/bench_kv.py --subjects decode,store --formats fp8,int8,int8+rot "
-        "--decode-shapes 1x4096,1x32768,8x32768,32x8192,4x131072"),
+        "python benchmarks/bench_kv.py --subjects decode,store --formats fp8,int8,int8+rot " +
+        DECODE_SHAPES),
     "rot-prefill": Run(
         "h200_s8_run3_prefill.csv", "b138f24", H200, "session 8, run 3",
         "python benchmarks/bench_kv.py --subjects prefill --formats fp8 --prefill-formats fp8,int8+rot "
         "--prefill-q 16384,1024"),
     "s9-before": Run(
         "h200_s9_run1_decode_before.csv", "0790e5d", H200, "session 9, run 1",
-        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8,int8+rot,q8_0 "
-        "--decode-shapes 1x4096,1x32768,8x32768,32x8192,4x131072"),
+        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8,int8+rot,q8_0 " +
+        DECODE_SHAPES),
     "s9-after": Run(
         "h200_s9_run1_decode_after.csv", "489df26's tree before the epilogue's removal", H200, "session 9, run 1",
-        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8,int8+rot,q8_0 "
-        "--decode-shapes 1x4096,1x32768,8x32768,32x8192,4x131072 --sweep --variants int8bias-off"),
+        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8,int8+rot,q8_0 " +
+        DECODE_SHAPES + " --sweep --variants int8bias-off"),
     "s9-decode": Run(
         "h200_s9_run2_decode.csv", "489df26 (its tree plus an unused epilogue path, removed before the commit)", H200,
         "session 9, run 2",
-        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8,int8+rot "
-        "--decode-shapes 1x4096,1x32768,8x32768,32x8192,4x131072 --sweep --variants 'q-launch|out-kernel'"),
+        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8,int8+rot " +
+        DECODE_SHAPES + " --sweep --variants 'q-launch|out-kernel'"),
     "s9-prefill": Run(
         "h200_s9_run2_prefill.csv", "489df26 (its tree plus an unused epilogue path, removed before the commit)", H200,
         "session 9, run 2",

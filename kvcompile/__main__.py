@@ -80,7 +80,6 @@ def _plan_lines(archs) -> list[str]:
     if not archs:
         lines.append("(no GPU: plans shown for reference archs " + ", ".join(f"sm_{a}{b}" for (a, b), _ in shown)
                      + ")")
-    kinds = {"token": plan_mod.SCALE_TOKEN, "static": plan_mod.SCALE_STATIC, "block32": plan_mod.SCALE_BLOCK}
     for cc, sms in shown:
         lines.append(f"sm_{cc[0]}{cc[1]}: fp8 e4m3 " + ("native (tl.float8e4nv)" if tiles.has_native_fp8(cc)
                                                        else "decoded by bit manipulation"))
@@ -89,10 +88,9 @@ def _plan_lines(archs) -> list[str]:
                                          ("fp8 static", "fp8_e4m3", "static", False),
                                          ("fp8 block32", "fp8_e4m3", "block32", False), ("q8_0", "q8_0", "block32", False)):
                 fmt = formats.get_format(kv, gran)
-                kind = kinds[gran]
-                group = d if gran != "block32" else 32
-                # scale bytes per key: one per token, one per 32 values, none for static scales
-                sb = {"token": 1, "block32": d // 32, "static": 0}[gran] * fmt.scale_dtype.itemsize
+                scales = torch.empty(fmt.scale_shape(1, 1, 1, d), dtype=fmt.scale_dtype, device="meta")  # shapes only
+                kind, group = plan_mod.scale_layout(scales, scales, d)
+                sb = plan_mod.scale_bytes(scales)
                 r = plan_mod.ROT_NONE if not rot else (plan_mod.ROT_SYLVESTER if d & (d - 1) == 0 else plan_mod.ROT_MATRIX)
                 for decode in (True, False):
                     call = plan_mod.Call(cc=tuple(cc), sms=sms, interpret=False, B=8, Hq=32, Hkv=8, Tq=1 if decode else 1024,

@@ -141,15 +141,15 @@ def compile_attention(
         raise ValueError(f"kvcompile.kernels.aot: mask must be one of {list(masks)}, got {mask!r}")
     mask_kind, mask_ptr = masks[mask]
     # the launcher reads the scale kind off the scale tensors' shapes: give it shape-only ones
-    scales = torch.empty(fmt.scale_shape(1, 1, 1, head_dim), device="meta")
-    kind, group_size = launcher._scale_kind(scales, scales, head_dim)
+    scales = torch.empty(fmt.scale_shape(1, 1, 1, head_dim), dtype=fmt.scale_dtype, device="meta")
+    kind, group_size = plan_mod.scale_layout(scales, scales, head_dim)
     k_rot = plan_mod.ROT_SYLVESTER if rotated in (True, "k") else plan_mod.ROT_NONE
     v_rot = plan_mod.ROT_SYLVESTER if rotated in (True, "v") else plan_mod.ROT_NONE
     # a call of one kv head over a long cache (decode splits), bf16 queries (the GPU default)
     call = plan_mod.Call(
         cc=tuple(cc), sms=132, interpret=False, B=1, Hq=group, Hkv=1, Tq=q_len, L=32768, D=head_dim,
         q_dtype=torch.bfloat16, k_code=code_types[k_codes], v_code=code_types[v_codes], scale_kind=kind,
-        group_size=group_size, scale_bytes=launcher.scale_bytes(scales), mask_kind=mask_kind,
+        group_size=group_size, scale_bytes=plan_mod.scale_bytes(scales), mask_kind=mask_kind,
         is_causal=q_len > 1 if causal is None else causal, window=1024 if window else 0, softcap=softcap,
         sinks=sinks, k_rot=k_rot, v_rot=v_rot, v_keys=v_keys, decode=decode)
     fields = dict(plan_fields or {})
@@ -160,8 +160,9 @@ def compile_attention(
     with plan_mod.override(**fields, **({"tile": tile} if tile is not None else {})):
         p = plan_mod.plan(call)
     tile = p.tile
-    k_code = "*i8" if not p.call.k_code.is_floating_point else ("*u8" if p.k_fp8_bits else "*fp8e4nv")
-    v_code = "*i8" if not p.call.v_code.is_floating_point else ("*u8" if p.v_fp8_bits or p.v_pin else "*fp8e4nv")
+    k_bits, v_bits = p.codes_as_bits  # e4m3 codes as uint8 bits, as the launcher passes them
+    k_code = "*i8" if not p.call.k_code.is_floating_point else ("*u8" if k_bits else "*fp8e4nv")
+    v_code = "*i8" if not p.call.v_code.is_floating_point else ("*u8" if v_bits else "*fp8e4nv")
     scale = "*fp32" if fmt.scale_dtype.itemsize == 4 else "*fp16"
     ptrs = {"Q": "*bf16", "K": k_code, "V": v_code, "KS": scale, "VS": scale, "KVLEN": "*i64", "MASK": mask_ptr,
             "SINKS": "*fp32" if sinks else "*bf16", "O": "*bf16", "OP": "*fp32", "LSE": "*fp32"}

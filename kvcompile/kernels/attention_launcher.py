@@ -25,7 +25,7 @@ from ._attention_kernel import _attention_kernel
 from ._merge_kernel import _merge_kernel
 from .common import device_cc, interpreting, kv_len_arg, next_pow2, sm_count
 from .plan import (DECODE_MAX_Q, MASK_ADD, MASK_BOOL, MASK_NONE, ROT_CHUNK, ROT_MATRIX, ROT_NONE, ROT_SYLVESTER,
-                   SCALE_BLOCK, SCALE_STATIC, SCALE_TOKEN)
+                   SCALE_STATIC, scale_bytes, scale_layout)
 from .rotate import rotate_rows
 from .store import triton_cdiv
 
@@ -58,33 +58,6 @@ def v_keys_contiguous(v: Tensor) -> bool:
     return last + triton_cdiv(L, 16) * 16 <= v.untyped_storage().nbytes() // v.element_size()
 
 
-def scale_bytes(scale: Tensor) -> int:
-    """Bytes of scales the kernel loads per key (for K or for V): 0 for static scales."""
-    return 0 if scale.dim() == 1 else scale.element_size() * scale.shape[-1]
-
-
-def _scale_kind(k_scale: Tensor, v_scale: Tensor, head_dim: int) -> tuple[int, int]:
-    def kind(s: Tensor) -> tuple[int, int]:
-        if s.dim() == 1:
-            return SCALE_STATIC, head_dim
-        if s.shape[-1] == 1:
-            return SCALE_TOKEN, head_dim
-        return SCALE_BLOCK, head_dim // s.shape[-1]
-
-    kk, vk = kind(k_scale), kind(v_scale)
-    if kk[0] == SCALE_BLOCK and (kk[1] & (kk[1] - 1) or kk[1] < 16):
-        raise ValueError(
-            f"kvcompile.attention (triton): scale groups of {kk[1]} values (head_dim={head_dim}, "
-            f"{k_scale.shape[-1]} groups) are not supported; use granularity 'token' or 'block32'"
-        )
-    if kk != vk:
-        raise ValueError(
-            "kvcompile.attention (triton): K and V scales must have one granularity, got "
-            f"{tuple(k_scale.shape)} and {tuple(v_scale.shape)}"
-        )
-    return kk
-
-
 def _mask_arg(attn_mask: Optional[Tensor], B: int, Hq: int, Tq: int, L: int, like: Tensor):
     if attn_mask is None:
         return like, (0, 0, 0, 0), MASK_NONE
@@ -109,7 +82,7 @@ def call_of(q, k_q, k_scale, v_q, v_scale, attn_mask=None, is_causal=False, deco
     B, Hq, Tq, D = q.shape
     Hkv, L = k_q.shape[1], k_q.shape[2]
     dev = q.device
-    kind, group_size = _scale_kind(k_scale, v_scale, D)
+    kind, group_size = scale_layout(k_scale, v_scale, D)
     return plan_mod.Call(
         cc=tuple(device_cc(dev)), sms=sm_count(dev), interpret=interpreting(), B=B, Hq=Hq, Hkv=Hkv, Tq=Tq, L=L, D=D,
         q_dtype=q.dtype, k_code=k_q.dtype, v_code=v_q.dtype, scale_kind=kind, group_size=group_size,
@@ -170,9 +143,9 @@ def _run(p: plan_mod.LaunchPlan, q, k_q, k_scale, v_q, v_scale, kv_len, attn_mas
     q_dtype = q.dtype
     if p.q_rotation == "launch":  # fp32: the kernel rounds q once, into its dot type
         q = rotate_rows(q, k_rotation, dtype=torch.float32)
-    kc = k_q.view(torch.uint8) if p.k_fp8_bits else k_q
-    # V: e4m3 codes as uint8 bits where Triton has no fp8 type, and for the pinned PTX (it takes the bits)
-    vc = v_q.view(torch.uint8) if (p.v_fp8_bits or (p.v_pin and v_q.dtype == torch.float8_e4m3fn)) else v_q
+    k_bits, v_bits = p.codes_as_bits
+    kc = k_q.view(torch.uint8) if k_bits else k_q
+    vc = v_q.view(torch.uint8) if v_bits else v_q
     ks = k_scale.view(1, -1, 1, 1) if k_scale.dim() == 1 else k_scale
     vs = v_scale.view(1, -1, 1, 1) if v_scale.dim() == 1 else v_scale
     kvl, kvl_stride = kv_len_arg(kv_len, B, dev)

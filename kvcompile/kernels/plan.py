@@ -24,6 +24,7 @@ import os
 from typing import Optional
 
 import torch
+from torch import Tensor
 
 from .. import tiles
 
@@ -113,11 +114,27 @@ class LaunchPlan:
     o_rotation: str = ""
 
     @property
-    def window(self) -> int:
-        return self.call.window
+    def k_bias(self) -> bool:
+        """The int8 K bias runs (it needs the fp16 dots)."""
+        return self.int8_bias and self.dot_dtype == torch.float16
+
+    @property
+    def codes_as_bits(self) -> tuple[bool, bool]:
+        """(K, V): whether the launch passes that side's e4m3 codes as uint8 bits (no fp8 type in
+        Triton for the arch; V also for the pinned PTX, which takes the bits)."""
+        c = self.call
+        return self.k_fp8_bits, self.v_fp8_bits or (self.v_pin and c.v_code == torch.float8_e4m3fn)
 
     def constexprs(self) -> dict:
-        """The constexprs of ``_attention_kernel`` for this plan, as Triton types (what aot.py compiles)."""
+        """The constexprs of ``_attention_kernel`` for this plan, as Triton types (what aot.py compiles;
+        built once per plan: the launcher passes them every call)."""
+        cached = self.__dict__.get("_constexprs")
+        if cached is None:
+            cached = self._build_constexprs()
+            object.__setattr__(self, "_constexprs", cached)
+        return cached
+
+    def _build_constexprs(self) -> dict:
         import triton.language as tl
 
         c = self.call
@@ -127,7 +144,7 @@ class LaunchPlan:
             IS_CAUSAL=bool(c.is_causal), HAS_WINDOW=c.window > 0, HAS_SOFTCAP=c.softcap, HAS_SINKS=c.sinks,
             SPLIT_OUTPUT=self.splits > 1, K_FP8_BITS=self.k_fp8_bits, V_FP8_BITS=self.v_fp8_bits, DOT_DTYPE=dt,
             V_PIN=self.v_pin, V_KEYS_CONTIG=c.v_keys, INT8_PTX=self.int8_ptx,
-            K_BIAS=self.int8_bias and self.dot_dtype == torch.float16,
+            K_BIAS=self.k_bias,
             Q_HADAMARD=self.q_rotation == "kernel", ROT_CHUNK=ROT_CHUNK,
             ROT_EXACT=c.interpret or self.dot_dtype == torch.float32,
             BLOCK_M=self.tile.block_m, BLOCK_N=self.tile.block_n, BLOCK_D=_pow2(c.D),
@@ -140,12 +157,42 @@ class LaunchPlan:
         return (f"{'decode' if c.decode else 'fused'}: tile {t.block_m}x{t.block_n} {t.num_warps}w {t.num_stages}s"
                 + (f" maxnreg {t.maxnreg}" if t.maxnreg else "") + split + f", {str(self.dot_dtype)[6:]} dots"
                 + (", V pinned" if self.v_pin else "") + (", int8 PTX" if self.int8_ptx else "")
-                + (", int8 K biased" if self.int8_bias and self.dot_dtype == torch.float16 else "")
+                + (", int8 K biased" if self.k_bias else "")
                 + (", V key-contiguous" if c.v_keys else "") + "".join(", " + r for r in rot))
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def scale_layout(k_scale: Tensor, v_scale: Tensor, head_dim: int) -> tuple[int, int]:
+    """(SCALE_* kind, values per scale) of a cache's K and V scale tensors (their shapes only: meta
+    tensors do); K and V must share one granularity, and block scales must cover 16+ values."""
+
+    def kind(s: Tensor) -> tuple[int, int]:
+        if s.dim() == 1:
+            return SCALE_STATIC, head_dim
+        if s.shape[-1] == 1:
+            return SCALE_TOKEN, head_dim
+        return SCALE_BLOCK, head_dim // s.shape[-1]
+
+    kk, vk = kind(k_scale), kind(v_scale)
+    if kk[0] == SCALE_BLOCK and (kk[1] & (kk[1] - 1) or kk[1] < 16):
+        raise ValueError(
+            f"kvcompile.attention (triton): scale groups of {kk[1]} values (head_dim={head_dim}, "
+            f"{k_scale.shape[-1]} groups) are not supported; use granularity 'token' or 'block32'"
+        )
+    if kk != vk:
+        raise ValueError(
+            "kvcompile.attention (triton): K and V scales must have one granularity, got "
+            f"{tuple(k_scale.shape)} and {tuple(v_scale.shape)}"
+        )
+    return kk
+
+
+def scale_bytes(scale: Tensor) -> int:
+    """Bytes of scales the kernel loads per key (for K or for V): 0 for static scales."""
+    return 0 if scale.dim() == 1 else scale.element_size() * scale.shape[-1]
 
 
 _OVERRIDE: contextvars.ContextVar = contextvars.ContextVar("kvcompile_plan_override", default=None)

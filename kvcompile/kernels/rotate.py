@@ -14,8 +14,7 @@ from torch import Tensor
 
 from ._rotation import _rotate_rows_kernel
 from .common import interpreting, next_pow2
-
-ROT_CHUNK = 32  # output columns per program (and per dot of the attention epilogue)
+from .plan import ROT_CHUNK  # output columns per program
 
 
 def rotate_rows(x: Tensor, rotation: Tensor, transpose: bool = False, dtype: torch.dtype = torch.float32,
