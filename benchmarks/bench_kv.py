@@ -89,9 +89,9 @@ def record(subject, shape, provider, ms, nbytes, flops=0.0, base_ms=None, **extr
     return row
 
 
-def make_cache(kv_dtype, gran, B, L, gen_scale=1.0, R=None):
-    """Codes and scales as QuantizedCache holds them (V key-contiguous for token scales); with ``R``,
-    K and V stored rotated (codes of x @ R, as a rotated cache stores them)."""
+def make_cache(kv_dtype, gran, B, L, gen_scale=1.0, R=(None, None)):
+    """Codes and scales as QuantizedCache holds them (V key-contiguous for token scales); ``R``: (K's,
+    V's) rotation, a side stored rotated as a rotated cache stores it (codes of x @ R)."""
     fmt = formats.get_format(kv_dtype, gran)
     k = torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16) * gen_scale
     v = torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16)
@@ -103,7 +103,7 @@ def make_cache(kv_dtype, gran, B, L, gen_scale=1.0, R=None):
     else:
         ks = torch.empty(fmt.scale_shape(B, HKV, L, D), dtype=fmt.scale_dtype, device="cuda")
         vs = torch.empty_like(ks)
-    kernels.store_kv(kc, ks, vc, vs, k, v, torch.tensor(0, device="cuda"), None, R, R)
+    kernels.store_kv(kc, ks, vc, vs, k, v, torch.tensor(0, device="cuda"), None, *R)
     return (kc, ks, vc, vs), (k, v)
 
 
@@ -126,12 +126,15 @@ def cache_bytes(c):
 
 FORMATS = {"fp8": ("fp8_e4m3", "token"), "fp8/block32": ("fp8_e4m3", "block32"),
            "fp8/static": ("fp8_e4m3", "static"), "q8_0": ("q8_0", "block32"), "int8": ("int8", "token"),
-           "int8+rot": ("int8", "token")}  # +rot: stored rotated, the kernels rotate q and the output
+           "int8+rot": ("int8", "token"), "int8+krot": ("int8", "token")}
+# +rot: K and V stored rotated (the kernels rotate q and the output); +krot: K only (int8's default)
 
 
 def rot(name):
-    """The rotation matrix a format name stores K and V in (None: not rotated)."""
-    return rotation.shared(D, "cuda") if name.endswith("+rot") else None  # the caches' own: generated in-kernel
+    """(K's, V's) rotation matrix of a format name (None: that side is not rotated): the caches'
+    shared matrix, whose entries the kernels generate."""
+    R = rotation.shared(D, "cuda")
+    return {"+rot": (R, R), "+krot": (R, None)}.get(name[name.rfind("+"):] if "+" in name else "", (None, None))
 
 
 def sdpa_decode_baseline(B, L):
@@ -161,16 +164,16 @@ def decode(args):
             n = copies_for(nb)
             caches = [c0] + [make_cache(kv_dtype, gran, B, L, R=R)[0] for _ in range(n - 1)]
             fns = [lambda q=q, c=c: kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, False, None,
-                                                      0, 0.0, None, R, R)
+                                                      0, 0.0, None, *R)
                    for q, c in zip(qs, caches)]
             ms = bench(fns, len(fns))
             splits = splits_used(fns[0])
             record("decode", shape, f"kvcompile-{name}", ms, nb + 4 * B * HQ * D, base_ms=base, splits=splits)
-            if R is not None:  # A/B: another matrix (same values, not the shared tensor): R read from memory,
+            if R != (None, None):  # A/B: another matrix (same values, not the shared tensor): R read from memory,
                 # q rotated by a launch before the kernel and the output by the merge (or a launch) after it
-                Rm = R.clone()
+                Rm = tuple(r if r is None else r.clone() for r in R)
                 fns_m = [lambda q=q, c=c: kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, False, None,
-                                                            0, 0.0, None, Rm, Rm) for q, c in zip(qs, caches)]
+                                                            0, 0.0, None, *Rm) for q, c in zip(qs, caches)]
                 record("decode", shape, f"kvcompile-{name} R-launches", bench(fns_m, len(fns_m)),
                        nb + 4 * B * HQ * D, base_ms=base, splits=splits)
                 del fns_m
@@ -201,7 +204,7 @@ def window(args):
                 caches = [c0] + [make_cache(kv_dtype, gran, B, L, R=R)[0] for _ in range(n - 1)]
                 kv_len = torch.full((B,), L, device="cuda", dtype=torch.long)
                 fns = [lambda q=q, c=c, kv_len=kv_len, win=win: kernels.attention(
-                           q, c[0], c[1], c[2], c[3], kv_len, None, False, None, win, 0.0, None, R, R)
+                           q, c[0], c[1], c[2], c[3], kv_len, None, False, None, win, 0.0, None, *R)
                        for q, c in zip(qs * (-(-n // len(qs))), caches)]
                 times[label] = ms = bench(fns, len(fns))
                 extra = {"vs_full": times["full L=W"] / ms} if label == "sliding" else {}
@@ -222,13 +225,13 @@ def splits_used(fn) -> int:
     return seen[-1].splits if seen else 1
 
 
-def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False, R=None):
+def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False, R=(None, None)):
     """A/B of launch-plan variants on one shape (``plan.override``): V widened after its smem read,
     int8 widened by Triton's arithmetic, forced decode tiles and split counts, V in the other layout."""
     variants = [("vpin-off", dict(v_pin=False))]
     if name.startswith("int8"):  # the K tile widened with its exact subtraction, no score correction
         variants.append(("int8bias-off", dict(int8_bias=False)))
-    if R is not None:  # q rotated by a launch before the kernel instead of in its prologue
+    if R[0] is not None:  # q rotated by a launch before the kernel instead of in its prologue
         variants.append(("q-launch", dict(q_rotation="launch")))
     if name == "q8_0":
         variants.append(("int8ptx-off", dict(int8_ptx=False)))
@@ -274,7 +277,7 @@ def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False, R
             if kernel_file is not None:
                 launcher._attention_kernel = load_kernel_file(kernel_file)
             fns = [lambda q=q, c=c: kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, False, None,
-                                                      0, 0.0, None, R, R)
+                                                      0, 0.0, None, *R)
                    for q, c in zip(qv, use)]
             with plan_mod.override(**changes):
                 ms = bench(fns, len(fns))
@@ -315,13 +318,17 @@ def prefill(args):
             R = rot(fname)
             c, _ = make_cache(*FORMATS[fname], 1, L, R=R)
             os.environ["KVCOMPILE_PREFILL"] = path
-            fn = lambda: kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, causal, None, 0, 0.0, None, R, R)
+            fn = lambda: kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, causal, None, 0, 0.0, None, *R)
             try:
                 ms = bench([fn], 1) if path == "fused" else time_eager(fn)
             except Exception as e:
                 print("prefill skip", path, type(e).__name__, str(e)[:200])
                 continue
             record("prefill", shape, f"kvcompile-{fname}-{path}", ms, 0, flops, base_ms=base)
+            if path == "fused" and args.sweep and fname.startswith("int8"):  # the decode tiles' int8 bias, forced
+                with plan_mod.override(int8_bias=True):
+                    record("sweep", shape, f"kvcompile-{fname}-fused int8bias-on", bench([fn], 1), 0, flops,
+                           base_ms=base)
             if fname != "fp8":
                 continue
             if path == "fused" and AB_KERNEL is not None:
@@ -406,7 +413,7 @@ def store(args):
             else:
                 sk = torch.empty(fmt.scale_shape(B, HKV, L, D), dtype=fmt.scale_dtype, device="cuda")
                 sv = torch.empty_like(sk)
-            fns = [lambda k=k, v=v: kernels.store_kv(kc, sk, vc, sv, k, v, start, None, R, R) for k, v in zip(ks, vs)]
+            fns = [lambda k=k, v=v: kernels.store_kv(kc, sk, vc, sv, k, v, start, None, *R) for k, v in zip(ks, vs)]
             g = fmt.groups(D)
             nb = 2 * nel * (2 + 1) + 2 * B * HKV * T * g * (2 if kv_dtype == "q8_0" else 4)
             record("store", shape, f"kvcompile-{name}", bench(fns, len(fns)), nb, base_ms=base)
@@ -492,13 +499,13 @@ def smoke(args):
             for Tq in (1, 7, 40):
                 q = torch.randn(3, HQ, Tq, D, device="cuda", dtype=torch.bfloat16)
                 m = torch.rand(3, 1, Tq, 301, device="cuda") > 0.2
-                kernels.attention(q, kc, ks, v, vs, kv_len, m, True, None, 0, 0.0, None, R, R)
-                kernels.attention(q, kc, ks, v, vs, kv_len, None, False, None, 0, 0.0, None, R, R)
-                kernels.attention(q, kc, ks, v, vs, kv_len, None, True, None, 0, 0.0, None, R, R)  # unmasked + diagonal
+                kernels.attention(q, kc, ks, v, vs, kv_len, m, True, None, 0, 0.0, None, *R)
+                kernels.attention(q, kc, ks, v, vs, kv_len, None, False, None, 0, 0.0, None, *R)
+                kernels.attention(q, kc, ks, v, vs, kv_len, None, True, None, 0, 0.0, None, *R)  # unmasked + diagonal
                 sinks = torch.randn(HQ, device="cuda")
                 kernels.attention(q, kc, ks, v, vs, kv_len, None, True, None, 37, 20.0, sinks, R, R)  # window edges
             os.environ["KVCOMPILE_PREFILL"] = "dense"  # the one-launch K + V dequantize, both V layouts
-            kernels.attention(q, kc, ks, v, vs, kv_len, m, True, None, 0, 0.0, None, R, R)
+            kernels.attention(q, kc, ks, v, vs, kv_len, m, True, None, 0, 0.0, None, *R)
             os.environ["KVCOMPILE_PREFILL"] = "fused"
             kernels.dequantize(v, vs, None, kv_len, torch.bfloat16)
         kernels.dequantize(kc, ks, None, kv_len, torch.bfloat16)

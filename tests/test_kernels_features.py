@@ -532,6 +532,33 @@ def test_code_types_fp16_dot_path(kinds, Tq, fp16_dots):
     run(q, cache, torch.tensor([45, 30], device=DEV), None, Tq > 1, tol=FP16_TOL)
 
 
+@pytest.mark.parametrize("kinds", PAIRS[:3], ids=PAIR_IDS[:3])
+@pytest.mark.parametrize("Tq", [1, 20])
+def test_int8_bias_is_exact(kinds, Tq, fp16_dots, monkeypatch):
+    """With fp16 dots a plan may widen each int8 side to 1152 + code and correct the product instead
+    (``plan.int8_bias``, planned for decode tiles: the scores by 1152 sum(q) per row, the PV product by
+    1152 rowsum(P)); forced on here for the prefill kernel too. The result equals the exact widening's (``int8_bias=False``) up to fp32 rounding of the biased sums,
+    which are 10-20x the unbiased ones here (1152 sum(q) against q . k): an fp32 ulp of them moves a
+    logit by ~1e-5, measured 2e-5 relative at most; 1e-4 bounds it, 50x under FP16_TOL (the fp16
+    path's own error), so a wrong correction cannot pass."""
+    B, Hkv, group, L, D = 2, 2, 2, 45, 64
+    cache = make_cache(*kinds, B, Hkv, L, D, seed=Tq, v_layout="keys")
+    q = make_q(B, Hkv * group, Tq, D, seed=Tq, mult=2.0, dtype=torch.float32 if DEV == "cpu" else torch.float16)
+    kv_len = torch.tensor([45, 30], device=DEV)
+    seen, orig = [], attn_mod.plan_of
+    monkeypatch.setattr(attn_mod, "plan_of", lambda call: seen.append(orig(call)) or seen[-1])
+    with plan_mod.override(int8_bias=True):
+        biased = kernels.attention(q, *cache, kv_len, None, Tq > 1, None)
+    assert (seen[-1].k_bias, seen[-1].v_bias) == (kinds[0] == "int8", kinds[1] == "int8")
+    with plan_mod.override(int8_bias=False):
+        exact = kernels.attention(q, *cache, kv_len, None, Tq > 1, None)
+    assert not (seen[-1].k_bias or seen[-1].v_bias)
+    # GPU: fp16 outputs, where a value moved by 1e-5 may round one ulp (4.9e-4) the other way
+    assert rel_err(biased, exact) < (1e-4 if DEV == "cpu" else 1e-3)
+    ref = reference.attention(q, *cache, kv_len, None, Tq > 1, None, compute_dtype=torch.float64)
+    assert rel_err(biased, ref) < FP16_TOL
+
+
 def test_code_types_dense_path(monkeypatch):
     monkeypatch.setenv("KVCOMPILE_PREFILL", "dense")
     for kinds in (("fp8", "int8"), ("int8", "int8")):

@@ -83,6 +83,24 @@ def test_rotation_places():
     assert (P.plan(_call()).q_rotation, P.plan(_call()).o_rotation) == ("", "")
 
 
+def test_int8_bias_for_tiles_of_few_rows():
+    """int8 widened to 1152 + code (corrections per score and per P element instead of a subtraction
+    per two codes): planned where the tile's rows are at most a quarter of the head dim (decode) and
+    enough programs run to hide the correction's latency; not for the prefill tile, nor for a decode
+    of one sequence; K and V each only when int8 with token / static scales."""
+    dec = P.plan(_call())
+    assert dec.int8_bias and dec.k_bias and dec.v_bias and dec.constexprs()["V_BIAS"]
+    assert not P.plan(_call(B=1)).int8_bias  # 8 programs per split <= DECODE_SMALL_PROGRAMS
+    pre = P.plan(_call(Tq=1024, decode=False, is_causal=True))
+    assert pre.tile.block_m * 4 > 128 and not (pre.k_bias or pre.v_bias)
+    mixed = P.plan(_call(v_code=torch.float8_e4m3fn))
+    assert mixed.k_bias and not mixed.v_bias
+    with P.override(int8_bias=True):  # forced: still only where it is valid
+        q8 = P.plan(_call(scale_kind=P.SCALE_BLOCK, group_size=32, scale_bytes=8, v_keys=False))
+        assert not (q8.k_bias or q8.v_bias)
+        assert not P.plan(_call(q_dtype=torch.float32)).k_bias  # fp32 dots widen exactly
+
+
 def test_override_is_scoped_and_kept_valid():
     c = _call(k_rot=P.ROT_SYLVESTER, v_rot=P.ROT_SYLVESTER)
     with P.override(splits=1):

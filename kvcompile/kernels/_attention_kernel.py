@@ -82,6 +82,7 @@ def _attend_tile(
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     K_FP8_BITS: tl.constexpr, V_FP8_BITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
     V_PIN: tl.constexpr, V_KEYS_CONTIG: tl.constexpr, INT8_PTX: tl.constexpr, K_BIAS: tl.constexpr,
+    V_BIAS: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key of the tile is visible to every row (see the caller)
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -177,7 +178,7 @@ def _attend_tile(
         if V_PIN:
             v = codes_to_f16_pinned(vc)
         else:
-            v = codes_to(vc, DOT_DTYPE, V_FP8_BITS, INT8_PTX)
+            v = codes_to(vc, DOT_DTYPE, V_FP8_BITS, INT8_PTX, V_BIAS)
         if SCALE_KIND == SCALE_TOKEN:
             if MASKED:
                 vs = tl.load(vs_base + n * stride_vsn, mask=n_ok, other=0.0).to(tl.float32)
@@ -203,11 +204,17 @@ def _attend_tile(
             v = tl.maximum(v, tl.full([1, 1], -3.0e38, v.dtype))
     if DOT_DTYPE == tl.float32:
         acc += tl.dot(pv, v, input_precision="ieee")
-    elif FOLD_V_MAX:  # the rescale rides on the dot's accumulator input: no separate pass over acc
-        acc = tl.dot(pv, v, acc * (alpha * (v_prev / v_max))[:, None])
-        v_prev = v_max
     else:
-        acc += tl.dot(pv, v)
+        if FOLD_V_MAX:  # the rescale rides on the dot's accumulator input: no separate pass over acc
+            acc = acc * (alpha * (v_prev / v_max))[:, None]
+            v_prev = v_max
+        if V_BIAS:  # the int8 V tile arrived as 1152 + code: P (1152 + v) - 1152 rowsum(P) = P v, with the
+            # row sums of the fp16 P the dot multiplies (exact products, so the two 1152 terms match)
+            acc = acc - 1152.0 * tl.sum(pv.to(tl.float32), axis=1)[:, None]
+        if FOLD_V_MAX or V_BIAS:
+            acc = tl.dot(pv, v, acc)
+        else:
+            acc += tl.dot(pv, v)
     m_i = m_new
     return acc, l_i, m_i, v_prev
 
@@ -242,6 +249,7 @@ def _attention_kernel(
     V_KEYS_CONTIG: tl.constexpr,  # V codes key-contiguous (stride_vn == 1; QuantizedCache's token / static layout)
     INT8_PTX: tl.constexpr,      # widen int8 tiles to fp16 by inline PTX, four at a time (GPU; _codes.codes_to)
     K_BIAS: tl.constexpr,        # int8 K widened to 1152 + code (no subtraction), S corrected by 1152 sum(q) per row
+    V_BIAS: tl.constexpr,        # int8 V likewise, the PV product corrected by 1152 rowsum(P)
     Q_HADAMARD: tl.constexpr,    # q times H_D / sqrt(D) in the prologue (K stored rotated by it)
     ROT_CHUNK: tl.constexpr,     # columns per dot of that product
     ROT_EXACT: tl.constexpr,     # that product as fp32 FMA dots (interpreter, fp32 q) instead of 16-bit MMAs
@@ -356,7 +364,7 @@ def _attention_kernel(
                     k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd, ks_base, stride_ksn, stride_ksg,
                     vs_base, stride_vsn, stride_vsg, m_base, stride_mn,
                     GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
-                    DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, True, BLOCK_N, BLOCK_D)
+                    DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, True, BLOCK_N, BLOCK_D)
         n_vis = n_hi
         if IS_CAUSAL:
             n_vis = tl.minimum(n_vis, kv_len - Tq + (pid_m * BLOCK_M) // GROUP + 1)
@@ -368,7 +376,7 @@ def _attention_kernel(
                 k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd, ks_base, stride_ksn, stride_ksg,
                 vs_base, stride_vsn, stride_vsg, m_base, stride_mn,
                 GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
-                DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, False, BLOCK_N, BLOCK_D)
+                DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, False, BLOCK_N, BLOCK_D)
     for start_n in tl.range(n_full, n_hi, BLOCK_N, num_stages=1):  # at most 2 tiles without a mask: not pipelined
         acc, l_i, m_i, v_prev = _attend_tile(
             acc, l_i, m_i, v_prev, start_n, n_hi, q, q_bias, qk_scale, row_ok, q_pos, win_lo, softcap, inv_softcap,
@@ -376,7 +384,7 @@ def _attention_kernel(
             k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd, ks_base, stride_ksn, stride_ksg,
             vs_base, stride_vsn, stride_vsg, m_base, stride_mn,
             GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
-            DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, True, BLOCK_N, BLOCK_D)
+            DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, True, BLOCK_N, BLOCK_D)
 
     # ---- epilogue: rows with no visible key give zeros ----
     has_key = l_i > 0

@@ -145,9 +145,10 @@ def compile_attention(
     kind, group_size = plan_mod.scale_layout(scales, scales, head_dim)
     k_rot = plan_mod.ROT_SYLVESTER if rotated in (True, "k") else plan_mod.ROT_NONE
     v_rot = plan_mod.ROT_SYLVESTER if rotated in (True, "v") else plan_mod.ROT_NONE
-    # a call of one kv head over a long cache (decode splits), bf16 queries (the GPU default)
+    # a Llama-3-8B-like call at batch 8 over a long cache (decode splits; enough programs for the
+    # throughput plan, e.g. the int8 bias), bf16 queries (the GPU default)
     call = plan_mod.Call(
-        cc=tuple(cc), sms=132, interpret=False, B=1, Hq=group, Hkv=1, Tq=q_len, L=32768, D=head_dim,
+        cc=tuple(cc), sms=132, interpret=False, B=8, Hq=8 * group, Hkv=8, Tq=q_len, L=32768, D=head_dim,
         q_dtype=torch.bfloat16, k_code=code_types[k_codes], v_code=code_types[v_codes], scale_kind=kind,
         group_size=group_size, scale_bytes=plan_mod.scale_bytes(scales), mask_kind=mask_kind,
         is_causal=q_len > 1 if causal is None else causal, window=1024 if window else 0, softcap=softcap,

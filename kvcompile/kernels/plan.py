@@ -30,7 +30,7 @@ from .. import tiles
 
 __all__ = ["Call", "LaunchPlan", "plan", "override", "prefill_path", "decode_splits", "SCALE_TOKEN", "SCALE_BLOCK",
            "SCALE_STATIC", "MASK_NONE", "MASK_BOOL", "MASK_ADD", "ROT_NONE", "ROT_MATRIX", "ROT_SYLVESTER",
-           "DECODE_MAX_Q", "DENSE_MIN_Q", "DECODE_WAVES", "DECODE_PROGRAMS_PER_SM_SMALL", "INTERPRET_TILE"]
+           "DECODE_MAX_Q", "DECODE_SMALL_PROGRAMS", "DENSE_MIN_Q", "DECODE_WAVES", "DECODE_PROGRAMS_PER_SM_SMALL", "INTERPRET_TILE"]
 
 # the kernel's mode constants (tl.constexpr in _attention_kernel.py; equal by test_plan)
 SCALE_TOKEN, SCALE_BLOCK, SCALE_STATIC = 0, 1, 2
@@ -45,11 +45,14 @@ DECODE_MAX_Q = 16
 # (BENCHMARKS.md, session 5): the fused kernel is faster up to 2048 (1933 vs 2072 us), dense from
 # 4096 (3192 vs 3593 us); 3072 lies between the two measured points.
 DENSE_MIN_Q = 3072
+# Decode calls of at most this many (batch, kv head) programs per split cannot fill the GPU's waves:
+# they plan DECODE_PROGRAMS_PER_SM_SMALL programs per SM and no int8 bias (latency-bound).
+DECODE_SMALL_PROGRAMS = 16
 # Split-K: the split count whose equal-work programs fill whole waves of the resident programs
 # best, at most this many waves (H200, session 6 run 5: 1-4 within 1% at B=8 L=32k and B=4 L=128k;
 # 1 loses 7% at B=32 L=32k, 6 loses 4-8%).
 DECODE_WAVES = 2
-# ... when batch * kv heads is small (<= 16) a split per program cannot fill a wave anyway: this
+# ... when there are at most DECODE_SMALL_PROGRAMS a split per program cannot fill a wave anyway: this
 # many programs per SM (session 6 run 3: 3 instead of 2 at B=1 L=32k, 27.3 vs 26.0 us fp8, 49.6 vs
 # 38.2 q8_0).
 DECODE_PROGRAMS_PER_SM_SMALL = 2
@@ -104,8 +107,9 @@ class LaunchPlan:
     v_fp8_bits: bool
     v_pin: bool  # widen V by pinned inline PTX before its shared-memory transpose (_codes.codes_to_f16_pinned)
     int8_ptx: bool  # widen int8 tiles four codes at a time by inline PTX (_codes.codes_to)
-    # int8 K (token or static scales) widened to 1152 + code without the fp16 subtraction, the scores
-    # corrected by 1152 sum(q) per row instead (with fp16 dots; fp32 dots widen exactly anyway)
+    # int8 K and V (token or static scales) widened to 1152 + code without the fp16 subtraction, the
+    # scores corrected by 1152 sum(q) per row and the PV product by 1152 rowsum(P) instead (with fp16
+    # dots; fp32 dots widen exactly anyway)
     int8_bias: bool
     # where a rotation runs: q "kernel" (generated H in _attention_kernel's prologue) or "launch"
     # (rotate_rows before); the output "merge" (R_V^T in _merge_kernel) or "launch" (rotate_rows
@@ -113,10 +117,20 @@ class LaunchPlan:
     q_rotation: str = ""
     o_rotation: str = ""
 
+    def _biased(self, code: torch.dtype) -> bool:
+        # int8_bias may be forced (override): the bias needs int8 codes, token / static scales, fp16 dots
+        return (self.int8_bias and code == torch.int8 and self.call.scale_kind != SCALE_BLOCK
+                and self.dot_dtype == torch.float16)
+
     @property
     def k_bias(self) -> bool:
-        """The int8 K bias runs (it needs the fp16 dots)."""
-        return self.int8_bias and self.dot_dtype == torch.float16
+        """The int8 K bias runs."""
+        return self._biased(self.call.k_code)
+
+    @property
+    def v_bias(self) -> bool:
+        """The int8 V bias runs (not with the pinned widening of a transposed V, which stays exact)."""
+        return self._biased(self.call.v_code) and not self.v_pin
 
     @property
     def codes_as_bits(self) -> tuple[bool, bool]:
@@ -144,7 +158,7 @@ class LaunchPlan:
             IS_CAUSAL=bool(c.is_causal), HAS_WINDOW=c.window > 0, HAS_SOFTCAP=c.softcap, HAS_SINKS=c.sinks,
             SPLIT_OUTPUT=self.splits > 1, K_FP8_BITS=self.k_fp8_bits, V_FP8_BITS=self.v_fp8_bits, DOT_DTYPE=dt,
             V_PIN=self.v_pin, V_KEYS_CONTIG=c.v_keys, INT8_PTX=self.int8_ptx,
-            K_BIAS=self.k_bias,
+            K_BIAS=self.k_bias, V_BIAS=self.v_bias,
             Q_HADAMARD=self.q_rotation == "kernel", ROT_CHUNK=ROT_CHUNK,
             ROT_EXACT=c.interpret or self.dot_dtype == torch.float32,
             BLOCK_M=self.tile.block_m, BLOCK_N=self.tile.block_n, BLOCK_D=_pow2(c.D),
@@ -157,7 +171,7 @@ class LaunchPlan:
         return (f"{'decode' if c.decode else 'fused'}: tile {t.block_m}x{t.block_n} {t.num_warps}w {t.num_stages}s"
                 + (f" maxnreg {t.maxnreg}" if t.maxnreg else "") + split + f", {str(self.dot_dtype)[6:]} dots"
                 + (", V pinned" if self.v_pin else "") + (", int8 PTX" if self.int8_ptx else "")
-                + (", int8 K biased" if self.k_bias else "")
+                + "".join(f", int8 {side} biased" for side, on in (("K", self.k_bias), ("V", self.v_bias)) if on)
                 + (", V key-contiguous" if c.v_keys else "") + "".join(", " + r for r in rot))
 
 
@@ -262,10 +276,6 @@ def _plan(call: Call, tile: Optional[tiles.Tile]) -> LaunchPlan:
     # int8 tiles widened by PTX four codes at a time (H200, session 5 run 1: q8_0 decode 2.7-3% faster
     # than Triton's per-code arithmetic, which the interpreter keeps)
     int8_ptx = gpu16 and torch.int8 in (c.k_code, c.v_code)
-    # the K tile's fp16 subtraction (one per two codes) moves to one per score: 128 codes per thread and
-    # tile against 16 scores at the 16x128 decode tile. Not for block32 scales, which multiply the
-    # widened tile before the dot.
-    int8_bias = c.k_code == torch.int8 and c.scale_kind != SCALE_BLOCK
     qb = torch.empty((), dtype=dot_dtype).element_size()
     kb = vb = 1
     rows = c.Tq * (c.Hq // c.Hkv)
@@ -276,12 +286,22 @@ def _plan(call: Call, tile: Optional[tiles.Tile]) -> LaunchPlan:
             tile = tiles.prefill_tile(c.cc, c.D, qb, kb, vb, c.v_keys, c.scale_bytes)
         if c.interpret:
             tile = dataclasses.replace(tile, block_m=min(tile.block_m, INTERPRET_TILE[0]), block_n=INTERPRET_TILE[1])
+    # int8 tiles widened to 1152 + code: the fp16 subtraction, one per two codes (BLOCK_N * D / 2 per
+    # tile and side), becomes a correction per score (K: one subtraction) or per P element (V: the
+    # row sums of P, about two instructions each and a cross-warp reduction), BLOCK_M * BLOCK_N per
+    # tile: fewer instructions only for tiles of few rows (decode), and faster only where enough
+    # programs run to hide the reduction's latency. H200, session 10 run 1, int8 decode with and
+    # without: B=8 L=32k 154.8 / 158.0 us, B=32 L=8k 158.4 / 162.0, B=4 L=128k 309.7 / 318.3; with K
+    # rotated, B=1 L=4k 11.8 / 11.4 and L=32k 29.5 / 28.7; prefill (128 rows), 1024 new tokens over
+    # 16k, 1111 / 1067. Not for block32 scales, which multiply the widened tile before the dot
+    # (LaunchPlan.k_bias / v_bias).
+    programs = c.B * c.Hkv * -(-rows // tile.block_m)  # per split
+    int8_bias = 4 * tile.block_m <= _pow2(c.D) and programs > DECODE_SMALL_PROGRAMS
     # programs of this tile one SM holds at once: the decode split count fills whole waves of them
     resident = (tiles.programs_per_sm(tile, c.cc, tiles.smem_bytes(tile, c.D, qb, kb, vb, c.v_keys, c.scale_bytes))
                 if c.decode else 1)
     if c.decode:
-        m_blocks = -(-rows // tile.block_m)
-        splits, split_len = decode_splits(c.B * c.Hkv * m_blocks, _span(c, tile), tile.block_n, c.sms, resident)
+        splits, split_len = decode_splits(programs, _span(c, tile), tile.block_n, c.sms, resident)
     else:
         splits, split_len = 1, -(-c.L // tile.block_n) * tile.block_n
     # Rotations (int8's default; see kvcompile.rotation). q: with the shared Sylvester matrix of a
@@ -347,7 +367,7 @@ def decode_splits(programs: int, max_len: int, block_n: int, sms: int, resident:
     one SM at once, so ``resident * sms`` run per wave. Every program of a launch reads one split
     (the last may be shorter), so a launch a few programs past a whole wave ends with that wave
     nearly empty: the count chosen fills its waves best (ties: more waves), at most ``DECODE_WAVES``
-    of them; with at least one block of keys per split. When batch * kv heads is small (<= 16)
+    of them; with at least one block of keys per split. With at most ``DECODE_SMALL_PROGRAMS``
     a split per program cannot fill a wave anyway: ``DECODE_PROGRAMS_PER_SM_SMALL`` programs per SM.
     """
     return _decode_splits(programs, max_len, block_n, sms, max(1, resident), DECODE_WAVES,
@@ -362,7 +382,7 @@ def _decode_splits(programs, max_len, block_n, sms, resident, waves_max, pps_sma
         split_len = -(-(-(-max_len // want)) // block_n) * block_n
         return -(-max_len // split_len), split_len
 
-    if programs <= 16:
+    if programs <= DECODE_SMALL_PROGRAMS:
         return split(max(1, min(-(-(pps_small * sms) // programs), blocks)))
     slots = resident * sms
     best, best_fill = split(1), 0.0
