@@ -8,6 +8,9 @@ Providers (per batch B and context C; the cache is pre-filled to C tokens of ran
   c  kvc-<fmt>-eager      kvcompile.QuantizedCache without fused attention (eager dequantize + SDPA)
   d  kvc-<fmt>-graphs     kvcompile.QuantizedCache + kvcompile.backend(mode="reduce-overhead")
 
+``<fmt>`` is a kv_dtype, optionally with the cache's rotation: ``int8+rot`` (K and V rotated),
+``int8+krot`` (K only, int8's default), ``int8+norot``.
+
 Each row also reports the KV bytes of the cache and the longest context that fits a fixed budget
 (``--budget-gib``) at that batch size. Writes a CSV (and a PNG when matplotlib is present).
 
@@ -27,6 +30,8 @@ import torch
 
 import kvcompile
 from kvcompile.hf import cache_kwarg
+
+ROTATE = {"": None, "rot": True, "krot": "k", "norot": False}  # provider suffix -> QuantizedCache(rotate=)
 
 
 def make_model(layers: int, vocab: int, device, dtype, family: str = "llama"):
@@ -123,9 +128,9 @@ def run_provider(name, model, B, ctx, steps, warmup, device, dtype):
         fwd = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
         kv_bytes = sum(l.keys.numel() * 2 * 2 for l in cache.layers)
     else:
-        fmt = name.split("-")[1]
+        fmt, _, rot = name.split("-")[1].partition("+")  # e.g. int8+rot: rotate=True
         cache = kvcompile.QuantizedCache(cfg, max_batch_size=B, max_cache_len=max_len, kv_dtype=fmt, device=device,
-                                         v_layout=V_LAYOUT)
+                                         v_layout=V_LAYOUT, rotate=ROTATE[rot])
         fill_quantized(cache, ctx)
         if name.endswith("graphs"):
             fwd = torch.compile(model.forward, backend=kvcompile.backend(fmt), mode="reduce-overhead", fullgraph=True)
@@ -163,7 +168,7 @@ def bytes_per_token(name, cfg) -> float:
     per = 2 * cfg.num_key_value_heads * cfg.head_dim * cfg.num_hidden_layers  # K and V elements
     if name.startswith("hf"):
         return per * 2.0
-    fmt = kvcompile.get_format(name.split("-")[1])
+    fmt = kvcompile.get_format(name.split("-")[1].partition("+")[0])
     return per * fmt.bytes_per_element(cfg.head_dim)
 
 

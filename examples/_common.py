@@ -170,8 +170,8 @@ def encode(tok, text: str) -> list[int]:
 
 # name -> QuantizedCache options (None: a full-precision transformers StaticCache; "round": a
 # full-precision StaticCache that rounds K/V to that dtype first, the floor for 8-bit formats).
-# "calib" marks variants that need kvcompile.calibrate() output. "+rot": Hadamard-rotated
-# (kvcompile.rotation; int8's default); K:/V: name K's and V's formats when they differ.
+# "calib" marks variants that need kvcompile.calibrate() output. "+rot": K and V Hadamard-rotated
+# (kvcompile.rotation), "+krot": K only (int8's default); K:/V: name K's and V's formats when they differ.
 VARIANTS: dict[str, dict | None] = {
     "full": None,
     "bf16": dict(round=torch.bfloat16),
@@ -186,6 +186,7 @@ VARIANTS: dict[str, dict | None] = {
     "q8_0+center": dict(kv_dtype="q8_0", calib=("k_offset",)),
     "int8": dict(kv_dtype="int8", rotate=False),
     "int8+rot": dict(kv_dtype="int8", rotate=True),
+    "int8+krot": dict(kv_dtype="int8", rotate="k"),
     "int8+rot+center": dict(kv_dtype="int8", rotate=True, calib=("k_offset",)),
     "K:int8+rot,V:fp8_e4m3": dict(k_dtype="int8", v_dtype="fp8_e4m3"),
 }

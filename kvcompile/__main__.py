@@ -91,18 +91,19 @@ def _plan_lines(archs) -> list[str]:
                 scales = torch.empty(fmt.scale_shape(1, 1, 1, d), dtype=fmt.scale_dtype, device="meta")  # shapes only
                 kind, group = plan_mod.scale_layout(scales, scales, d)
                 sb = plan_mod.scale_bytes(scales)
+                # int8's default: K rotated, V not (QuantizedCache(rotate=None))
                 r = plan_mod.ROT_NONE if not rot else (plan_mod.ROT_SYLVESTER if d & (d - 1) == 0 else plan_mod.ROT_MATRIX)
                 for decode in (True, False):
                     call = plan_mod.Call(cc=tuple(cc), sms=sms, interpret=False, B=8, Hq=32, Hkv=8, Tq=1 if decode else 1024,
                                          L=32768, D=d, q_dtype=torch.bfloat16, k_code=fmt.code_dtype,
                                          v_code=fmt.code_dtype, scale_kind=kind, group_size=group, scale_bytes=sb,
-                                         is_causal=not decode, k_rot=r, v_rot=r, v_keys=fmt.v_keys_contiguous,
+                                         is_causal=not decode, k_rot=r, v_rot=plan_mod.ROT_NONE, v_keys=fmt.v_keys_contiguous,
                                          decode=decode)
                     try:
                         desc = plan_mod.plan(call).describe()
                     except ValueError as e:
                         desc = f"n/a ({e})"
-                    lines.append(f"  D={d:<3d} {label + (' (rotated)' if rot else ''):16s} {desc}")
+                    lines.append(f"  D={d:<3d} {label + (' (K rotated)' if rot else ''):18s} {desc}")
     return lines
 
 
@@ -123,10 +124,10 @@ def info(out=print) -> None:
         out(f"  {name:22s} {code:14s} {scale:9s} {b64:6.3f} {b128:6.3f}")
     out("  (bf16 cache: 2.000 bytes per element)")
     out(f"  default format (no kv_dtype given): {formats.DEFAULT_KV_DTYPE}. fp8_e4m3 uses token scales (block32 or")
-    out("  static on request); q8_0 is always block32, int8 always token. int8 is stored Hadamard-rotated by")
-    out("  default (rotate=None; head_dim a multiple of 8), the others unrotated. K and V may differ")
-    out("  (k_dtype=, v_dtype=) when they share one scale granularity. K centering (calibration k_offset)")
-    out("  works with every format.")
+    out("  static on request); q8_0 is always block32, int8 always token. int8 stores K Hadamard-rotated by")
+    out("  default (rotate=None; head_dim a multiple of 8; rotate=True rotates V too), the others unrotated.")
+    out("  K and V may differ (k_dtype=, v_dtype=) when they share one scale granularity. K centering")
+    out("  (calibration k_offset) works with every format.")
     out("  sliding-window layers (Mistral, Phi-3, Gemma 2/3, gpt-oss, ...): compiled attention skips keys below")
     out("  the window, but each layer still stores max_cache_len positions: memory grows with max_cache_len.")
     out("")

@@ -125,11 +125,13 @@ class QuantizedCache(Cache):
             one scale granularity (the attention kernel reads both with one): fp8_e4m3 and int8 mix
             (per token), fp8_e4m3 with ``granularity="block32"`` and q8_0 mix; q8_0 with int8, or
             with per-token fp8, is refused here with the reason.
-        rotate: store K and V rotated by an orthonormal Hadamard matrix of the head dimension
+        rotate: store K and/or V rotated by an orthonormal Hadamard matrix of the head dimension
             (:mod:`kvcompile.rotation`; head_dim must be a multiple of 8). ``None`` (default): rotate
-            the sides stored as int8 (its per-token scale needs the outlier channels spread), not the
-            others; ``True`` / ``False``: both sides / neither. Rotation is exact for attention (the
-            compiler pass rotates q, and the output for V) and ``update()`` returns un-rotated K/V.
+            K when it is stored as int8 (its per-token scale needs K's outlier channels spread), V
+            not (its quantization error averages over the keys a query attends to: QUALITY.md);
+            ``True`` / ``False``: both sides / neither; ``"k"`` / ``"v"``: that side only. Rotation is
+            exact for attention (the op rotates q for K, and the output for V) and ``update()``
+            returns un-rotated K/V.
             fp8 and q8_0 may be rotated too (q8_0 codes are then GGUF's q8_0 of the rotated values);
             static scales may not (they are calibrated on unrotated K/V).
         granularity: fp8 scale granularity: ``"token"`` (default: one fp32 scale per token and kv
@@ -180,8 +182,8 @@ class QuantizedCache(Cache):
                 "max_batch_size, max_cache_len, kv_dtype, device, k_dtype, v_dtype, rotate, granularity, "
                 "calibration, v_layout and tp_size"
             )
-        if rotate not in (None, True, False):
-            raise TypeError(f"kvcompile.QuantizedCache: rotate must be None, True or False, got {rotate!r}")
+        if not any(rotate is r or (isinstance(r, str) and rotate == r) for r in (None, True, False, "k", "v")):
+            raise TypeError(f"kvcompile.QuantizedCache: rotate must be None, True, False, 'k' or 'v', got {rotate!r}")
         config = _checked_config(config)
         text_config = hf.text_config(config)
         k_name, v_name = formats.resolve_kv_dtypes(kv_dtype, k_dtype, v_dtype)
@@ -203,18 +205,20 @@ class QuantizedCache(Cache):
         windows = hf.layer_windows(config)
         k_fmt.check_head_dim(head_dim)
         v_fmt.check_head_dim(head_dim)
-        k_rotate = k_fmt.kv_dtype == "int8" if rotate is None else rotate
-        v_rotate = v_fmt.kv_dtype == "int8" if rotate is None else rotate
+        if rotate is None:
+            k_rotate, v_rotate = k_fmt.kv_dtype == "int8", False
+        else:
+            k_rotate, v_rotate = rotate in (True, "k"), rotate in (True, "v")
         if (k_rotate or v_rotate) and fmt.is_static:
             raise ValueError(
-                "kvcompile.QuantizedCache: rotate=True with granularity='static': static scales are calibrated on "
+                f"kvcompile.QuantizedCache: rotate={rotate!r} with granularity='static': static scales are calibrated on "
                 "unrotated K/V; use rotate=False (or a per-token format)"
             )
         if k_rotate or v_rotate:
             try:
                 rotation.check_head_dim(head_dim)
             except ValueError as e:
-                how = "rotate=True" if rotate else "int8 rotates by default"
+                how = f"rotate={rotate!r}" if rotate else "int8 rotates K by default"
                 raise ValueError(
                     f"kvcompile.QuantizedCache: {how}, but {e}"
                     + ("" if rotate else " (or a format that is not rotated by default, e.g. kv_dtype='fp8_e4m3')")

@@ -31,27 +31,36 @@ def _kv(B=1, H=2, T=1, D=32, seed=0, outliers=True):
 def test_int8_layer_buffers_and_default_rotation():
     cache = QuantizedCache(tiny_config("llama"), max_batch_size=2, max_cache_len=8, kv_dtype="int8", device="cpu")
     assert (cache.k_dtype, cache.v_dtype, cache.kv_dtype) == ("int8", "int8", "int8")
-    assert cache.k_rotate and cache.v_rotate
+    assert cache.k_rotate and not cache.v_rotate  # K only: V's error averages over the keys attended
     for layer in cache.layers:
         assert layer.k_codes.dtype == layer.v_codes.dtype == torch.int8
         assert layer.k_scales.dtype == torch.float32 and layer.k_scales.shape == (2, 2, 8, 1)
         assert layer.v_codes.stride(2) == 1  # per-token scales: V key-contiguous, as fp8
-        assert layer.k_rotation is layer.v_rotation  # one matrix per layer, both sides
+        assert layer.v_rotation is None
         assert torch.equal(layer.k_rotation, rotation.hadamard(32))
         assert layer.sliding_window == 0
         bufs = layer.buffers()
         assert sum(t is layer.k_rotation for t in bufs) == 1
         for t in bufs:
             assert getattr(t, "_dynamo_static_input_type", None) is not None, "buffer not mark_static_address-ed"
-    assert "int8+rot" in repr(cache)
+    assert "K int8+rot/V int8" in repr(cache)
+    both = QuantizedCache(tiny_config("llama"), max_batch_size=1, max_cache_len=8, kv_dtype="int8", rotate=True,
+                          device="cpu")
+    assert both.v_rotate and both.layers[0].k_rotation is both.layers[0].v_rotation  # the shared matrix
+    v_only = QuantizedCache(tiny_config("llama"), max_batch_size=1, max_cache_len=8, kv_dtype="int8", rotate="v",
+                            device="cpu")
+    assert (v_only.k_rotate, v_only.v_rotate) == (False, True)
+    for bad in (1, "K", "both"):
+        with pytest.raises(TypeError, match="rotate must be"):
+            QuantizedCache(tiny_config("llama"), max_batch_size=1, max_cache_len=8, rotate=bad, device="cpu")
 
 
 def test_the_default_format():
     # no format given: formats.DEFAULT_KV_DTYPE for K and V (int8, measured to meet the quality targets
-    # on SmolLM2-135M, see formats.py), rotated
+    # on SmolLM2-135M, see formats.py), K rotated
     cache = QuantizedCache(tiny_config("llama"), max_batch_size=1, max_cache_len=8, device="cpu")
     assert formats.DEFAULT_KV_DTYPE == "int8"
-    assert (cache.k_dtype, cache.v_dtype) == ("int8", "int8") and cache.k_rotate and cache.v_rotate
+    assert (cache.k_dtype, cache.v_dtype) == ("int8", "int8") and cache.k_rotate and not cache.v_rotate
     assert cache.layers[0].k_codes.dtype == torch.int8 and cache.layers[0].k_rotation is not None
     assert kvcompile.backend().kv_dtype == "int8"
     # static scales are fp8's: asking for them without a format says so
@@ -191,7 +200,7 @@ def test_bad_format_choices_are_refused_at_construction():
 
 def test_head_dim_without_a_rotation_is_refused():
     cfg = tiny_config("llama", head_dim=36)
-    with pytest.raises(ValueError, match="int8 rotates by default.*rotate=False"):
+    with pytest.raises(ValueError, match="int8 rotates K by default.*rotate=False"):
         QuantizedCache(cfg, max_batch_size=1, max_cache_len=8, kv_dtype="int8")
     with pytest.raises(ValueError, match="rotate=True.*head_dim=36"):
         QuantizedCache(cfg, max_batch_size=1, max_cache_len=8, kv_dtype="fp8_e4m3", rotate=True)
@@ -238,12 +247,12 @@ def test_int8_model_close_to_dynamic_cache(monkeypatch):
         cache = QuantizedCache(model.config, max_batch_size=2, max_cache_len=MAX_LEN, **kw)
         errs[cache.kv_dtype] = logits_error(ref, run_steps(model, cache, ids, am, toks), am)
         assert errs[cache.kv_dtype] <= BOUNDS[cache.kv_dtype], errs
-    # a dequantize that forgot to undo the rotation is far outside the bound
+    # a dequantize that forgot to undo the rotations (K and V rotated here) is far outside the bound
     import kvcompile.reference as ref_mod
 
     real = ref_mod.dequantize
     monkeypatch.setattr(ref_mod, "dequantize", lambda c, s, o, n, d, rotation=None: real(c, s, o, n, d))
-    cache = QuantizedCache(model.config, max_batch_size=2, max_cache_len=MAX_LEN, kv_dtype="int8")
+    cache = QuantizedCache(model.config, max_batch_size=2, max_cache_len=MAX_LEN, kv_dtype="int8", rotate=True)
     broken = logits_error(ref, run_steps(model, cache, ids, am, toks), am)
     assert broken > 5 * errs["int8"], (broken, errs)
 

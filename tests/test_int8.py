@@ -394,7 +394,7 @@ def test_lazy_cache_in_a_compiled_graph_holds_the_shared_rotation():
     from models import cache_kwarg, tiny_model
 
     m = tiny_model("llama")
-    cache = kvcompile.QuantizedCache(m.config, max_batch_size=1, max_cache_len=16)  # int8, rotated, lazy
+    cache = kvcompile.QuantizedCache(m.config, max_batch_size=1, max_cache_len=16, rotate=True)  # int8, lazy
     f = torch.compile(m.forward, backend=kvcompile.backend(), fullgraph=True)
     ids = torch.randint(3, 100, (1, 5), generator=torch.Generator().manual_seed(0))
     torch._dynamo.reset()
@@ -403,7 +403,7 @@ def test_lazy_cache_in_a_compiled_graph_holds_the_shared_rotation():
         f(input_ids=ids, **{cache_kwarg(m): cache}, use_cache=True)
     assert not [w for w in seen if "lru_cache" in str(w.message)], [str(w.message)[:120] for w in seen]
     for layer in cache.layers:
-        assert layer.is_initialized and layer.k_rotation is layer.v_rotation
+        assert layer.is_initialized and layer.k_rotation is layer.v_rotation  # K's and V's: one tensor
         assert rotation.is_shared_sylvester(layer.k_rotation) == (layer.head_dim & (layer.head_dim - 1) == 0)
         assert layer.k_rotation is rotation.shared(layer.head_dim, layer.device)
     torch._dynamo.reset()
