@@ -124,6 +124,23 @@ RUNS = {
         "session 9, run 3",
         "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024 "
         "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs"),
+    "s10-bias": Run(
+        "h200_s10_run1_decode_bias.csv", "87306cd's kernel, the int8 bias planned for every decode tile (B=1 too)", H200,
+        "session 10, run 1",
+        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8,int8+krot,int8+rot " +
+        DECODE_SHAPES + " --sweep --variants int8bias-off"),
+    "s10-prefill": Run(
+        "h200_s10_run1_prefill.csv", "87306cd (its prefill plan)", H200,
+        "session 10, run 1",
+        "python benchmarks/bench_kv.py --subjects prefill --formats fp8 --prefill-formats fp8,int8+krot "
+        "--prefill-q 16384,1024 --sweep"),
+    "s10-decode": Run(
+        "h200_s10_run2_decode.csv", "c09273f", H200, "session 10, run 2",
+        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8,int8+krot,int8+rot " + DECODE_SHAPES),
+    "s10-e2e": Run(
+        "h200_s10_run3_e2e.csv", "c09273f", H200, "session 10, run 3",
+        "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024 "
+        "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs,kvc-int8+rot-graphs"),
     "cpu": Run(
         "cpu_s8_bench_cpu.csv", "7988b5a", CPU2, "session 8",
         "python benchmarks/bench_cpu.py --providers hf-static kvcompile-int8 kvcompile-fp8_e4m3 kvcompile-q8_0"),
@@ -437,6 +454,58 @@ def s9_e2e(results: str = RESULTS) -> str:
     return "\n".join(lines)
 
 
+KROT = ("kvcompile-int8+krot", "int8, K rotated (the default)")
+KVROT = ("kvcompile-int8+rot", "int8, K and V rotated")
+
+
+def s10_decode(results: str = RESULTS) -> str:
+    """BENCHMARKS: int8 with K rotated (the default), K and V rotated, and unrotated, against fp8 token."""
+    return _vs_fp8("s10-decode", (UNROTATED, KROT, KVROT), ("int8", "int8+krot", "int8+rot"), results)
+
+
+def s10_bias(results: str = RESULTS) -> str:
+    """BENCHMARKS: the int8 bias (K and V widened to 1152 + code) on and off, per int8 variant, one run."""
+    run = RUNS["s10-bias"]
+    rows = read(run, results)
+    by = _by(rows, "provider", "shape")
+    fmts = (UNROTATED, KROT, KVROT)
+    lines = [f"us per call, bias on / off (`int8bias-off`), and fp8 token for scale. {run.caption()}", "",
+             "| shape | fp8 token | " + " | ".join(name for _, name in fmts) + " |", "|---|" + "---:|" * (len(fmts) + 1)]
+    for shape in _shapes(rows, "decode"):
+        sh = _shape(shape)
+        cells = [f"{_us(by, p, shape):.1f} / {_us(by, p + ' int8bias-off', shape):.1f}" for p, _ in fmts]
+        lines.append(f"| B={sh['B']} L={_k(sh['L'])} | {_us(by, 'kvcompile-fp8', shape):.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def s10_prefill(results: str = RESULTS) -> str:
+    """BENCHMARKS: prefill of int8 (K rotated) against fp8 token, and the int8 bias forced on."""
+    body = _prefill("s10-prefill", results, (("fp8", "fp8 token"), ("int8+krot", "int8 (K rotated)")))
+    by = _by(read(RUNS["s10-prefill"], results), "provider", "shape")
+    forced = [f"{_shape(shape)['Tq']} new tokens {float(r['us']):.1f} us against "
+              f"{_us(by, 'kvcompile-int8+krot-fused', shape):.1f}"
+              for (p, shape), r in by.items() if p == "kvcompile-int8+krot-fused int8bias-on"]
+    return body + "\n\nThe fused kernel with the int8 bias forced on (`int8bias-on`): " + "; ".join(forced) + "."
+
+
+def s10_e2e(results: str = RESULTS) -> str:
+    """BENCHMARKS: one decode step, int8 K rotated (the default) and K and V rotated, against fp8 token and HF."""
+    run = RUNS["s10-e2e"]
+    names = {"hf-static-compiled": "HF StaticCache bf16, compiled", "kvc-fp8_e4m3-graphs": "kvcompile fp8 token",
+             "kvc-int8-graphs": "kvcompile int8, K rotated (the default)",
+             "kvc-int8+rot-graphs": "kvcompile int8, K and V rotated"}
+    rows = read(run, results)
+    ms = {(r["B"], r["ctx"], r["provider"]): float(r["ms_per_step"]) for r in rows}
+    lines = [f"ms per decode step, CUDA graphs, Llama-3-8B shape, 4 layers. {run.caption()}", "",
+             "| case | provider | ms/step | HF / this | fp8 / this |", "|---|---|---:|---:|---:|"]
+    for r in rows:
+        key = (r["B"], r["ctx"])
+        t = ms[key + (r["provider"],)]
+        lines.append(f"| B={r['B']} ctx {_k(int(r['ctx']))} | {names[r['provider']]} | {t:.3f} | "
+                     f"{ms[key + ('hf-static-compiled',)] / t:.2f} | {ms[key + ('kvc-fp8_e4m3-graphs',)] / t:.2f} |")
+    return "\n".join(lines)
+
+
 def window(results: str = RESULTS) -> str:
     """BENCHMARKS: a sliding-window layer against a full layer of the window's length and bf16 SDPA over it."""
 
@@ -517,6 +586,11 @@ def command(*keys: str) -> Callable[[str], str]:
 
 TABLES: dict[str, Callable[[str], str]] = {
     "cpu": cpu,
+    "s10-decode": s10_decode,
+    "s10-bias": s10_bias,
+    "s10-prefill": s10_prefill,
+    "s10-e2e": s10_e2e,
+    "s10-command": command("s10-bias", "s10-prefill", "s10-decode", "s10-e2e"),
     "cpu-command": command("cpu"),
     "decode-ratios": decode_ratios,
     "decode": decode_full,

@@ -191,9 +191,10 @@ VARIANTS: dict[str, dict | None] = {
     "K:int8+rot,V:fp8_e4m3": dict(k_dtype="int8", v_dtype="fp8_e4m3"),
 }
 # what perplexity.py compares when --variants is not given: every format without calibration,
-# rotation on and off for int8 and fp8, one K/V pair, and the 16-bit floor
-DEFAULT_VARIANTS = ("full", "bf16", "fp8_e4m3/token", "fp8_e4m3/token+rot", "q8_0", "int8", "int8+rot",
-                    "K:int8+rot,V:fp8_e4m3")
+# rotation off, K only (int8's default) and K and V for int8, off and on for fp8, one K/V pair, and
+# the 16-bit floor
+DEFAULT_VARIANTS = ("full", "bf16", "fp8_e4m3/token", "fp8_e4m3/token+rot", "q8_0", "int8", "int8+krot",
+                    "int8+rot", "K:int8+rot,V:fp8_e4m3")
 
 
 def variant_cache(name: str, model, max_cache_len: int, device, calibration: dict | None, batch: int = 1):

@@ -24,9 +24,10 @@ Rounding (bit-exact between this reference and every kernel):
   never written, so the codes are symmetric). An all-zero token stores ``s = 0`` and codes 0.
   Same bytes as fp8 per token (one byte per value + 4 bytes per token and head), but uniform
   steps of ``amax / 127`` instead of e4m3's 3-bit mantissa. A few outlier channels set a token's
-  amax and leave the others few steps, so the cache rotates int8 by default
+  amax and leave the others few steps, so the cache rotates int8's K by default
   (:mod:`kvcompile.rotation`), which spreads them: on SmolLM2-135M that takes the KL of the
-  next-token distribution from 0.87e-3 (unrotated) to 0.23e-3, below q8_0's 0.40e-3 (QUALITY.md).
+  next-token distribution from 0.87e-3 (unrotated) to 0.24e-3 (0.23e-3 with V rotated too),
+  below q8_0's 0.40e-3 (QUALITY.md).
 
 Non-finite inputs (a policy, tested): the scale is computed from the finite values of the
 group only. ``±Inf`` saturates to the largest code (±448 for fp8, ±127 for q8_0 and int8), i.e.
@@ -70,10 +71,10 @@ __all__ = [
 
 KV_DTYPES: tuple[str, ...] = ("fp8_e4m3", "q8_0", "int8")
 # The format QuantizedCache, kvcompile.backend and the examples use when none is given: int8,
-# Hadamard-rotated (QuantizedCache's rotate=None rotates int8). On SmolLM2-135M (fp32, 2048 tokens
-# of pydoc_data.topics, no calibration; examples/perplexity.py) it is the one 8-bit format that
-# meets kvcompile's quality targets: KL 0.23e-3 (target <= 0.3e-3; q8_0 0.40e-3, fp8_e4m3 9.5e-3),
-# top-1 agreement 99.36% (>= 98.5%), median free-running greedy agreement over 24 prompts 128 of
+# K Hadamard-rotated (QuantizedCache's rotate=None rotates int8's K). On SmolLM2-135M (fp32, 2048
+# tokens of pydoc_data.topics, no calibration; examples/perplexity.py) it is the one 8-bit format that
+# meets kvcompile's quality targets: KL 0.24e-3 (target <= 0.3e-3; q8_0 0.40e-3, fp8_e4m3 9.5e-3),
+# top-1 agreement 99.22% (>= 98.5%), median free-running greedy agreement over 24 prompts 128 of
 # 128 tokens (q8_0: 123; bf16 K/V: 128), with fp8's storage (one byte per value plus one fp32
 # scale per token and kv head) and its scale outside the dot product.
 DEFAULT_KV_DTYPE = "int8"

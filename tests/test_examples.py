@@ -161,13 +161,14 @@ def test_info_module():
         assert name in out
     assert "1.062" in out  # q8_0 at head_dim 64: 1 + 2/32 bytes per element
     assert f"default format (no kv_dtype given): {kvcompile.DEFAULT_KV_DTYPE}" in out
-    # the launch plans (kvcompile/kernels/plan.py) of each format; int8 rotates q inside the decode
-    # kernel and the output in the merge where the head dim is a power of two
+    # the launch plans (kvcompile/kernels/plan.py) of each format; int8 (K rotated) rotates q inside
+    # the decode kernel where the head dim is a power of two, and nothing rotates the output
     assert "launch plans" in out
-    plans = [line for line in out.splitlines() if "D=128" in line and "int8 (rotated)" in line]
+    plans = [line for line in out.splitlines() if "D=128" in line and "int8 (K rotated)" in line]
     assert plans and all("decode:" in line or "fused:" in line for line in plans), out
     decode = [line for line in plans if "decode:" in line]
-    assert decode and all("q rotated by kernel" in line and "out rotated by merge" in line for line in decode), decode
+    assert decode and all("q rotated by kernel" in line and "out rotated" not in line for line in decode), decode
+    assert all("int8 V biased" in line for line in decode), decode  # B=8: the throughput plan
 
 
 def test_info_cli():
