@@ -2,33 +2,31 @@
 
 One kernel serves prefill/extend (grid over query blocks, one split) and split-K decode
 (flash-decoding: grid over splits of the cache, partial outputs merged by ``_merge_kernel``).
-
-Rows of a program are (query index, query head) pairs of ONE kv head: row r is query
-``r // GROUP`` of head ``hk * GROUP + r % GROUP``. So all query heads that share a kv head are
-served by one program and each K/V tile is read once for all of them (GQA/MQA).
+Rows of a program are (query index, query head) pairs of ONE kv head: row r is query ``r // GROUP``
+of head ``hk * GROUP + r % GROUP``, so each K/V tile is read once for all heads that share it (GQA).
 
 Scales never enter the 8-bit tiles (per-token formats): the QK^T tile's columns are scaled by
-s_k, P by s_v before the PV dot, and the running denominator sums the unscaled p. The 8-bit
-tile is widened to 16 bits (exact for e4m3 and int8) into ``tl.dot``; accumulation is fp32.
+s_k, P by s_v before the PV dot, and the running denominator sums the unscaled p. The tile is
+widened to 16 bits (exact for e4m3 and int8) into ``tl.dot``; accumulation is fp32. int8 may be
+widened to 1152 + code (``K_BIAS`` / ``V_BIAS``), the dots corrected by 1152 sum(q) / rowsum(P).
 V is reduced over keys in ``P @ V``. Stored key-contiguous (``V_KEYS_CONTIG``: QuantizedCache's
-layout for token and static scales) it feeds the dot like K, widened in registers, read in whole
-16-key chunks (16-byte loads). Stored head_dim-contiguous, the GPU widens it by pinned inline PTX
-before its shared-memory transpose (``V_PIN``: ``_codes.codes_to_f16_pinned``); other int8 tiles by
-the same PTX unpinned (``INT8_PTX``). K and V may hold different code types (each widened by its own).
-block32 formats dequantize the tile (codes * scale of each 32-wide slice) before the dot.
+layout for token and static scales) it feeds the dot like K, read in whole 16-key chunks (16-byte
+loads). Stored head_dim-contiguous, the GPU widens it by pinned inline PTX before its shared-memory
+transpose (``V_PIN``: ``_codes.codes_to_f16_pinned``); other int8 tiles by the same PTX unpinned
+(``INT8_PTX``). K and V may hold different code types. block32 formats dequantize the tile (codes *
+scale of each 32-wide slice) before the dot; static scales: K's folded into the softmax scale, V's
+applied once at the end.
 Keys are walked in loops over one tile step (``_attend_tile``): with a sliding window
 (``HAS_WINDOW``) first the masked tiles at the window's lower edge (every tile wholly below it is
 skipped, and split-K splits start at the window), then the tiles every row of the program sees in
 full, with no masking at all, then (not pipelined) the at most two tiles that need the length /
-causal / user mask.
-Softcap (``HAS_SOFTCAP``) bends the scaled logits before the mask; sinks (``HAS_SINKS``) join the
-softmax denominator once per row, in the epilogue or, when split, in ``_merge_kernel``. All three
-switches off, the kernel compiles to the code it had without them.
-Static scales: K scale folded into the softmax scale, V scale applied once at the end.
+causal / user mask. Softcap (``HAS_SOFTCAP``) bends the scaled logits before the mask; sinks
+(``HAS_SINKS``) join the softmax denominator once per row, in the epilogue or, when split, in
+``_merge_kernel``. All three switches off, the kernel compiles to the code it had without them.
 Rotated caches (codes of ``x @ R``): with the shared Sylvester Hadamard matrix (power-of-two
 head_dim) the kernel rotates q in its prologue (``Q_HADAMARD``), generating H's +-1 entries in
-registers (``_rotation.py``): no launch and no read of R. The output goes back through V's R^T in
-the merge or in a launch after this kernel; any other R for q also in a launch before (``plan.py``).
+registers (``_rotation.py``): no launch and no read of R. A rotated V's output goes back through
+R^T in the merge or in a launch after this kernel; any other R for q in a launch before (``plan.py``).
 """
 
 import triton
@@ -208,8 +206,7 @@ def _attend_tile(
         if FOLD_V_MAX:  # the rescale rides on the dot's accumulator input: no separate pass over acc
             acc = acc * (alpha * (v_prev / v_max))[:, None]
             v_prev = v_max
-        if V_BIAS:  # the int8 V tile arrived as 1152 + code: P (1152 + v) - 1152 rowsum(P) = P v, with the
-            # row sums of the fp16 P the dot multiplies (exact products, so the two 1152 terms match)
+        if V_BIAS:  # V arrived as 1152 + code: P (1152 + v) - 1152 rowsum(P) = P v, summing the fp16 P the dot sees
             acc = acc - 1152.0 * tl.sum(pv.to(tl.float32), axis=1)[:, None]
         if FOLD_V_MAX or V_BIAS:
             acc = tl.dot(pv, v, acc)
@@ -336,14 +333,10 @@ def _attention_kernel(
     FOLD_V_MAX: tl.constexpr = SCALE_KIND == SCALE_TOKEN and DOT_DTYPE == tl.float16
     v_prev = 1.0
 
-    # Key tiles in up to three loops over one tile step. With a window, the walk starts at the tile
-    # of the first row's first visible key (every tile below it is skipped), and the tiles up to the
-    # one holding the LAST row's first visible key go through the masked step (some row sees only
-    # part of them). Then the tiles every row sees in full (inside every row's window, below the
-    # first query's causal limit, no user mask) skip all masking: no length / causal / window / mask
-    # test, whole-tile loads, no NaN clearing of V (it only guards codes past the length). The rest,
-    # at most the last tile of a split or the diagonal tiles of a causal query block, go through
-    # the masked step. Every loop starts at a multiple of BLOCK_N.
+    # Key tiles in up to three loops (module docstring), each from a multiple of BLOCK_N: the window's
+    # edge (from the first row's first visible key to the LAST row's, masked), the tiles every row
+    # sees in full (no length / causal / window / mask test, whole-tile loads, no NaN clearing of V),
+    # and the rest (the last tile of a split, a causal block's diagonal), masked.
     n_start = n_lo
     if HAS_WINDOW:
         n_start = tl.maximum(n_lo, tl.maximum(win_first, 0) // BLOCK_N * BLOCK_N)
