@@ -55,17 +55,12 @@ def _write(cache: Tensor, scale: Tensor, codes: Tensor, s: Optional[Tensor], whe
         scale.index_copy_(2, where, s)
 
 
-def _one_format(k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor, k: Tensor, v: Tensor,
-                k_rotation: Optional[Tensor], v_rotation: Optional[Tensor]) -> bool:
-    """K and V stored alike (format, scale layout, rotation): they can be quantized as one tensor.
-    Static scales are not (K's and V's scales differ)."""
+def _one_format(k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor, k: Tensor, v: Tensor) -> bool:
+    """K and V stored in one format and scale layout: once rotated (each by its own matrix), they
+    can be quantized as one tensor. Static scales are not (K's and V's scales differ)."""
     if k_scale.dim() == 1 or k.shape != v.shape or k_cache.dtype != v_cache.dtype or k_scale.shape != v_scale.shape:
         return False
-    if k_scale.dtype != v_scale.dtype or (k_rotation is None) != (v_rotation is None):
-        return False
-    if k_rotation is not None and k_rotation is not v_rotation and not torch.equal(k_rotation, v_rotation):
-        return False
-    return formats.format_of(k_cache, k_scale) == formats.format_of(v_cache, v_scale)
+    return k_scale.dtype == v_scale.dtype and formats.format_of(k_cache, k_scale) == formats.format_of(v_cache, v_scale)
 
 
 def store_kv(
@@ -86,11 +81,14 @@ def store_kv(
         where = slice(s0, s0 + T)
     else:
         where = torch.arange(T, device=k.device) + start.to(device=k.device, dtype=torch.long)
-    if _one_format(k_cache, k_scale, v_cache, v_scale, k, v, k_rotation, v_rotation):
+    if _one_format(k_cache, k_scale, v_cache, v_scale, k, v):
         # K and V quantized as one [2, B, H, T, D] tensor: half the ops, the same values
-        x = _rotate_center(torch.stack((k, v)), None, k_rotation).float()
-        if k_offset is not None:
-            x[0] -= _per_head(k_offset)  # K only
+        if k_rotation is not None and k_rotation is v_rotation:  # one matrix: one product for both
+            x = _rotate_center(torch.stack((k, v)), None, k_rotation).float()
+            if k_offset is not None:
+                x[0] -= _per_head(k_offset)  # K only
+        else:
+            x = torch.stack((_rotate_center(k, k_offset, k_rotation).float(), _rotate_center(v, None, v_rotation).float()))
         codes, s = _quantize_as(k_cache, k_scale, x)
         _write(k_cache, k_scale, codes[0], None if s is None else s[0], where)
         _write(v_cache, v_scale, codes[1], None if s is None else s[1], where)
