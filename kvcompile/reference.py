@@ -221,8 +221,12 @@ def attention(
 
     if compute_dtype == torch.float32 and softcap == 0 and sinks is None and additive is None:
         # the CPU's common case in a few ops: one fused SDPA call (grouped-query, the visibility as its
-        # bool mask); a row with no visible key gives NaN there and zeros here
-        o = F.scaled_dot_product_attention(qc, k, v, attn_mask=valid, scale=sm_scale, enable_gqa=group > 1)
+        # bool mask); a row with no visible key gives NaN there and zeros here. Contiguous operands: the
+        # CPU's fused kernel needs unit stride along head_dim (key-contiguous V codes dequantize to
+        # keys-contiguous values), else SDPA falls back to its math path (SmolLM2 decode, 2 cores:
+        # 315 -> <100 us per call)
+        o = F.scaled_dot_product_attention(qc.contiguous(), k.contiguous(), v.contiguous(), attn_mask=valid,
+                                           scale=sm_scale, enable_gqa=group > 1)
         if valid is not None:
             o = torch.where(valid.any(dim=-1, keepdim=True), o, torch.zeros((), dtype=o.dtype, device=dev))
     else:
