@@ -88,7 +88,8 @@ def store_kv(
             if k_offset is not None:
                 x[0] -= _per_head(k_offset)  # K only
         else:
-            x = torch.stack((_rotate_center(k, k_offset, k_rotation).float(), _rotate_center(v, None, v_rotation).float()))
+            x = torch.stack((_rotate_center(k, k_offset, k_rotation).float(),
+                             _rotate_center(v, None, v_rotation).float()))
         codes, s = _quantize_as(k_cache, k_scale, x)
         _write(k_cache, k_scale, codes[0], None if s is None else s[0], where)
         _write(v_cache, v_scale, codes[1], None if s is None else s[1], where)
@@ -163,7 +164,7 @@ def attention(
     v_rotation: Optional[Tensor] = None,
     compute_dtype: torch.dtype = torch.float32,
 ) -> Tensor:
-    """Reference attention (see :func:`kvcompile.ops.attention` for the contract).
+    """Reference attention (see :func:`kvcompile.ops._attention` for the contract).
 
     q [B, Hq, Tq, D] over codes [B, Hkv, L, D] -> [B, Hq, Tq, D] in q.dtype. Pays for what is
     stored: it reads ``kv_len`` on the host and dequantizes only keys ``[lo, n)``, ``n`` the

@@ -121,6 +121,25 @@ def test_opcheck_attention(kv_dtype, granularity, mask_kind, fp8_safe_schema_che
         torch.library.opcheck(OPS.attention.default, (q, kc, ks, vc, vs, kv_len, mask, causal, scale))
 
 
+def test_ops_run_with_grad_enabled_and_refuse_a_backward():
+    """A model run without torch.no_grad() (eager logits) works: the output of attention / dequantize
+    tracks the inputs that require grad, and a backward through it raises with the fix instead of
+    returning wrong gradients. Under no_grad nothing is tracked."""
+    kc, ks, vc, vs = make_cache("int8", "token")
+    fill(kc, ks, vc, vs, 9)
+    q = torch.randn(2, 4, 1, 64, requires_grad=True)
+    out = OPS.attention(q, kc, ks, vc, vs, torch.tensor(9), None, False, None)
+    with torch.no_grad():
+        ref = OPS.attention(q, kc, ks, vc, vs, torch.tensor(9), None, False, None)
+    assert out.requires_grad and not ref.requires_grad and torch.equal(out.detach(), ref)
+    with pytest.raises(RuntimeError, match="no backward.*torch.no_grad"):
+        out.sum().backward()
+    offset = torch.randn(2, 64, requires_grad=True)
+    deq = OPS.dequantize(kc, ks, offset, torch.tensor(9), torch.float32)
+    with pytest.raises(RuntimeError, match="kvcompile::dequantize has no backward"):
+        deq.sum().backward()
+
+
 # ------------------------------------------------------------------------------------------------
 # store_kv / dequantize semantics
 # ------------------------------------------------------------------------------------------------

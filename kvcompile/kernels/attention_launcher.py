@@ -208,7 +208,7 @@ def attention(
     sliding_window: int = 0, softcap: float = 0.0, sinks: Optional[Tensor] = None,
     k_rotation: Optional[Tensor] = None, v_rotation: Optional[Tensor] = None,
 ) -> Tensor:
-    """``kvcompile::attention`` on the Triton kernels (arguments and shapes: :func:`kvcompile.ops.attention`)."""
+    """``kvcompile::attention`` on the Triton kernels (arguments and shapes: :func:`kvcompile.ops._attention`)."""
     B, Hq, Tq, D = q.shape
     tiles.check_head_dim(D)
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):

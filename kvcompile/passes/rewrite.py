@@ -1,6 +1,6 @@
 """From a matched site to one ``kvcompile::attention`` call: the checks every form shares, and the emission.
 
-The op (contract in :func:`kvcompile.ops.attention`)::
+The op (contract in :func:`kvcompile.ops._attention`)::
 
     attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale,
               sliding_window, softcap, sinks, k_rotation, v_rotation)

@@ -38,8 +38,8 @@ import torch.fx as fx
 from .graph import Skip, arg, describe, is_shape_query, known_eq, known_le, shape, val, value_users
 
 DEQUANTIZE = torch.ops.kvcompile.dequantize.default
-# Dynamo records ``ops.dequantize(...)`` (the custom_op wrapper) as the overload, and a direct
-# ``torch.ops.kvcompile.dequantize(...)`` call as the packet: accept both.
+# Dynamo may record a call of the op (``ops.dequantize(...)``, ``torch.ops.kvcompile.dequantize(...)``)
+# as its packet or as the overload: accept both.
 DEQUANTIZE_TARGETS = (DEQUANTIZE, torch.ops.kvcompile.dequantize)
 
 
