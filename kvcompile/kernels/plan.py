@@ -30,7 +30,8 @@ from .. import tiles
 
 __all__ = ["Call", "LaunchPlan", "plan", "override", "prefill_path", "decode_splits", "SCALE_TOKEN", "SCALE_BLOCK",
            "SCALE_STATIC", "MASK_NONE", "MASK_BOOL", "MASK_ADD", "ROT_NONE", "ROT_MATRIX", "ROT_SYLVESTER",
-           "DECODE_MAX_Q", "DECODE_SMALL_PROGRAMS", "DENSE_MIN_Q", "DECODE_WAVES", "DECODE_PROGRAMS_PER_SM_SMALL", "INTERPRET_TILE"]
+           "DECODE_MAX_Q", "DECODE_SMALL_PROGRAMS", "DENSE_MIN_Q", "DECODE_WAVES", "DECODE_PROGRAMS_PER_SM_SMALL",
+           "INTERPRET_TILE"]
 
 # the kernel's mode constants (tl.constexpr in _attention_kernel.py; equal by test_plan)
 SCALE_TOKEN, SCALE_BLOCK, SCALE_STATIC = 0, 1, 2
@@ -289,12 +290,9 @@ def _plan(call: Call, tile: Optional[tiles.Tile]) -> LaunchPlan:
     # int8 tiles widened to 1152 + code: the fp16 subtraction, one per two codes (BLOCK_N * D / 2 per
     # tile and side), becomes a correction per score (K: one subtraction) or per P element (V: the
     # row sums of P, about two instructions each and a cross-warp reduction), BLOCK_M * BLOCK_N per
-    # tile: fewer instructions only for tiles of few rows (decode), and faster only where enough
-    # programs run to hide the reduction's latency. H200, session 10 run 1, int8 decode with and
-    # without: B=8 L=32k 154.8 / 158.0 us, B=32 L=8k 158.4 / 162.0, B=4 L=128k 309.7 / 318.3; with K
-    # rotated, B=1 L=4k 11.8 / 11.4 and L=32k 29.5 / 28.7; prefill (128 rows), 1024 new tokens over
-    # 16k, 1111 / 1067. Not for block32 scales, which multiply the widened tile before the dot
-    # (LaunchPlan.k_bias / v_bias).
+    # tile: fewer instructions only for decode tiles, faster only where enough programs hide the
+    # reduction's latency (H200, session 10 run 1, docs/perf-log.md: +1-3% at B >= 4, -3% at B=1,
+    # -4% in prefill). Not for block32 scales, which scale the widened tile (LaunchPlan.k_bias / v_bias).
     programs = c.B * c.Hkv * -(-rows // tile.block_m)  # per split
     int8_bias = 4 * tile.block_m <= _pow2(c.D) and programs > DECODE_SMALL_PROGRAMS
     # programs of this tile one SM holds at once: the decode split count fills whole waves of them
