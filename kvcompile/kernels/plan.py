@@ -46,9 +46,7 @@ DECODE_MAX_Q = 16
 # (BENCHMARKS.md, session 5): the fused kernel is faster up to 2048 (1933 vs 2072 us), dense from
 # 4096 (3192 vs 3593 us); 3072 lies between the two measured points.
 DENSE_MIN_Q = 3072
-# Decode calls of at most this many (batch, kv head) programs per split cannot fill the GPU's waves:
-# they plan DECODE_PROGRAMS_PER_SM_SMALL programs per SM and no int8 bias (latency-bound).
-DECODE_SMALL_PROGRAMS = 16
+DECODE_SMALL_PROGRAMS = 16  # programs per split at most: no full wave (latency-bound), no int8 bias
 # Split-K: the split count whose equal-work programs fill whole waves of the resident programs
 # best, at most this many waves (H200, session 6 run 5: 1-4 within 1% at B=8 L=32k and B=4 L=128k;
 # 1 loses 7% at B=32 L=32k, 6 loses 4-8%).
