@@ -71,8 +71,16 @@ def _hadamard_f64(head_dim: int) -> torch.Tensor:
 
 
 def prebuild(head_dim: int) -> None:
-    """Build the matrix of ``head_dim`` now (caches call this at construction, outside any graph)."""
+    """Build the matrices of ``head_dim`` now: caches call this at construction, outside any graph.
+    A cache that allocates lazily does so inside the first compiled graph, where Dynamo guards on
+    what :func:`shared` finds in ``_SHARED``: were the matrix built there, the next cache's first
+    call would fail that guard and recompile. So the float32 matrix is built for the CPU and for the
+    current CUDA device when CUDA is already in use (a lazy cache on a device CUDA had not reached
+    at construction still works, at the cost of that one recompile)."""
     _hadamard_f64(head_dim)
+    shared(head_dim, "cpu")
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        shared(head_dim, "cuda")
 
 
 def _build_f64(head_dim: int) -> torch.Tensor:

@@ -246,3 +246,34 @@ def test_backend_function_is_not_shadowed():
     assert callable(kvcompile.backend) and not isinstance(kvcompile.backend, type(module))
     assert isinstance(first, module.KVCompileBackend) and first.kv_dtype == "q8_0"
     assert isinstance(kvcompile.backend("fp8_e4m3"), module.KVCompileBackend)  # a second call still works
+
+
+@pytest.mark.parametrize("device", [None, "cpu"], ids=["lazy", "eager"])
+def test_a_new_cache_reuses_the_compiled_graphs(device, monkeypatch):
+    """generate() twice, each over a fresh QuantizedCache (int8, K rotated: the layers read the
+    shared rotation matrix): the second call compiles nothing. With ``device=None`` the buffers
+    are allocated inside the first compiled graph; no rotation matrix is built when the compiled
+    calls start (nor by an earlier test), as in a process whose first cache is compiled."""
+    from kvcompile import rotation
+
+    model, _ = make_model("llama", "sdpa")
+    ids, _ = prompt(False)
+    kw = cache_kwarg(model)
+    gen = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+    def cache():
+        return kvcompile.QuantizedCache(model.config, max_batch_size=ids.shape[0], max_cache_len=ids.shape[1] + 4,
+                                        kv_dtype="int8", device=device)
+
+    with torch.no_grad():
+        ref = model.generate(ids, **{kw: cache()}, **gen)
+        monkeypatch.setattr(rotation, "_SHARED", {})  # as in a process whose first cache is compiled
+        backend = kvcompile.backend("int8")
+        model.forward = torch.compile(model.forward, backend=backend, fullgraph=True)
+        first = model.generate(ids, **{kw: cache()}, **gen)
+        graphs = len(backend.report())
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            second = model.generate(ids, **{kw: cache()}, **gen)
+    assert cache().layers[0].k_rotate  # the case this test is about
+    assert torch.equal(first, ref) and torch.equal(second, ref)
+    assert graphs == 2 and len(backend.report()) == graphs  # prefill + decode, nothing after
