@@ -3,7 +3,8 @@
 Modelled on transformers' ``StaticLayer`` (5.x): fixed ``[B, Hkv, L, D]`` storage, a
 ``cumulative_length`` device tensor, every buffer ``mark_static_address``-ed so CUDA graphs can
 replay it, and an ``update()`` that writes in place. The difference: the storage is 8-bit codes
-plus scales, written by ``kvcompile::store_kv``, and ``update()`` returns
+plus scales, written by ``kvcompile::store_kv`` (in a graph compiled for the reference kernels,
+by the same quantization as plain torch ops, which Inductor fuses), and ``update()`` returns
 ``kvcompile::dequantize(...)`` so that eager attention of any implementation is correct.
 
 Sliding-window layers (the layer types and windows of :func:`kvcompile.hf.layer_windows`) keep all
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from . import formats, ops, rotation, tp
+from . import formats, ops, reference, rotation, tp
 
 __all__ = ["QuantizedLayer", "V_LAYOUTS", "v_codes_buffer"]
 
@@ -27,6 +28,10 @@ _KV_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _is_compiling() -> bool:
     return torch.compiler.is_compiling()
+
+
+def _store_in_graph(device: torch.device) -> bool:
+    return _is_compiling() and ops.kernel_backend(device) == "reference"
 
 
 V_LAYOUTS = ("auto", "keys", "head_dim")
@@ -230,7 +235,10 @@ class QuantizedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         self._check_input(key_states, value_states)
         k_codes, k_scales, v_codes, v_scales = self.live_buffers(key_states.shape[0])
-        ops.store_kv(
+        # compiled on the reference kernels (the CPU): the store as plain torch ops, fused by Inductor
+        # with the layer; otherwise the op (Triton, or the eager reference). Chosen when traced.
+        store = reference.store_kv_traced if _store_in_graph(key_states.device) else ops.store_kv
+        store(
             k_codes, k_scales, v_codes, v_scales,
             key_states, value_states, self.cumulative_length, self.k_offset, self.k_rotation, self.v_rotation,
         )

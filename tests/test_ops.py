@@ -189,6 +189,70 @@ def test_store_kv_past_the_end_raises():
     OPS.store_kv(kc, ks, vc, vs, k, k, torch.tensor(5), None)  # exactly up to the end is fine
 
 
+# (K format, V format, rotate K, rotate V, K offset) for the compiled store: every format, one
+# format on both sides (quantized as one tensor) and two, rotations on one side or both
+TRACED_STORES = [
+    (("fp8_e4m3", "token"), ("fp8_e4m3", "token"), False, False, True),
+    (("fp8_e4m3", "block32"), ("fp8_e4m3", "block32"), False, False, False),
+    (("fp8_e4m3", "static"), ("fp8_e4m3", "static"), False, False, False),
+    (("q8_0", "block32"), ("q8_0", "block32"), False, False, True),
+    (("int8", "token"), ("int8", "token"), True, False, True),
+    (("int8", "token"), ("int8", "token"), True, True, False),
+    (("int8", "token"), ("fp8_e4m3", "token"), False, True, False),
+]
+
+
+@pytest.mark.usefixtures("dynamo_reset_around")
+@pytest.mark.parametrize("k_fmt, v_fmt, rot_k, rot_v, offset", TRACED_STORES,
+                         ids=["fp8", "fp8-block32", "fp8-static", "q8_0", "int8-krot", "int8-kvrot", "int8-fp8"])
+def test_store_kv_traced_compiles_to_the_same_codes(k_fmt, v_fmt, rot_k, rot_v, offset):
+    """``reference.store_kv_traced`` (the store a compiled CPU graph runs, fused by Inductor) writes
+    bit-for-bit the codes and scales of the eager op, over a prompt then one token each step, with
+    Inf and NaN in one token (the quantizer's special-value rules run in the graph, as the eager
+    op only runs them when it sees such a value)."""
+    from kvcompile import reference, rotation
+
+    B, H, L, D, T = 2, 2, 16, 64, 5
+    kc, ks, _, _ = make_cache(*k_fmt, B=B, H=H, L=L, D=D)
+    _, _, vc, vs = make_cache(*v_fmt, B=B, H=H, L=L, D=D, seed=1)
+    R = rotation.shared(D, "cpu")
+    gen = torch.Generator().manual_seed(2)
+    off = torch.randn(H, D, generator=gen) * 0.5 if offset else None
+    args = dict(k_offset=off, k_rotation=R if rot_k else None, v_rotation=R if rot_v else None)
+    eager = [t.clone() for t in (kc, ks, vc, vs)]
+    compiled = [t.clone() for t in (kc, ks, vc, vs)]
+    store = torch.compile(reference.store_kv_traced, backend="inductor", fullgraph=True, dynamic=False)
+    start = 0
+    for n in (T, 1, 1, 1):
+        k = torch.randn(B, H, n, D, generator=gen) * 3
+        v = torch.randn(B, H, n, D, generator=gen) * 3
+        if start == T + 1:
+            k[0, 1, 0, 3], v[1, 0, 0, 7], k[1, 0, 0, 0] = float("inf"), float("nan"), -float("inf")
+        OPS.store_kv(*eager, k, v, torch.tensor(start), **args)
+        store(*compiled, k, v, torch.tensor(start), **args)
+        start += n
+    for name, e, c in zip(("k codes", "k scales", "v codes", "v scales"), eager, compiled):
+        if e.dtype == torch.float8_e4m3fn:  # a NaN is stored as NaN; its sign bit (0x7f / 0xff) means nothing
+            nan = e.float().isnan()
+            assert torch.equal(nan, c.float().isnan()), name
+            e, c = e.view(torch.uint8).masked_fill(nan, 0), c.view(torch.uint8).masked_fill(nan, 0)
+        assert bits_equal(c, e), name
+    assert not bits_equal(eager[0], kc)  # the store wrote something
+
+
+@pytest.mark.usefixtures("dynamo_reset_around")
+def test_store_kv_traced_past_the_end_raises():
+    """The compiled store keeps its bound: a write past max_cache_len fails with the op's message."""
+    from kvcompile import reference
+
+    kc, ks, vc, vs = make_cache("int8", "token", L=8)
+    store = torch.compile(reference.store_kv_traced, backend="inductor", fullgraph=True, dynamic=False)
+    k = torch.randn(2, 2, 3, 64)
+    store(kc, ks, vc, vs, k, k, torch.tensor(5), None)  # exactly up to the end is fine
+    with pytest.raises(RuntimeError, match="max_cache_len"):
+        store(kc, ks, vc, vs, k, k, torch.tensor(6), None)
+
+
 def test_store_kv_rejects_misshaped_inputs():
     kc, ks, vc, vs = make_cache("q8_0", "block32")
     with pytest.raises(ValueError, match="do not fit"):
