@@ -3,8 +3,7 @@
 Modelled on transformers' ``StaticLayer`` (5.x): fixed ``[B, Hkv, L, D]`` storage, a
 ``cumulative_length`` device tensor, every buffer ``mark_static_address``-ed so CUDA graphs can
 replay it, and an ``update()`` that writes in place. The difference: the storage is 8-bit codes
-plus scales, written by ``kvcompile::store_kv`` (in a decode step compiled for the reference
-kernels, by the same quantization as plain torch ops, which Inductor fuses), and ``update()`` returns
+plus scales, written by ``kvcompile::store_kv``, and ``update()`` returns
 ``kvcompile::dequantize(...)`` so that eager attention of any implementation is correct.
 
 Sliding-window layers (the layer types and windows of :func:`kvcompile.hf.layer_windows`) keep all
@@ -18,7 +17,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from . import formats, ops, reference, rotation, tp
+from . import formats, ops, rotation, tp
 
 __all__ = ["QuantizedLayer", "V_LAYOUTS", "v_codes_buffer"]
 
@@ -28,16 +27,6 @@ _KV_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _is_compiling() -> bool:
     return torch.compiler.is_compiling()
-
-
-def _store_in_graph(device: torch.device, tokens) -> bool:
-    """Whether a compiled graph stores K/V with plain torch ops (``reference.store_kv_traced``)
-    rather than the opaque op: on the reference kernels (the CPU), for one new token per row. A
-    decode step stores every token, and there the op's two dozen eager kernels per layer cost
-    ~15% of SmolLM2-135M's step; Inductor fuses the traced store into one loop per layer, at the
-    price of ~1 s of compile time per layer on two cores (BENCHMARKS.md, bench_cpu). A prefill
-    stores once per prompt, so it keeps the op and compiles as fast as before."""
-    return _is_compiling() and isinstance(tokens, int) and tokens == 1 and ops.kernel_backend(device) == "reference"
 
 
 V_LAYOUTS = ("auto", "keys", "head_dim")
@@ -241,10 +230,7 @@ class QuantizedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         self._check_input(key_states, value_states)
         k_codes, k_scales, v_codes, v_scales = self.live_buffers(key_states.shape[0])
-        # a compiled decode step on the reference kernels (the CPU) stores with plain torch ops, fused
-        # by Inductor; otherwise the op (Triton, or the eager reference). Chosen when traced.
-        store = reference.store_kv_traced if _store_in_graph(key_states.device, key_states.shape[2]) else ops.store_kv
-        store(
+        ops.store_kv(
             k_codes, k_scales, v_codes, v_scales,
             key_states, value_states, self.cumulative_length, self.k_offset, self.k_rotation, self.v_rotation,
         )

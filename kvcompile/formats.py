@@ -309,9 +309,8 @@ def quantize(
 
     xg = _group_view(xf, groups)  # [B, H, T, G, D/G]
     # no NaN / Inf anywhere: the special-value steps below change nothing and are skipped (a host
-    # read, so on the CPU only, where it is free, and not in a compiled graph; the values are the
-    # same either way)
-    special = xf.device.type != "cpu" or torch.compiler.is_compiling() or not bool(torch.isfinite(xf).all())
+    # read, so on the CPU only, where it is free; the values are the same either way)
+    special = xf.device.type != "cpu" or not bool(torch.isfinite(xf).all())
     if special:
         amax = torch.where(torch.isfinite(xg), xg.abs(), torch.zeros_like(xg)).amax(dim=-1, keepdim=True)
     else:
@@ -361,14 +360,10 @@ def _encode(y: torch.Tensor, code_dtype: torch.dtype) -> torch.Tensor:
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """codes [B, H, L, D] with scales [B, H, L, G] or static [H] -> values [B, H, L, D] in ``dtype``."""
-    # int8 codes times fp32 scales promote to fp32 in one kernel, the same products (the codes are
-    # exact in fp32); fp8 codes do not promote, so they are converted first
-    c = codes if codes.dtype == torch.int8 else codes.float()
-    s = scale.float()
+    c = codes.float()
     if scale.dim() == 1:
-        out = c * s.view(1, -1, 1, 1)
-    elif scale.shape[-1] == 1:  # one scale per token: it broadcasts over head_dim
-        out = c * s
+        out = c * scale.float().view(1, -1, 1, 1)
     else:
-        out = (_group_view(c, scale.shape[-1]) * s.unsqueeze(-1)).flatten(-2)
+        groups = scale.shape[-1]
+        out = (_group_view(c, groups) * scale.float().unsqueeze(-1)).flatten(-2)
     return out.to(dtype)

@@ -50,11 +50,6 @@ def _write(cache: Tensor, scale: Tensor, codes: Tensor, s: Optional[Tensor], whe
         if s is not None:
             scale[:, :, where] = s
         return
-    if torch.compiler.is_compiling():  # index_put_: Inductor writes fp8 codes and reinplaces it
-        cache[:, :, where] = codes
-        if s is not None:
-            scale[:, :, where] = s
-        return
     _as_bytes(cache).index_copy_(2, where, _as_bytes(codes))
     if s is not None:
         scale.index_copy_(2, where, s)
@@ -86,34 +81,6 @@ def store_kv(
         where = slice(s0, s0 + T)
     else:
         where = torch.arange(T, device=k.device) + start.to(device=k.device, dtype=torch.long)
-    _store(k_cache, k_scale, v_cache, v_scale, k, v, where, k_offset, k_rotation, v_rotation)
-
-
-def store_kv_traced(
-    k_cache: Tensor,
-    k_scale: Tensor,
-    v_cache: Tensor,
-    v_scale: Tensor,
-    k: Tensor,
-    v: Tensor,
-    start: Tensor,
-    k_offset: Optional[Tensor],
-    k_rotation: Optional[Tensor] = None,
-    v_rotation: Optional[Tensor] = None,
-) -> None:
-    """:func:`store_kv` for a compiled graph: the same codes, written by plain torch ops that
-    Inductor compiles with the rest of the layer (on the CPU, a few fused loops where the opaque
-    ``kvcompile::store_kv`` runs some twenty eager kernels per call). No host read: the positions
-    are ``start + arange(T)`` as a tensor, and the graph asserts they fit the cache."""
-    T = k.shape[2]
-    torch._assert_async(start + T <= k_cache.shape[2],
-                        "kvcompile.store_kv: writing past max_cache_len; build the cache with a larger max_cache_len")
-    where = torch.arange(T, device=k.device) + start.to(device=k.device, dtype=torch.long)
-    _store(k_cache, k_scale, v_cache, v_scale, k, v, where, k_offset, k_rotation, v_rotation)
-
-
-def _store(k_cache, k_scale, v_cache, v_scale, k, v, where, k_offset, k_rotation, v_rotation) -> None:
-    """Quantize and write K and V at ``where`` (a slice or an index tensor of positions)."""
     if _one_format(k_cache, k_scale, v_cache, v_scale, k, v):
         # K and V quantized as one [2, B, H, T, D] tensor: half the ops, the same values
         if k_rotation is not None and k_rotation is v_rotation:  # one matrix: one product for both
