@@ -360,10 +360,14 @@ def _encode(y: torch.Tensor, code_dtype: torch.dtype) -> torch.Tensor:
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """codes [B, H, L, D] with scales [B, H, L, G] or static [H] -> values [B, H, L, D] in ``dtype``."""
-    c = codes.float()
+    # int8 codes times fp32 scales promote to fp32 in one kernel, the same products (the codes are
+    # exact in fp32); fp8 codes do not promote, so they are converted first
+    c = codes if codes.dtype == torch.int8 else codes.float()
+    s = scale.float()
     if scale.dim() == 1:
-        out = c * scale.float().view(1, -1, 1, 1)
+        out = c * s.view(1, -1, 1, 1)
+    elif scale.shape[-1] == 1:  # one scale per token: it broadcasts over head_dim
+        out = c * s
     else:
-        groups = scale.shape[-1]
-        out = (_group_view(c, groups) * scale.float().unsqueeze(-1)).flatten(-2)
+        out = (_group_view(c, scale.shape[-1]) * s.unsqueeze(-1)).flatten(-2)
     return out.to(dtype)
