@@ -366,8 +366,6 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
     s = scale.float()
     if scale.dim() == 1:
         out = c * s.view(1, -1, 1, 1)
-    elif scale.shape[-1] == 1:  # one scale per token: it broadcasts over head_dim
-        out = c * s
     else:
         out = (_group_view(c, scale.shape[-1]) * s.unsqueeze(-1)).flatten(-2)
     return out.to(dtype)
