@@ -128,8 +128,8 @@ def info(out=print) -> None:
     out("  default (rotate=None; head_dim a multiple of 8; rotate=True rotates V too), the others unrotated.")
     out("  K and V may differ (k_dtype=, v_dtype=) when they share one scale granularity. K centering")
     out("  (calibration k_offset) works with every format.")
-    out("  sliding-window layers (Mistral, Phi-3, Gemma 2/3, gpt-oss, ...): compiled attention skips keys below")
-    out("  the window, but each layer still stores max_cache_len positions: memory grows with max_cache_len.")
+    out("  sliding-window layers (Mistral, Phi-3, Gemma 2/3, gpt-oss, ...) store only their window, as a ring")
+    out("  (QuantizedCache(ring=True), the default): their memory follows the window, not max_cache_len.")
     out("")
     out("launch plans (kvcompile/kernels/plan.py; B=8, 32 q / 8 kv heads, bf16 q, 32k cache; prefill: 1024 tokens):")
     for line in _plan_lines(archs):
@@ -188,12 +188,14 @@ def cache_size_lines(config, *, max_cache_len=None, batch=1, kv_dtype=None, gran
             layer = cache.layers[start]
             span = f"layer {start}" if i - start == 1 else f"layers {start}-{i - 1}"
             lines.append(f"  {span:14s} {sizes[start]:>14,d} bytes ({_mib(sizes[start])}) each: "
-                         f"{layer.num_heads} kv heads x head_dim {layer.head_dim} x {layer.max_cache_len} positions")
+                         f"{layer.num_heads} kv heads x head_dim {layer.head_dim} x {layer.slots} positions"
+                         + (f" (a ring: sliding window {layer.sliding_window})" if layer.ring else ""))
             start = i
     lines.append(f"  total          {total:>14,d} bytes ({_mib(total)}); a bf16 cache of the same capacity: "
                  f"{_mib(bf16)} ({total / bf16:.3f}x)")
     per_row = total / cache.max_batch_size
-    lines.append(f"  per sequence (batch row): {_mib(per_row)}, {per_row / cache.max_cache_len:,.0f} bytes per position")
+    lines.append(f"  per sequence (batch row): {_mib(per_row)}, {per_row / cache.max_cache_len:,.0f} bytes per position "
+                 f"of context")
     return lines
 
 

@@ -103,9 +103,7 @@ class QuantizedCache(Cache):
             cache cannot serve (encoder-decoder, cross-attention, multi-head latent attention, ALiBi,
             chunked or linear attention, K/V shared across layers) raises ``ValueError`` naming why.
             Sliding-window layers (Mistral, Qwen2 with ``use_sliding_window``, Phi-3, Gemma 2/3,
-            gpt-oss, Cohere2) are served: attention skips keys below the window, but every layer
-            still stores ``max_cache_len`` positions, so memory grows with ``max_cache_len``, not
-            with the window.
+            gpt-oss, Cohere2) are served and store only their window (see ``ring``).
         max_batch_size: the largest batch the cache serves (a smaller batch uses its leading rows).
         max_cache_len: positions per sequence (prompt + generated tokens): the cache allocates
             ``max_batch_size x max_cache_len`` positions per layer up front, like transformers'
@@ -153,6 +151,12 @@ class QuantizedCache(Cache):
             each rank stores its ``Hkv / tp_size`` kv heads and its slice of ``calibration``, and heads
             that do not divide are refused here. ``None``: the first update's head count decides, as in
             transformers' ``StaticCache`` (:mod:`kvcompile.tp`).
+        ring: ``True`` (default): a sliding-window layer stores only its window of ``W`` positions, as a
+            ring (:mod:`kvcompile.ring`), so its memory follows the window, not ``max_cache_len``
+            (transformers' sliding layers keep the window too). ``False``: it stores all
+            ``max_cache_len`` positions like a full layer, and attention skips the keys below the
+            window; that is what cropping the cache past the window needs (assisted or
+            prompt-lookup decoding of a sliding-window model beyond its window).
 
     Like transformers' ``StaticCache``, a cache passed to ``generate()`` keeps what it holds: a second
     call continues from it (its prompt must then start with the cached tokens). Call ``cache.reset()``
@@ -174,16 +178,19 @@ class QuantizedCache(Cache):
         calibration: Mapping[str, torch.Tensor] | str | os.PathLike | None = None,
         v_layout: str = "auto",
         tp_size: int | None = None,
+        ring: bool = True,
         **kwargs: Any,
     ):
         if kwargs:  # a misspelled option must not silently fall back to a default format
             raise TypeError(
                 f"kvcompile.QuantizedCache got unexpected arguments {sorted(kwargs)}; it takes config, "
                 "max_batch_size, max_cache_len, kv_dtype, device, k_dtype, v_dtype, rotate, granularity, "
-                "calibration, v_layout and tp_size"
+                "calibration, v_layout, tp_size and ring"
             )
         if not any(rotate is r or (isinstance(r, str) and rotate == r) for r in (None, True, False, "k", "v")):
             raise TypeError(f"kvcompile.QuantizedCache: rotate must be None, True, False, 'k' or 'v', got {rotate!r}")
+        if not isinstance(ring, bool):
+            raise TypeError(f"kvcompile.QuantizedCache: ring must be True or False, got {ring!r}")
         config = _checked_config(config)
         text_config = hf.text_config(config)
         k_name, v_name = formats.resolve_kv_dtypes(kv_dtype, k_dtype, v_dtype)
@@ -242,7 +249,7 @@ class QuantizedCache(Cache):
                 k_offset=calib["k_offset"][i] if "k_offset" in calib else None,
                 v_layout=v_layout,
                 v_fmt=v_fmt, k_rotate=k_rotate, v_rotate=v_rotate,
-                sliding_window=windows[i],
+                sliding_window=windows[i], ring=ring,
             )
             for i in range(num_layers)
         ]
@@ -303,8 +310,9 @@ class QuantizedCache(Cache):
         return sizes if per_layer else sum(sizes)
 
     def bf16_nbytes(self) -> int:
-        """Bytes a bf16 cache of the same capacity would hold (for comparisons)."""
-        return sum(2 * 2 * l.max_batch_size * l.num_heads * l.max_cache_len * l.head_dim for l in self.layers)
+        """Bytes a bf16 cache of the same capacity would hold (for comparisons): per layer the positions it
+        stores, a sliding layer's window included, as transformers' ``StaticCache`` holds them."""
+        return sum(2 * 2 * l.max_batch_size * l.num_heads * l.slots * l.head_dim for l in self.layers)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if layer_idx >= len(self.layers):

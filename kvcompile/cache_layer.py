@@ -6,10 +6,10 @@ replay it, and an ``update()`` that writes in place. The difference: the storage
 plus scales, written by ``kvcompile::store_kv``, and ``update()`` returns
 ``kvcompile::dequantize(...)`` so that eager attention of any implementation is correct.
 
-Sliding-window layers (the layer types and windows of :func:`kvcompile.hf.layer_windows`) keep all
-``max_cache_len`` positions like full layers (a rolling buffer is not implemented): the model's
-mask applies the window in eager mode, and the layer's ``sliding_window`` travels with
-``dequantize`` to the compiler pass so that the kernels skip the keys below it.
+Sliding-window layers (the layer types and windows of :func:`kvcompile.hf.layer_windows`) keep only
+their window: ``W`` slots used as a ring (:mod:`kvcompile.ring`), so their memory follows the window,
+not the context. Positions stay absolute outside the ring: ``update()`` returns ``max_cache_len``
+positions (zeros outside the window) and transformers' masks apply unchanged.
 """
 
 from __future__ import annotations
@@ -55,10 +55,16 @@ class QuantizedLayer(CacheLayerMixin):
 
     ``sliding_window``: the window attention applies over this layer (query ``p`` sees keys
     ``k > p - W``), 0 for full attention. A window no shorter than ``max_cache_len`` never excludes
-    a stored key and is recorded as 0. Every layer stores all ``max_cache_len`` positions: in eager
-    mode the model's mask applies the window; :meth:`update` hands it to ``kvcompile::dequantize``
-    for the compiler pass, and ``kvcompile::attention`` skips the keys below it. ``is_sliding`` is
-    True for a layer the config makes sliding (what transformers' masks read).
+    a stored key and is recorded as 0. ``is_sliding`` is True for a layer the config makes sliding
+    (what transformers' masks read).
+
+    ``ring`` (default True): a layer with a window stores ``slots = W`` positions, position ``p`` in
+    slot ``p % W`` (:mod:`kvcompile.ring`): :meth:`update` reads the ring (and the new tokens) into
+    ``kvcompile::dequantize_ring`` *before* ``store_kv(ring=True)`` writes them, since a chunk's tail
+    may overwrite keys its first queries still see; the compiler pass turns the three into one
+    ``kvcompile::attention_ring``. ``ring=False`` stores all ``max_cache_len`` positions
+    (``slots = max_cache_len``), the layout :meth:`crop` past the window needs; the window then
+    travels with ``dequantize`` to the pass and ``kvcompile::attention`` skips the keys below it.
 
     ``v_layout``: ``"keys"`` stores V codes key-contiguous (a ``[B, Hkv, D, L16]`` buffer, ``L16``
     = ``L`` rounded up to 16, seen through a ``[B, Hkv, L, D]`` view), the layout the attention
@@ -93,6 +99,7 @@ class QuantizedLayer(CacheLayerMixin):
         k_rotate: bool = False,
         v_rotate: bool = False,
         sliding_window: int = 0,
+        ring: bool = True,
     ):
         super().__init__()
         v_fmt = fmt if v_fmt is None else v_fmt
@@ -122,6 +129,8 @@ class QuantizedLayer(CacheLayerMixin):
         self.is_sliding = sliding_window > 0
         # a window no shorter than the cache never excludes a stored key: recorded as full attention
         self.sliding_window = sliding_window if sliding_window < max_cache_len else 0
+        self.ring = bool(ring) and self.sliding_window > 0
+        self.slots = self.sliding_window if self.ring else max_cache_len  # positions stored per row
         self.max_batch_size = max_batch_size
         self.max_cache_len = max_cache_len
         self.num_heads = num_kv_heads
@@ -140,7 +149,7 @@ class QuantizedLayer(CacheLayerMixin):
     # -- allocation -----------------------------------------------------------------------------
 
     def allocate(self, device: torch.device) -> None:
-        B, H, L, D = self.max_batch_size, self.num_heads, self.max_cache_len, self.head_dim
+        B, H, L, D = self.max_batch_size, self.num_heads, self.slots, self.head_dim
         kf, vf = self.k_fmt, self.v_fmt
         self.device = torch.device(device)
         self.k_codes = torch.zeros((B, H, L, D), dtype=kf.code_dtype, device=device)
@@ -230,6 +239,8 @@ class QuantizedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         self._check_input(key_states, value_states)
         k_codes, k_scales, v_codes, v_scales = self.live_buffers(key_states.shape[0])
+        if self.ring:
+            return self._update_ring(key_states, value_states, k_codes, k_scales, v_codes, v_scales)
         ops.store_kv(
             k_codes, k_scales, v_codes, v_scales,
             key_states, value_states, self.cumulative_length, self.k_offset, self.k_rotation, self.v_rotation,
@@ -239,6 +250,18 @@ class QuantizedLayer(CacheLayerMixin):
         n, w = self.cumulative_length, self.sliding_window
         k = ops.dequantize(k_codes, k_scales, self.k_offset, n, dtype, self.k_rotation, w)
         v = ops.dequantize(v_codes, v_scales, None, n, dtype, self.v_rotation, w)
+        return k, v
+
+    def _update_ring(self, key_states, value_states, k_codes, k_scales, v_codes, v_scales):
+        """Read before write (class docstring): the window and the new tokens, then the store."""
+        n, w, L, dtype = self.cumulative_length, self.sliding_window, self.max_cache_len, key_states.dtype
+        k = ops.dequantize_ring(k_codes, k_scales, self.k_offset, n, dtype, self.k_rotation, w, key_states, L)
+        v = ops.dequantize_ring(v_codes, v_scales, None, n, dtype, self.v_rotation, w, value_states, L)
+        ops.store_kv(
+            k_codes, k_scales, v_codes, v_scales,
+            key_states, value_states, n, self.k_offset, self.k_rotation, self.v_rotation, ring=True,
+        )
+        self.cumulative_length.add_(key_states.shape[2])
         return k, v
 
     def live_buffers(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -286,7 +309,17 @@ class QuantizedLayer(CacheLayerMixin):
                 "kvcompile.QuantizedCache layers can only be cropped by a negative count (tokens to drop from "
                 "the end), like transformers' StaticLayer"
             )
-        self.cumulative_length.sub_(abs(tokens_to_remove))
+        n = abs(tokens_to_remove)
+        if self.ring and n > 1 and self.is_initialized:
+            stored = int(self.cumulative_length)
+            if stored - self.slots > 0:  # the positions the shorter cache's window needs were overwritten
+                raise RuntimeError(
+                    f"kvcompile.QuantizedCache: layer {self.layer_idx} keeps only its sliding window of "
+                    f"{self.slots} positions (a ring) and holds {stored} tokens; dropping {n} of them needs "
+                    f"positions it has overwritten. Build the cache with ring=False (every layer stores "
+                    "max_cache_len positions) for assisted or prompt-lookup decoding past the window"
+                )
+        self.cumulative_length.sub_(n)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if not self.is_initialized:
@@ -332,7 +365,7 @@ class QuantizedLayer(CacheLayerMixin):
         return k if k == v else f"K {k}/V {v}"
 
     def __repr__(self):
-        window = f", sliding_window={self.sliding_window}" if self.sliding_window else ""
+        window = f", sliding_window={self.sliding_window}{' (ring)' if self.ring else ''}" if self.sliding_window else ""
         return (
             f"QuantizedLayer({self.format_name}, B={self.max_batch_size}, Hkv={self.num_heads}, L={self.max_cache_len}, "
             f"D={self.head_dim}{window})"

@@ -37,9 +37,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import reference
+from . import reference, ring as ring_ops
 
-__all__ = ["store_kv", "dequantize", "attention", "kernel_backend"]
+__all__ = ["store_kv", "dequantize", "attention", "dequantize_ring", "attention_ring", "kernel_backend"]
 
 _BACKENDS = ("auto", "triton", "reference")
 
@@ -169,6 +169,7 @@ def _store_kv(
     k_offset: Optional[Tensor],
     k_rotation: Optional[Tensor] = None,
     v_rotation: Optional[Tensor] = None,
+    ring: bool = False,
 ) -> None:
     """Quantize ``k, v`` [B, Hkv, T, D] into the caches at positions ``start + arange(T)``.
 
@@ -177,7 +178,12 @@ def _store_kv(
     ``k_offset`` ([Hkv, D], in K's rotated space when K is rotated) is then subtracted from K.
     K and V may use different formats that share one scale granularity.
     Writing past the end of the cache fails (a device-side assert on CUDA; no host sync).
+    ``ring``: the caches are a sliding layer's ring of ``W = L`` slots (:mod:`kvcompile.ring`):
+    position ``p`` goes to slot ``p % W`` and of a chunk longer than W only its last W tokens stay.
     """
+    if ring:
+        ring_ops.store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation, v_rotation)
+        return
     _check_codes_scale("k", k_cache, k_scale)
     _check_codes_scale("v", v_cache, v_scale)
     _check_rotation("k_rotation", k_rotation, k_cache)
@@ -199,13 +205,15 @@ def _store_kv(
         reference.store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation, v_rotation)
 
 
-def _store_kv_fake(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation=None, v_rotation=None) -> None:
+def _store_kv_fake(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation=None, v_rotation=None,
+                   ring=False) -> None:
     return None
 
 
 store_kv = _register(
     "store_kv(Tensor(a0!) k_cache, Tensor(a1!) k_scale, Tensor(a2!) v_cache, Tensor(a3!) v_scale, Tensor k, "
-    "Tensor v, Tensor start, Tensor? k_offset, Tensor? k_rotation=None, Tensor? v_rotation=None) -> ()",
+    "Tensor v, Tensor start, Tensor? k_offset, Tensor? k_rotation=None, Tensor? v_rotation=None, "
+    "bool ring=False) -> ()",
     _store_kv, _store_kv_fake)
 
 
@@ -358,3 +366,98 @@ attention = _register(
     "bool is_causal, float? scale, SymInt sliding_window=0, float softcap=0., Tensor? sinks=None, "
     "Tensor? k_rotation=None, Tensor? v_rotation=None) -> Tensor",
     _attention, _attention_fake)
+
+
+# ---------------------------------------------------------------------------------------------
+# a sliding layer's ring (kvcompile.ring): read before write
+# ---------------------------------------------------------------------------------------------
+
+
+def _dequantize_ring(
+    codes: Tensor,
+    scale: Tensor,
+    offset: Optional[Tensor],
+    kv_len: Tensor,
+    dtype: torch.dtype,
+    rotation: Optional[Tensor],
+    sliding_window: int,
+    new: Tensor,
+    length: int,
+) -> Tensor:
+    """A ring of ``W = L`` slots plus ``new`` [B, Hkv, T, D] (raw values, about to be stored at
+    ``kv_len``, the tokens stored so far) -> values [B, Hkv, ``length``, D] in ``dtype`` at absolute
+    positions: the ring's positions ``[kv_len - W + 1, kv_len)``, ``new`` at ``[kv_len, kv_len + T)``
+    quantized as ``store_kv`` quantizes it, zeros elsewhere. The arguments before ``new`` are
+    :func:`_dequantize`'s (``sliding_window`` is W, the ring's size). The eager path of a sliding
+    layer's ring; the compiler pass replaces attention over it by :func:`_attention_ring`.
+    """
+    _check_codes_scale("dequantize_ring", codes, scale)
+    _check_rotation("rotation", rotation, codes)
+    if sliding_window != codes.shape[2]:
+        raise ValueError(f"kvcompile.dequantize_ring: a ring of {codes.shape[2]} slots serves a window of as many "
+                         f"positions, got sliding_window={sliding_window}")
+    if new.dim() != 4 or new.shape[:2] != codes.shape[:2] or new.shape[3] != codes.shape[3]:
+        raise ValueError(f"kvcompile.dequantize_ring: new {tuple(new.shape)} does not fit the ring {tuple(codes.shape)}")
+    return ring_ops.dequantize(codes, scale, offset, kv_len, dtype, rotation, new, length)
+
+
+def _dequantize_ring_fake(codes, scale, offset, kv_len, dtype, rotation, sliding_window, new, length):
+    B, H, _, D = codes.shape
+    return codes.new_empty((B, H, length, D), dtype=dtype)
+
+
+dequantize_ring = _register(
+    "dequantize_ring(Tensor codes, Tensor scale, Tensor? offset, Tensor kv_len, ScalarType dtype, Tensor? rotation, "
+    "SymInt sliding_window, Tensor new, SymInt length) -> Tensor",
+    _dequantize_ring, _dequantize_ring_fake)
+
+
+def _check_attention_ring(q, k_q, k_scale, v_q, v_scale, k, v, softcap, sinks, k_rotation, v_rotation) -> None:
+    _check_attention(q, k_q, k_scale, v_q, v_scale, k_q.shape[2], softcap, sinks, k_rotation, v_rotation)
+    if k.shape != v.shape or k.dim() != 4 or k.shape[:2] != k_q.shape[:2] or k.shape[3] != k_q.shape[3]:
+        raise ValueError(f"kvcompile.attention_ring: k {tuple(k.shape)} / v {tuple(v.shape)} do not fit the ring "
+                         f"{tuple(k_q.shape)}")
+
+
+def _attention_ring(
+    q: Tensor,
+    k_q: Tensor,
+    k_scale: Tensor,
+    v_q: Tensor,
+    v_scale: Tensor,
+    cache_len: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_offset: Optional[Tensor],
+    kv_len: Optional[Tensor],
+    attn_mask: Optional[Tensor],
+    is_causal: bool,
+    scale: Optional[float],
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
+    k_rotation: Optional[Tensor] = None,
+    v_rotation: Optional[Tensor] = None,
+) -> Tensor:
+    """Store ``k, v`` [B, Hkv, T, D] into a sliding layer's ring at ``[cache_len - T, cache_len)``
+    (``cache_len``: the tokens stored once they are in; as ``store_kv(ring=True)``), then return
+    :func:`_attention` over the absolute positions with ``sliding_window`` W (the ring's size) and
+    ``kv_len`` (``cache_len`` when None) as the key bound; ``attn_mask`` spans absolute positions.
+    One op for both because a chunk's tail may overwrite keys its first queries see
+    (:mod:`kvcompile.ring`).
+    """
+    _check_attention_ring(q, k_q, k_scale, v_q, v_scale, k, v, softcap, sinks, k_rotation, v_rotation)
+    return ring_ops.attention(q, k_q, k_scale, v_q, v_scale, cache_len, k, v, k_offset, kv_len, attn_mask, is_causal,
+                              scale, softcap, sinks, k_rotation, v_rotation)
+
+
+def _attention_ring_fake(q, k_q, k_scale, v_q, v_scale, cache_len, k, v, k_offset, kv_len, attn_mask, is_causal,
+                         scale, softcap=0.0, sinks=None, k_rotation=None, v_rotation=None):
+    _check_attention_ring(q, k_q, k_scale, v_q, v_scale, k, v, softcap, sinks, k_rotation, v_rotation)
+    return q.new_empty(q.shape)
+
+
+attention_ring = _register(
+    "attention_ring(Tensor q, Tensor(a0!) k_q, Tensor(a1!) k_scale, Tensor(a2!) v_q, Tensor(a3!) v_scale, "
+    "Tensor cache_len, Tensor k, Tensor v, Tensor? k_offset, Tensor? kv_len, Tensor? attn_mask, bool is_causal, "
+    "float? scale, float softcap=0., Tensor? sinks=None, Tensor? k_rotation=None, Tensor? v_rotation=None) -> Tensor",
+    _attention_ring, _attention_ring_fake)

@@ -145,7 +145,7 @@ def table() -> str:
     for row in ROWS:
         status = "supported"
         if row.windowed:
-            status += " (sliding layers store max_cache_len positions: memory grows with max_cache_len)"
+            status += " (each sliding layer stores its window only, as a ring)"
         lines.append(f"| {row.label} | {row.example} | {attention_summary(row)} | {', '.join(row.attn)} | {status} |")
     for entry in REFUSED:
         lines.append(f"| {entry.label} | {entry.example} | | | refused: {refusal_reason(entry)} |")

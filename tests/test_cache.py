@@ -270,8 +270,9 @@ def test_head_dim_not_multiple_of_32_refused_for_block_formats():
     ids=["mistral", "gemma2", "qwen2-window", "qwen2-window-unused"],
 )
 def test_sliding_window_layers_record_their_window(family, overrides, windows, monkeypatch):
-    """A sliding layer records its window and hands it to dequantize (metadata for the pass); it
-    still stores every position (no rolling buffer), so HF's mask sizes stay max_cache_len."""
+    """A sliding layer records its window and hands it to its dequantize (metadata for the pass);
+    it stores only the window (a ring, dequantize_ring) and returns max_cache_len positions, so
+    HF's mask sizes stay max_cache_len."""
     cfg = tiny_config(family, **overrides)
     cache = QuantizedCache(cfg, max_batch_size=1, max_cache_len=16, device="cpu")
     assert cache.sliding_windows == windows
@@ -280,16 +281,20 @@ def test_sliding_window_layers_record_their_window(family, overrides, windows, m
     import kvcompile.cache_layer as layer_mod
 
     seen = []
-    real = layer_mod.ops.dequantize
     # the window dequantize was given, positional (after rotation) or keyword
     window_of = lambda a, kw: kw.get("sliding_window", a[6] if len(a) > 6 else 0)  # noqa: E731
-    monkeypatch.setattr(layer_mod.ops, "dequantize", lambda *a, **kw: seen.append(window_of(a, kw)) or real(*a, **kw))
+    for name in ("dequantize", "dequantize_ring"):
+        real = getattr(layer_mod.ops, name)
+        monkeypatch.setattr(layer_mod.ops, name,
+                            lambda *a, _real=real, _name=name, **kw: seen.append((_name, window_of(a, kw))) or
+                            _real(*a, **kw))
+    full = QuantizedCache(cfg, max_batch_size=1, max_cache_len=16, device="cpu", ring=False).layers[0].nbytes
     for i, layer in enumerate(cache.layers):
         k, v = cache.update(_kv(T=12), _kv(T=12), i)
         assert k.shape == v.shape == (1, 2, 16, 32) and layer.get_mask_sizes(1) == (16, 0)
-        assert seen[-2:] == [windows[i]] * 2
-        assert layer.nbytes == cache.layers[0].nbytes  # the same storage whatever the window
-    # a window no shorter than the cache never excludes a stored key: recorded as full attention
+        op = "dequantize_ring" if windows[i] else "dequantize"
+        assert seen[-2:] == [(op, windows[i])] * 2
+        assert (layer.nbytes < full) == (windows[i] > 0)  # a ring of 8 positions, or all 16
     assert QuantizedCache(cfg, max_batch_size=1, max_cache_len=8).sliding_windows == [0, 0]
 
 

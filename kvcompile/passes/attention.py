@@ -189,7 +189,7 @@ class KVAttentionPass(CustomGraphPass):
                 if node is chain.source.node:  # the dequantize node's shape is its codes' shape
                     user.replace_input_with(node, chain.source.codes)
         erase_dead(graph, [*call.nodes, *k.nodes, *v.nodes, k.source.node, v.source.node])
-        return f"{call.form}[{k.label}]"
+        return f"{call.form}[{k.label}]" + ("@ring" if k.source.ring else "")
 
     def _check_format(self, node: fx.Node, role: Optional[str]) -> None:
         """``role`` None: the codes hold one of the backend's formats; "k" / "v": that operand's."""

@@ -25,6 +25,12 @@ excludes keys at positions ``>= kv_len``; its ``is_causal`` puts query ``i`` at 
 * rotation: a side stored rotated by R (its dequantize un-rotates it) hands R to the op, which
   attends in the rotated space (``q @ R_k`` before the scores, the output times ``R_v^T``) inside
   its own launch.
+
+A sliding layer's ring (``dequantize_ring``, :mod:`kvcompile.ring`) becomes ``kvcompile::attention_ring``,
+which stores the new tokens and attends in one call: the layer's ``store_kv(ring=True)`` node, which
+follows the two reads in the graph, is folded into it (the op takes its k, v and offset) and erased.
+Everything above holds in absolute positions (the ring's result spans ``max_cache_len``, as the
+mask does); the op's ``kv_len`` is None when the key bound is the cache length itself.
 """
 
 from __future__ import annotations
@@ -36,10 +42,12 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .forms import AttentionCall
-from .graph import Skip, before, constant, copy_meta, known_eq, known_le, shape, val
+from .graph import Skip, arg, before, constant, copy_meta, known_eq, known_le, shape, val
 from .spellings import KVChain
 
 ATTENTION = torch.ops.kvcompile.attention.default
+ATTENTION_RING = torch.ops.kvcompile.attention_ring.default
+STORE_KV = (torch.ops.kvcompile.store_kv.default, torch.ops.kvcompile.store_kv)
 
 
 def plan(call: AttentionCall, k: KVChain, v: KVChain) -> dict:
@@ -68,7 +76,10 @@ def plan(call: AttentionCall, k: KVChain, v: KVChain) -> dict:
     if not (known_eq(hq % heads, 0) if call.enable_gqa else known_eq(hq, heads)):
         raise Skip(f"{hq} query heads over {heads} key heads (enable_gqa={call.enable_gqa})")
 
-    L = kc[2]
+    if k.source.ring != v.source.ring:
+        raise Skip("one of K and V is read from a ring and the other is not")
+    # the keys the dequantized K spans: the codes' positions, or a ring's absolute ``length``
+    L = shape(k.source.node)[2] if k.source.ring else kc[2]
     if (k.length is None) != (v.length is None) or k.length is not None and not known_eq(val(k.length), val(v.length)):
         raise Skip(f"K and V keep different key counts ({k.length} vs {v.length})")
     n = L if k.length is None else val(k.length)
@@ -76,11 +87,36 @@ def plan(call: AttentionCall, k: KVChain, v: KVChain) -> dict:
     windows = [_window(c.source.sliding_window) for c in (k, v)]
     if windows[0] is not windows[1] and windows[0] != windows[1]:
         raise Skip(f"K and V dequantized with different sliding windows {windows}")
-    return {
+    plan = {
         "mask": _mask(call.mask, n, L, sliced),
         "kv_len": _length(call, k, q.shape[2], n, L, sliced),
         "window": windows[0],
     }
+    if k.source.ring:
+        plan["store"] = _ring_store(k, v, call.anchor)
+    return plan
+
+
+def _ring_store(k: KVChain, v: KVChain, anchor: fx.Node) -> fx.Node:
+    """The ``store_kv(ring=True)`` node writing this ring between the reads and ``anchor``, with the
+    layer's ``cumulative_length.add_(T)`` before ``anchor`` (the op reads the length after it)."""
+    for chain in (k, v):
+        if any(node is chain.source.node for _, node in chain.shape_users()):
+            raise Skip("the ring's dequantized K/V has its shape read (dynamic=True): the ring op has no such value")
+    codes = k.source.codes
+    stores = [u for u in codes.users if u.op == "call_function" and u.target in STORE_KV and u.args
+              and u.args[0] is codes and u.args[2] is v.source.codes]
+    stores = [u for u in stores if all(before(d, u) for d in (k.source.node, v.source.node)) and before(u, anchor)]
+    if len(stores) != 1:
+        raise Skip(f"{len(stores)} ring stores between the ring's reads and the attention (expected one)")
+    store = stores[0]
+    start, new = arg(store, 6, "start"), arg(store, 4, "k")
+    if start is not k.source.kv_len or not arg(store, 10, "ring", False):
+        raise Skip("the ring's store does not write at the ring's length")
+    if _stored_at_least(start, shape(new)[2], anchor) is None:
+        raise Skip("the ring's length is not advanced by the new tokens before the attention")
+    return store
+
 
 
 def _window(w: Any) -> Any:
@@ -158,10 +194,22 @@ def emit(call: AttentionCall, k: KVChain, v: KVChain, p: dict) -> fx.Node:
         if isinstance(mask, tuple):
             _, mask, extra = mask
             mask = graph.call_function(F.pad, (mask, (0, extra)))
-        out = graph.call_function(ATTENTION, (
-            q, k.source.codes, k.source.scale, v.source.codes, v.source.scale, kv_len, mask, call.is_causal,
-            call.scale, p["window"], float(call.softcap), call.sinks, k.source.rotation, v.source.rotation,
-        ))
+        if "store" in p:  # a ring: the store folded in (module docstring)
+            store = p["store"]
+            cache_len = arg(store, 6, "start")
+            out = graph.call_function(ATTENTION_RING, (
+                q, k.source.codes, k.source.scale, v.source.codes, v.source.scale, cache_len,
+                arg(store, 4, "k"), arg(store, 5, "v"), arg(store, 7, "k_offset"),
+                None if kv_len is cache_len else kv_len, mask, call.is_causal, call.scale, float(call.softcap),
+                call.sinks, k.source.rotation, v.source.rotation,
+            ))
+        else:
+            out = graph.call_function(ATTENTION, (
+                q, k.source.codes, k.source.scale, v.source.codes, v.source.scale, kv_len, mask, call.is_causal,
+                call.scale, p["window"], float(call.softcap), call.sinks, k.source.rotation, v.source.rotation,
+            ))
         copy_meta(out, call.anchor)
     call.anchor.replace_all_uses_with(out)
+    if "store" in p:
+        graph.erase_node(p["store"])
     return out

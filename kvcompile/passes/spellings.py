@@ -8,8 +8,8 @@ reads it. Each spelling is one entry of :data:`KV_SPELLINGS` with what it implie
 entry                       graph                                               implies
 ==========================  ==================================================  =================
 ``dequantize``              ``kvcompile::dequantize(codes, scale, offset,       the source: codes,
-                            kv_len, dtype[, rotation, sliding_window])``        scales, length,
-                                                                                rotation, window
+                            kv_len, dtype[, rotation, sliding_window])``,       scales, length,
+                            or ``dequantize_ring(..., new, length)``            rotation, window
 ``repeat_kv``               ``x[:, :, None]`` (or ``x.unsqueeze(2)``)           kv heads repeated
                             ``.expand(B, H, n, L, D).reshape(B, H*n, L, D)``    n times
 ``repeat_interleave``       ``x.repeat_interleave(n, dim=1)``                   kv heads repeated
@@ -38,9 +38,12 @@ import torch.fx as fx
 from .graph import Skip, arg, describe, is_shape_query, known_eq, known_le, shape, val, value_users
 
 DEQUANTIZE = torch.ops.kvcompile.dequantize.default
+# a sliding layer's ring (kvcompile.ring): the same first seven arguments, then the new tokens and
+# the length of the (absolute-position) result
+DEQUANTIZE_RING = (torch.ops.kvcompile.dequantize_ring.default, torch.ops.kvcompile.dequantize_ring)
 # Dynamo may record a call of the op (``ops.dequantize(...)``, ``torch.ops.kvcompile.dequantize(...)``)
 # as its packet or as the overload: accept both.
-DEQUANTIZE_TARGETS = (DEQUANTIZE, torch.ops.kvcompile.dequantize)
+DEQUANTIZE_TARGETS = (DEQUANTIZE, torch.ops.kvcompile.dequantize, *DEQUANTIZE_RING)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +59,7 @@ class Source:
     dtype: torch.dtype
     rotation: Any
     sliding_window: Any
+    ring: bool = False  # ``dequantize_ring``: kv_len is the length before ``new``; the result spans ``length``
 
 
 def read_dequantize(node: fx.Node) -> Source:
@@ -68,6 +72,7 @@ def read_dequantize(node: fx.Node) -> Source:
         dtype=arg(node, 4, "dtype"),
         rotation=arg(node, 5, "rotation"),
         sliding_window=arg(node, 6, "sliding_window", 0),
+        ring=node.target in DEQUANTIZE_RING,
     )
 
 

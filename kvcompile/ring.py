@@ -1,0 +1,179 @@
+"""Sliding-window layers stored as a ring: ``W`` slots hold the last ``W`` positions.
+
+A layer whose attention window ``W`` is shorter than ``max_cache_len`` never reads a key more than
+``W - 1`` positions behind its query, so it stores position ``p`` in slot ``p % W`` and its memory
+is ``W`` positions whatever the context (transformers' sliding layers keep the window too). The
+ops over a ring are composed here from the plain ops' implementations (:mod:`kvcompile.ops`),
+so they run the same Triton kernels or reference code; what this module adds is which slot holds
+which position, in device tensors only (no host read: a CUDA graph replays the decode step):
+
+* decode (one new token at position ``c``): the token goes to slot ``c % W``; the ring then holds
+  exactly the window ``(c - W, c]`` in slots ``[0, min(c + 1, W))``, and attention over those
+  slots is attention over the window (softmax does not care about order). A mask over absolute
+  positions is permuted into slot order;
+* a chunk of ``T > 1`` tokens at ``[c, c + T)`` (prefill, chunked prefill, verification): its
+  first query still needs keys back to ``c - W + 1``, which the chunk's own tail may overwrite. So
+  the chunk attends over a temporary linear cache of ``W - 1 + T`` positions (the ring's last
+  ``W - 1`` positions, gathered, then the chunk quantized behind them) and only then is the
+  chunk's tail written into the ring. Positions below 0 in that temporary (a ring not yet full)
+  are masked.
+
+Positions are absolute everywhere outside this module: masks span ``max_cache_len`` keys and the
+eager :func:`dequantize` returns ``max_cache_len`` positions (zeros outside the window), so
+transformers' own masks apply unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["store_kv", "dequantize", "attention"]
+
+
+def _ops():
+    from . import ops  # ops registers this module's functions: imported late
+
+    return ops
+
+
+def _bytes(t: Tensor) -> Tensor:
+    # index ops have no float8 kernel on every device; moving raw bytes is exact
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _keys_contiguous(v_codes: Tensor) -> bool:
+    return v_codes.shape[2] > 1 and v_codes.stride(2) == 1
+
+
+def _scratch(codes: Tensor, scale: Tensor, n: int, keys: bool) -> tuple[Tensor, Tensor]:
+    """Zeroed codes ``[B, H, n, D]`` (key-contiguous when ``keys``) and scales like ``scale`` for n positions."""
+    from .cache_layer import v_codes_buffer  # cache_layer imports ops, which imports this module
+
+    B, H, _, D = codes.shape
+    c = v_codes_buffer((B, H, n, D), codes.dtype, codes.device, keys)
+    if scale.dim() == 1:  # static: per head, read only
+        return c, scale
+    return c, scale.new_zeros((B, H, n, scale.shape[-1]))
+
+
+def _put(dst: Tensor, slots: Tensor, src: Tensor) -> None:
+    """``dst[:, :, slots] = src`` in place (codes as raw bytes; static scales are not per position)."""
+    if dst.dim() == 1:
+        return
+    _bytes(dst).index_copy_(2, slots, _bytes(src))
+
+
+def _gather(src: Tensor, slots: Tensor, dst: Tensor) -> None:
+    """``dst[:, :, :len(slots)] = src[:, :, slots]`` (static scales are not per position)."""
+    if src.dim() == 1:
+        return
+    _bytes(dst)[:, :, : slots.numel()].copy_(_bytes(src).index_select(2, slots))
+
+
+def store_kv(k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor, k: Tensor, v: Tensor,
+             start: Tensor, k_offset: Optional[Tensor], k_rotation: Optional[Tensor] = None,
+             v_rotation: Optional[Tensor] = None) -> None:
+    """``kvcompile::store_kv`` into a ring of ``W = k_cache.shape[2]`` slots: position ``start + t``
+    goes to slot ``(start + t) % W``; of a chunk longer than the ring only the last ``W`` tokens stay."""
+    ops = _ops()
+    W, T = k_cache.shape[2], k.shape[2]
+    if T == 1:
+        ops._store_kv(k_cache, k_scale, v_cache, v_scale, k, v, torch.remainder(start, W), k_offset,
+                      k_rotation, v_rotation)
+        return
+    n = min(T, W)  # quantization is per token: the tail alone gives the tail's codes
+    tk, tks = _scratch(k_cache, k_scale, n, False)
+    tv, tvs = _scratch(v_cache, v_scale, n, _keys_contiguous(v_cache))
+    zero = torch.zeros((), dtype=torch.long, device=k.device)
+    ops._store_kv(tk, tks, tv, tvs, k[:, :, T - n:], v[:, :, T - n:], zero, k_offset, k_rotation, v_rotation)
+    slots = torch.remainder(start.to(torch.long) + (T - n) + torch.arange(n, device=k.device), W)
+    for dst, src in ((k_cache, tk), (k_scale, tks), (v_cache, tv), (v_scale, tvs)):
+        _put(dst, slots, src)
+
+
+def dequantize(codes: Tensor, scale: Tensor, offset: Optional[Tensor], start: Tensor, dtype: torch.dtype,
+               rotation: Optional[Tensor], new: Tensor, length: int) -> Tensor:
+    """The values attention over a ring reads when ``new`` ([B, H, T, D]) joins at ``start``:
+    ``[B, H, length, D]`` in absolute positions, the ring's positions ``[start - W + 1, start)`` (read
+    before the chunk is stored), the chunk at ``[start, start + T)`` quantized as the store quantizes
+    it, zeros elsewhere."""
+    ops = _ops()
+    B, H, W, D = codes.shape
+    T, dev = new.shape[2], codes.device
+    ring = ops._dequantize(codes, scale, offset, torch.full((), W, device=dev), dtype, rotation)
+    tc, ts = _scratch(codes, scale, T, False)
+    tc2, ts2 = _scratch(codes, scale, T, False)
+    zero = torch.zeros((), dtype=torch.long, device=dev)
+    ops._store_kv(tc, ts, tc2, ts2, new, new, zero, offset, rotation, rotation)  # the K side is the one used
+    chunk = ops._dequantize(tc, ts, offset, torch.full((), T, device=dev), dtype, rotation)
+    src = torch.cat((ring, chunk, ring.new_zeros((B, H, 1, D))), dim=2)  # slot W + T: a zero row
+    c = start.to(device=dev, dtype=torch.long)
+    pos = torch.arange(length, device=dev)
+    old = (pos > c - W) & (pos < c)
+    fresh = (pos >= c) & (pos < c + T)
+    index = torch.where(fresh, W + pos - c, torch.where(old, torch.remainder(pos, W), W + T))
+    return src.index_select(2, index)
+
+
+def _mask_columns(mask: Optional[Tensor], positions: Tensor) -> Optional[Tensor]:
+    """The columns of a mask over absolute key positions at ``positions`` (clamped into range)."""
+    if mask is None or mask.shape[-1] == 1:
+        return mask
+    return mask.index_select(-1, positions.clamp(0, mask.shape[-1] - 1))
+
+
+def _hide(mask: Optional[Tensor], keep: Tensor) -> Tensor:
+    """``mask`` with the keys where ``keep`` ([.., N] bool) is False hidden; bool or additive."""
+    if mask is None:
+        return keep
+    if mask.dtype == torch.bool:
+        return mask & keep
+    return mask.masked_fill(~keep, float("-inf"))
+
+
+def attention(q: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Tensor, cache_len: Tensor,
+              k: Tensor, v: Tensor, k_offset: Optional[Tensor], kv_len: Optional[Tensor],
+              attn_mask: Optional[Tensor], is_causal: bool, scale: Optional[float], softcap: float = 0.0,
+              sinks: Optional[Tensor] = None, k_rotation: Optional[Tensor] = None,
+              v_rotation: Optional[Tensor] = None) -> Tensor:
+    """Store ``k, v`` (the chunk at ``[cache_len - T, cache_len)``) into the ring, then attention as
+    ``kvcompile::attention`` over absolute positions with window ``W`` (the ring's size) and
+    ``kv_len`` (``cache_len`` when None) as the bound on the keys (module docstring)."""
+    ops = _ops()
+    W, T, Tq, dev = k_q.shape[2], k.shape[2], q.shape[2], q.device
+    cache_len = cache_len.to(device=dev, dtype=torch.long)
+    start = cache_len - T
+    if T == 1 and Tq == 1:
+        store_kv(k_q, k_scale, v_q, v_scale, k, v, start, k_offset, k_rotation, v_rotation)
+        c = cache_len - 1  # the query's position; slot s holds the latest position p <= c with p = s (mod W)
+        pos = c - torch.remainder(c - torch.arange(W, device=dev), W)
+        mask = _mask_columns(attn_mask, pos)
+        if kv_len is not None:
+            mask = _hide(mask, (pos < kv_len.to(dev).reshape(-1, 1, 1, 1)))
+        stored = torch.clamp(cache_len, max=W)
+        return ops._attention(q, k_q, k_scale, v_q, v_scale, stored, mask, False, scale, 0, softcap, sinks,
+                              k_rotation, v_rotation)
+    n = W - 1 + T  # the ring's last W - 1 positions, then the chunk
+    tk, tks = _scratch(k_q, k_scale, n, False)
+    tv, tvs = _scratch(v_q, v_scale, n, _keys_contiguous(v_q))
+    base = start - (W - 1)  # the position of scratch slot 0 (negative while the ring is not full)
+    slots = torch.remainder(base + torch.arange(W - 1, device=dev), W)
+    for src, dst in ((k_q, tk), (k_scale, tks), (v_q, tv), (v_scale, tvs)):
+        _gather(src, slots, dst)
+    ops._store_kv(tk, tks, tv, tvs, k, v, torch.full((), W - 1, dtype=torch.long, device=dev), k_offset,
+                  k_rotation, v_rotation)
+    pos = base + torch.arange(n, device=dev)
+    mask = _hide(_mask_columns(attn_mask, pos), (pos >= 0).view(1, 1, 1, n))
+    bound = torch.full((), n, dtype=torch.long, device=dev) if kv_len is None else \
+        torch.clamp(kv_len.to(device=dev, dtype=torch.long) - base, 0, n)
+    out = ops._attention(q, tk, tks, tv, tvs, bound, mask, is_causal, scale, W, softcap, sinks, k_rotation,
+                         v_rotation)
+    m = min(T, W)
+    ring_slots = torch.remainder(cache_len - m + torch.arange(m, device=dev), W)
+    for dst, src in ((k_q, tk), (k_scale, tks), (v_q, tv), (v_scale, tvs)):
+        if dst.dim() != 1:
+            _put(dst, ring_slots, src[:, :, n - m:])
+    return out

@@ -1,0 +1,238 @@
+"""A sliding layer's ring (kvcompile/ring.py): ``W`` slots that hold the last ``W`` positions.
+
+The ring ops are checked against a linear cache holding every position, fed the same tokens:
+
+* after every update the ring's slots hold, bit for bit, the linear cache's codes and scales of
+  the last ``W`` positions (slot ``p % W``);
+* ``attention_ring`` (store, then attend) equals ``reference.attention`` in float64 over the linear
+  cache with window ``W``: decode steps that wrap the ring, chunks shorter than the ring, a chunk
+  that wraps it and one longer than it, with a left-padding mask, an additive mask, a mask that
+  hides a key inside the window (so a mask permuted wrongly into slot order fails), softcap,
+  sinks, K rotation, GQA, and ``W`` not a multiple of the kernels' 16-key tile;
+* ``dequantize_ring`` returns the values the linear cache dequantizes inside the window, zeros
+  outside.
+
+Each case also checks a control: the same attention without the window differs from the ring's
+result by far more than the tolerance, so the test can tell a ring that attends outside its window.
+Tolerance: fp32 queries, so both the reference and the kernels (interpreter or GPU) take fp32 dots
+on bit-identical codes; relative Frobenius error measured <= 1e-6, asserted < 1e-5 (as
+tests/test_kernels_features.py).
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+
+import kvcompile
+from kvcompile import ops, reference, rotation
+from kvcompile.cache import v_codes_buffer
+
+from models import tiny_config
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 1e-5
+OFF_MIN = 1e-2
+B, HQ, HKV, D, W = 2, 4, 2, 32, 6
+SCHEDULE = [4, 1, 1, 1, 5, 1, 1, 9, 1]  # new tokens per update: fills, wraps, a wrapping chunk, one longer than W
+L = sum(SCHEDULE)
+
+# kv_dtype -> (code dtype, scale groups per token (0: static), scale dtype, V key-contiguous)
+KINDS = {
+    "fp8_e4m3": (torch.float8_e4m3fn, 1, torch.float32, True),
+    "int8": (torch.int8, 1, torch.float32, True),
+    "q8_0": (torch.int8, D // 32, torch.float16, False),
+    "fp8_static": (torch.float8_e4m3fn, 0, torch.float32, True),
+}
+
+
+def _backends():
+    out = [pytest.param("reference", id="reference")]
+    if DEV == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        out.append(pytest.param("triton", id="triton"))
+    return out
+
+
+def _buffers(kind: str, n: int):
+    code, groups, sdtype, keys = KINDS[kind]
+    kc = torch.zeros(B, HKV, n, D, dtype=code, device=DEV)
+    vc = v_codes_buffer((B, HKV, n, D), code, DEV, keys)
+    if groups == 0:  # static per-head scales, shared by both caches
+        ks = torch.tensor([0.02, 0.03], device=DEV)
+        return [kc, ks, vc, ks.clone() * 0.5]
+    return [kc, torch.zeros(B, HKV, n, groups, dtype=sdtype, device=DEV), vc,
+            torch.zeros(B, HKV, n, groups, dtype=sdtype, device=DEV)]
+
+
+def _bytes(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _masks(kind: str):
+    """Absolute-position masks [B, 1, 1, L] (decode) builders: None, bool, additive."""
+    if kind == "none":
+        return None
+    keep = torch.ones(B, 1, 1, L, dtype=torch.bool, device=DEV)
+    keep[0, ..., :2] = False  # row 0: two left pads
+    keep[1, ..., 16] = False  # row 1: a key inside later windows
+    if kind == "bool":
+        return keep
+    return torch.zeros(B, 1, 1, L, device=DEV).masked_fill(~keep, torch.finfo(torch.float32).min)
+
+
+def _chunk_mask(mask, c, T):
+    """The mask for queries [c, c + T): the absolute mask broadcast over the queries, and causal."""
+    if mask is None:
+        return None
+    q_pos = torch.arange(c, c + T, device=DEV).view(1, 1, T, 1)
+    causal = torch.arange(L, device=DEV).view(1, 1, 1, L) <= q_pos
+    if mask.dtype == torch.bool:
+        return mask & causal
+    return mask.masked_fill(~causal, torch.finfo(torch.float32).min)
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("kind,rotate,mask,feature", [
+    ("fp8_e4m3", False, "bool", None),
+    ("int8", True, "none", None),
+    ("int8", True, "additive", "softcap"),
+    ("q8_0", False, "bool", "sinks"),
+    ("fp8_static", False, "none", None),
+])
+def test_ring_attention_equals_a_linear_cache_with_the_window(backend, kind, rotate, mask, feature, monkeypatch):
+    monkeypatch.setenv("KVCOMPILE_KERNELS", backend)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, rotate, mask, feature)).encode()))
+    ring, lin = _buffers(kind, W), _buffers(kind, L)
+    if kind == "fp8_static":
+        lin[1], lin[3] = ring[1], ring[3]
+    R = rotation.shared(D, torch.device(DEV)) if rotate else None
+    softcap = 20.0 if feature == "softcap" else 0.0
+    sinks = (torch.randn(HQ, generator=gen) + 1.0).to(DEV) if feature == "sinks" else None
+    amask = _masks(mask)
+    n_len = torch.zeros((), dtype=torch.long, device=DEV)
+    moved = 0.0
+    c = 0
+    for T in SCHEDULE:
+        k = (torch.randn(B, HKV, T, D, generator=gen) * 2).to(DEV)
+        v = torch.randn(B, HKV, T, D, generator=gen).to(DEV)
+        q = (torch.randn(B, HQ, T, D, generator=gen) * 2).to(DEV)
+        ops.store_kv(*lin, k, v, n_len, None, R, None)
+        n_len += T
+        m = _chunk_mask(amask, c, T) if T > 1 else amask
+        out = ops.attention_ring(q, *ring, n_len, k, v, None, None, m, T > 1, None, softcap, sinks, R, None)
+        ref = reference.attention(q, *lin, n_len, m, T > 1, None, W, softcap, sinks, R, None,
+                                  compute_dtype=torch.float64)
+        err = _rel(out, ref)
+        assert err < TOL, f"update of {T} at {c}: relative error {err:.3g}"
+        full = reference.attention(q, *lin, n_len, m, T > 1, None, 0, softcap, sinks, R, None,
+                                   compute_dtype=torch.float64)
+        moved = max(moved, _rel(full, ref))
+        c += T
+        # the ring holds the last W positions, bit for bit, in slot p % W
+        pos = torch.arange(max(0, c - W), c, device=DEV)
+        for r, lt in zip(ring, lin):
+            if r.dim() == 1:
+                continue
+            assert torch.equal(_bytes(r)[:, :, pos % W], _bytes(lt)[:, :, pos]), f"slots after {c} positions"
+    assert moved > OFF_MIN, f"without the window the result moved only {moved:.3g}: the test cannot tell"
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_ring_decode_with_a_key_bound(backend, monkeypatch):
+    """``kv_len`` below the cache length (a graph that slices K): keys at or past it are not seen."""
+    monkeypatch.setenv("KVCOMPILE_KERNELS", backend)
+    gen = torch.Generator().manual_seed(5)
+    ring, lin = _buffers("fp8_e4m3", W), _buffers("fp8_e4m3", L)
+    n_len = torch.zeros((), dtype=torch.long, device=DEV)
+    for T in (9, 1):
+        k = torch.randn(B, HKV, T, D, generator=gen).to(DEV)
+        v = torch.randn(B, HKV, T, D, generator=gen).to(DEV)
+        ops.store_kv(*lin, k, v, n_len, None)
+        n_len += T
+        q = torch.randn(B, HQ, T, D, generator=gen).to(DEV)
+        bound = n_len - 1
+        out = ops.attention_ring(q, *ring, n_len, k, v, None, bound, None, T > 1, None)
+    # decode at position 9 over keys < 9: the ring holds 4..9, so keys 4..8 (window W - 1 from 8)
+    ref = reference.attention(q, *lin, bound, None, False, None, W - 1, compute_dtype=torch.float64)
+    assert _rel(out, ref) < TOL
+    unbounded = reference.attention(q, *lin, n_len, None, False, None, W, compute_dtype=torch.float64)
+    assert _rel(unbounded, ref) > OFF_MIN
+
+
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "q8_0"])
+def test_dequantize_ring_is_the_window_of_a_linear_cache(kind):
+    gen = torch.Generator().manual_seed(7)
+    ring, lin = _buffers(kind, W), _buffers(kind, L)
+    n_len = torch.zeros((), dtype=torch.long, device=DEV)
+    c = 0
+    for T in SCHEDULE:
+        k = torch.randn(B, HKV, T, D, generator=gen).to(DEV)
+        v = torch.randn(B, HKV, T, D, generator=gen).to(DEV)
+        got = ops.dequantize_ring(ring[0], ring[1], None, n_len, torch.float32, None, W, k, L)
+        ops.store_kv(*ring, k, v, n_len, None, ring=True)
+        ops.store_kv(*lin, k, v, n_len, None)
+        n_len += T
+        want = ops.dequantize(lin[0], lin[1], None, n_len, torch.float32)
+        lo = max(0, c - W + 1)  # the oldest key the chunk's first query sees
+        assert torch.equal(got[:, :, lo:c + T], want[:, :, lo:c + T]), f"update of {T} at {c}"
+        assert not got[:, :, :lo].any() and not got[:, :, c + T:].any()
+        c += T
+
+
+def test_ring_op_refuses_a_window_that_is_not_the_ring():
+    ring = _buffers("fp8_e4m3", W)
+    x = torch.randn(B, HKV, 1, D, device=DEV)
+    with pytest.raises(ValueError, match="ring of 6 slots"):
+        ops.dequantize_ring(ring[0], ring[1], None, torch.tensor(0, device=DEV), torch.float32, None, W + 1, x, L)
+
+
+# ---------------------------------------------------------------------------------------------
+# the cache: memory follows the window; cropping past it is refused with the fix
+# ---------------------------------------------------------------------------------------------
+
+
+def _gemma3(window=4):
+    return tiny_config("gemma3", sliding_window=window)  # layers: sliding, full
+
+
+def test_sliding_layers_hold_only_their_window():
+    cfg = _gemma3(window=64)
+    ring = kvcompile.QuantizedCache(cfg, max_cache_len=4096, kv_dtype="fp8_e4m3", device="meta")
+    full = kvcompile.QuantizedCache(cfg, max_cache_len=4096, kv_dtype="fp8_e4m3", device="meta", ring=False)
+    sliding, glob = ring.planned_nbytes(per_layer=True)
+    assert glob == full.planned_nbytes(per_layer=True)[1]
+    assert [layer.slots for layer in ring.layers] == [64, 4096]
+    assert sliding < glob / 32  # 64 of 4096 positions (plus the per-layer length)
+    assert ring.bf16_nbytes() < full.bf16_nbytes()
+    assert "(ring)" in repr(ring.layers[0])
+
+
+def test_crop_past_the_window_names_the_fix():
+    cfg = _gemma3(window=4)
+    cache = kvcompile.QuantizedCache(cfg, max_cache_len=16, kv_dtype="fp8_e4m3", device="cpu")
+    layer = cache.layers[0]
+    k = torch.randn(1, cfg.num_key_value_heads, 3, cfg.head_dim)
+    layer.update(k, k)
+    layer.crop(-2)  # 3 tokens in a ring of 4: nothing overwritten
+    layer.update(torch.randn(1, cfg.num_key_value_heads, 5, cfg.head_dim), k[:, :, :1].expand(-1, -1, 5, -1))
+    layer.crop(-1)  # one token: the window of the shorter cache is still held
+    with pytest.raises(RuntimeError, match="ring=False"):
+        layer.crop(-2)
+    plain = kvcompile.QuantizedCache(cfg, max_cache_len=16, kv_dtype="fp8_e4m3", device="cpu", ring=False)
+    plain.layers[0].update(torch.randn(1, cfg.num_key_value_heads, 8, cfg.head_dim),
+                           torch.randn(1, cfg.num_key_value_heads, 8, cfg.head_dim))
+    plain.layers[0].crop(-3)
+    assert int(plain.layers[0].cumulative_length) == 5
+
+
+def test_ring_must_be_a_bool():
+    with pytest.raises(TypeError, match="ring must be True or False"):
+        kvcompile.QuantizedCache(_gemma3(), max_cache_len=16, ring="yes")
