@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from kvcompile import formats, reference, rotation, tiles  # noqa: E402
+from kvcompile import formats, reference, ring, rotation, tiles  # noqa: E402
 from kvcompile.cache import v_codes_buffer  # noqa: E402
 from kvcompile import kernels  # noqa: E402
 from kvcompile.kernels import attention_launcher as launcher  # noqa: E402
@@ -187,7 +187,10 @@ def window(args):
     """A sliding layer (context ``--window-context``, window ``--window``) against a full-attention
     layer at context = window and bf16 SDPA decode over the window's keys only (what a sliding bf16
     cache holds). The sliding layer's decode should track the window, not the context: its row's
-    ``vs_full`` is the full layer's time over its own (1.0: as fast as a cache of the window's length)."""
+    ``vs_full`` is the full layer's time over its own (1.0: as fast as a cache of the window's length).
+    Two sliding rows: ``sliding``, the op over a cache of every position with the window (``ring=False``),
+    and ``ring``, what ``QuantizedCache`` stores by default (W slots) and runs: ``attention_ring``, which
+    also stores the step's token (so it does one more launch than the other rows)."""
     W, ctx = args.window, args.window_context
     for B in (int(b) for b in args.window_batches.split(",")):
         shape = f"B={B} L={ctx} W={W}"
@@ -211,6 +214,21 @@ def window(args):
                 record("window", shape, f"kvcompile-{name} {label}", ms, nb + 4 * B * HQ * D, base_ms=base,
                        splits=splits_used(fns[0]), **extra)
                 del caches, fns
+            # the sliding layer as QuantizedCache stores it: a ring of W slots after ctx tokens; one decode
+            # step = attention_ring (the new token's store, then attention over the ring)
+            c0, _ = make_cache(kv_dtype, gran, B, W, R=R)
+            nb = cache_bytes(c0)
+            n = copies_for(nb)
+            caches = [c0] + [make_cache(kv_dtype, gran, B, W, R=R)[0] for _ in range(n - 1)]
+            cache_len = torch.tensor(ctx, device="cuda")
+            kv_new = torch.randn(2, B, HKV, 1, D, device="cuda", dtype=torch.bfloat16)
+            fns = [lambda q=q, c=c: ring.attention(q, c[0], c[1], c[2], c[3], cache_len, kv_new[0], kv_new[1], None,
+                                                   None, None, False, None, 0.0, None, *R)
+                   for q, c in zip(qs * (-(-n // len(qs))), caches)]
+            ms = bench(fns, len(fns))
+            record("window", shape, f"kvcompile-{name} ring", ms, nb + 4 * B * HQ * D, base_ms=base,
+                   vs_full=times["full L=W"] / ms)
+            del caches, fns
             torch.cuda.empty_cache()
 
 

@@ -145,21 +145,23 @@ def attention(q: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Ten
     ops = _ops()
     W, T, Tq, dev = k_q.shape[2], k.shape[2], q.shape[2], q.device
     cache_len = cache_len.to(device=dev, dtype=torch.long)
-    start = cache_len - T
-    if T == 1 and Tq == 1:
-        store_kv(k_q, k_scale, v_q, v_scale, k, v, start, k_offset, k_rotation, v_rotation)
-        c = cache_len - 1  # the query's position; slot s holds the latest position p <= c with p = s (mod W)
-        pos = c - torch.remainder(c - torch.arange(W, device=dev), W)
-        mask = _mask_columns(attn_mask, pos)
-        if kv_len is not None:
-            mask = _hide(mask, (pos < kv_len.to(dev).reshape(-1, 1, 1, 1)))
+    if T == 1 and Tq == 1:  # decode: two small launches besides the plain ops' (CUDA-graph safe)
+        c = cache_len - 1  # the token's position
+        ops._store_kv(k_q, k_scale, v_q, v_scale, k, v, torch.remainder(c, W), k_offset, k_rotation, v_rotation)
+        mask = attn_mask
+        if (attn_mask is not None and attn_mask.shape[-1] != 1) or kv_len is not None:
+            # slot s holds the latest position p <= c with p = s (mod W)
+            pos = c - torch.remainder(c - torch.arange(W, device=dev), W)
+            mask = _mask_columns(attn_mask, pos)
+            if kv_len is not None:
+                mask = _hide(mask, (pos < kv_len.to(dev).reshape(-1, 1, 1, 1)))
         stored = torch.clamp(cache_len, max=W)
         return ops._attention(q, k_q, k_scale, v_q, v_scale, stored, mask, False, scale, 0, softcap, sinks,
                               k_rotation, v_rotation)
     n = W - 1 + T  # the ring's last W - 1 positions, then the chunk
     tk, tks = _scratch(k_q, k_scale, n, False)
     tv, tvs = _scratch(v_q, v_scale, n, _keys_contiguous(v_q))
-    base = start - (W - 1)  # the position of scratch slot 0 (negative while the ring is not full)
+    base = cache_len - T - (W - 1)  # the position of scratch slot 0 (negative while the ring is not full)
     slots = torch.remainder(base + torch.arange(W - 1, device=dev), W)
     for src, dst in ((k_q, tk), (k_scale, tks), (v_q, tv), (v_scale, tvs)):
         _gather(src, slots, dst)

@@ -236,3 +236,44 @@ def test_crop_past_the_window_names_the_fix():
 def test_ring_must_be_a_bool():
     with pytest.raises(TypeError, match="ring must be True or False"):
         kvcompile.QuantizedCache(_gemma3(), max_cache_len=16, ring="yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "int8", "q8_0"])
+def test_gpu_ring_decode_in_cuda_graph(kind):
+    """A ring of 1000 slots (not a multiple of the 16-key tile) after a 1500-token prefill: decode
+    captured once, then replayed as the length moves on the device and the ring wraps, each step
+    against the linear cache with the window (Llama-3-8B's heads, fp32 q: fp32 dots, TOL)."""
+    b, hq, hkv, d, w, prompt = 2, 32, 8, 128, 1000, 1500
+    code, groups, sdtype, keys = KINDS[kind]
+    groups = d // 32 if kind == "q8_0" else groups
+
+    def buffers(n):
+        return [torch.zeros(b, hkv, n, d, dtype=code, device=DEV), torch.zeros(b, hkv, n, groups, dtype=sdtype, device=DEV),
+                v_codes_buffer((b, hkv, n, d), code, DEV, keys), torch.zeros(b, hkv, n, groups, dtype=sdtype, device=DEV)]
+
+    gen = torch.Generator().manual_seed(11)
+    R = rotation.shared(d, torch.device(DEV)) if kind == "int8" else None
+    ring, lin = buffers(w), buffers(prompt + 8)
+    n_len = torch.zeros((), dtype=torch.long, device=DEV)
+    k, v, q = (torch.randn(b, h, prompt, d, generator=gen).to(DEV) for h in (hkv, hkv, hq))
+    ops.store_kv(*lin, k, v, n_len, None, R, None)
+    n_len += prompt
+    ops.attention_ring(q, *ring, n_len, k, v, None, None, None, True, None, 0.0, None, R, None)
+    k1, v1, q1 = (torch.zeros(b, h, 1, d, device=DEV) for h in (hkv, hkv, hq))
+    n_len += 1
+    ops.attention_ring(q1, *ring, n_len, k1, v1, None, None, None, False, None, 0.0, None, R, None)  # warm up
+    n_len -= 1
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = ops.attention_ring(q1, *ring, n_len, k1, v1, None, None, None, False, None, 0.0, None, R, None)
+    for _ in range(8):
+        for t, h in ((k1, hkv), (v1, hkv), (q1, hq)):
+            t.copy_(torch.randn(b, h, 1, d, generator=gen))
+        ops.store_kv(*lin, k1, v1, n_len, None, R, None)
+        n_len += 1
+        g.replay()
+        ref = reference.attention(q1, *lin, n_len, None, False, None, w, 0.0, None, R, None,
+                                  compute_dtype=torch.float64)
+        assert _rel(out, ref) < TOL, int(n_len)
