@@ -81,8 +81,7 @@ def store_kv(k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor,
     ops = _ops()
     W, T = k_cache.shape[2], k.shape[2]
     if T == 1:
-        ops._store_kv(k_cache, k_scale, v_cache, v_scale, k, v, torch.remainder(start, W), k_offset,
-                      k_rotation, v_rotation)
+        _store_token(k_cache, k_scale, v_cache, v_scale, k, v, start, 0, k_offset, k_rotation, v_rotation)
         return
     n = min(T, W)  # quantization is per token: the tail alone gives the tail's codes
     tk, tks = _scratch(k_cache, k_scale, n, False)
@@ -92,6 +91,20 @@ def store_kv(k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor,
     slots = torch.remainder(start.to(torch.long) + (T - n) + torch.arange(n, device=k.device), W)
     for dst, src in ((k_cache, tk), (k_scale, tks), (v_cache, tv), (v_scale, tvs)):
         _put(dst, slots, src)
+
+
+def _store_token(k_cache, k_scale, v_cache, v_scale, k, v, start: Tensor, shift: int, k_offset, k_rotation,
+                 v_rotation) -> None:
+    """One token at position ``start + shift`` into slot ``(start + shift) % W``: on the Triton path the
+    store kernel takes the slot itself (no extra launch, no bound to assert: every slot is in range)."""
+    ops = _ops()
+    W = k_cache.shape[2]
+    if ops.kernel_backend(k.device) == "triton":
+        ops._kernels().store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation, v_rotation,
+                                shift=shift, ring=W)
+    else:
+        ops.reference.store_kv(k_cache, k_scale, v_cache, v_scale, k, v, torch.remainder(start + shift, W),
+                               k_offset, k_rotation, v_rotation)
 
 
 def dequantize(codes: Tensor, scale: Tensor, offset: Optional[Tensor], start: Tensor, dtype: torch.dtype,
@@ -145,12 +158,12 @@ def attention(q: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Ten
     ops = _ops()
     W, T, Tq, dev = k_q.shape[2], k.shape[2], q.shape[2], q.device
     cache_len = cache_len.to(device=dev, dtype=torch.long)
-    if T == 1 and Tq == 1:  # decode: two small launches besides the plain ops' (CUDA-graph safe)
-        c = cache_len - 1  # the token's position
-        ops._store_kv(k_q, k_scale, v_q, v_scale, k, v, torch.remainder(c, W), k_offset, k_rotation, v_rotation)
+    if T == 1 and Tq == 1:  # decode: one small launch (the length's clamp) besides the kernels
+        _store_token(k_q, k_scale, v_q, v_scale, k, v, cache_len, -1, k_offset, k_rotation, v_rotation)
         mask = attn_mask
         if (attn_mask is not None and attn_mask.shape[-1] != 1) or kv_len is not None:
-            # slot s holds the latest position p <= c with p = s (mod W)
+            # slot s holds the latest position p <= c (the token's) with p = s (mod W)
+            c = cache_len - 1
             pos = c - torch.remainder(c - torch.arange(W, device=dev), W)
             mask = _mask_columns(attn_mask, pos)
             if kv_len is not None:

@@ -110,6 +110,7 @@ def _store_kv_kernel(
     VS, stride_vsb, stride_vsh, stride_vst, stride_vsg,
     OFF, stride_oh, stride_od,
     START, H, T, D,
+    SHIFT, RING,  # the first position is START + SHIFT, taken modulo RING when RING > 0 (a ring, T == 1)
     HAS_OFFSET: tl.constexpr,
     K_CODE: tl.constexpr,  # K's format (CODE_*); V's may differ when both share one scale granularity
     V_CODE: tl.constexpr,
@@ -124,7 +125,9 @@ def _store_kv_kernel(
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
-    start = tl.load(START).to(tl.int32)  # cache length before this write, a device scalar
+    start = tl.load(START).to(tl.int32) + SHIFT  # the first position written, from a device scalar
+    if RING > 0:
+        start = start % RING
     if tl.program_id(2) == 0:
         _quantize_rows(
             K, stride_kb, stride_kh, stride_kt, stride_kd,

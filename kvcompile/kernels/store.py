@@ -45,9 +45,11 @@ def _code(cache: Tensor, scale: Tensor) -> int:
 def store_kv(
     k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor,
     k: Tensor, v: Tensor, start: Tensor, k_offset: Optional[Tensor],
-    k_rotation: Optional[Tensor] = None, v_rotation: Optional[Tensor] = None,
+    k_rotation: Optional[Tensor] = None, v_rotation: Optional[Tensor] = None, *, shift: int = 0, ring: int = 0,
 ) -> None:
-    """Quantize-on-store of K and V in one launch. K and V may be written in different formats that
+    """Quantize-on-store of K and V in one launch, at positions ``start + shift + arange(T)``; ``ring`` W > 0:
+    one token (T == 1) at slot ``(start + shift) % W`` of a sliding layer's ring (:mod:`kvcompile.ring`), the
+    slot computed in the kernel (no launch for it). K and V may be written in different formats that
     share one scale granularity (fp8 and int8 per token; fp8/block32 and q8_0). A rotation ``[D, D]``
     is applied first (:func:`rotate.rotate_rows`, float32 accuracy; its sums round in another order
     than the reference's matmul, so a value within an fp32 ulp or so of a rounding boundary may get
@@ -55,6 +57,8 @@ def store_kv(
     B, H, T, D = k.shape
     if T == 0:
         return
+    if ring and T != 1:
+        raise ValueError(f"kvcompile.store_kv (triton): a ring slot takes one token, got {T}")
     if k_scale.dim() != v_scale.dim() or (k_scale.dim() == 4 and k_scale.shape[-1] != v_scale.shape[-1]):
         raise ValueError(
             "kvcompile.store_kv (triton): K and V scales must share one granularity, got "
@@ -82,7 +86,7 @@ def store_kv(
         kc, *kc.stride(), vc, *vc.stride(),
         ks, *ks.stride(), vs, *vs.stride(),
         off, *off_strides,
-        start, H, T, D,
+        start, H, T, D, shift, ring,
         HAS_OFFSET=k_offset is not None, K_CODE=k_code, V_CODE=v_code, STATIC_SCALE=static,
         HW_E4M3=any_fp8 and hw_e4m3(k.device),
         GROUPS_P2=groups_p2, GROUP_SIZE=group_size, BLOCK_T=block_t,
