@@ -33,8 +33,9 @@ __all__ = [
     "text_config",
 ]
 
-#: Layer types the cache serves: every position is stored; a sliding layer's window is applied by
-#: the model's mask in eager mode and by ``kvcompile::attention`` in compiled code.
+#: Layer types the cache serves: a full layer stores every position, a sliding layer its window (a
+#: ring, :mod:`kvcompile.ring`); the window is applied by the model's mask in eager mode and by the
+#: kvcompile attention ops in compiled code.
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 _USE_HF_CACHE = "use transformers' own cache (DynamicCache / StaticCache) for this model"
