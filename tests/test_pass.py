@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import kvcompile
 from kvcompile.passes import ATTENTION_FORMS, KV_SPELLINGS, KVAttentionPass
+from models import tiny_model
 from pass_models import (
     FAMILIES,
     PassOnly,
@@ -447,11 +448,17 @@ def test_no_cache_graph_is_untouched():
     assert before == after and report.as_dict() == {"found": 0, "rewritten": 0, "skipped": [], "kv_dtype": "fp8_e4m3"}
 
 
-def test_dynamic_true():
+@pytest.mark.parametrize("family", ["llama", "gemma3-ring"])
+def test_dynamic_true(family):
     """dynamic=True: shapes are symbols and HF reads ``x.shape`` of the dequantized K/V (size() users);
     Python float scalings become graph inputs, so the site is skipped with a hint unless floats are
-    specialised, and then rewritten."""
-    model, kv_dtype = make_model("llama", "sdpa")
+    specialised, and then rewritten. gemma3-ring: a sliding layer of window 4 (a ring, the 6-token
+    prompt wraps it), whose dequantized K/V is longer than its codes: HF reads only dims 0, 1, 3."""
+    if family == "gemma3-ring":
+        model, kv_dtype = tiny_model("gemma3", "sdpa", sliding_window=4), "int8"
+        assert model.config.layer_types[0] == "sliding_attention"
+    else:
+        model, kv_dtype = make_model(family, "sdpa")
     padded = True
     ids, mask = prompt(padded)
     expected = greedy(model.forward, model, make_cache(model, kv_dtype, padded=padded), ids, mask, steps=2)

@@ -101,8 +101,10 @@ def _ring_store(k: KVChain, v: KVChain, anchor: fx.Node) -> fx.Node:
     """The ``store_kv(ring=True)`` node writing this ring between the reads and ``anchor``, with the
     layer's ``cumulative_length.add_(T)`` before ``anchor`` (the op reads the length after it)."""
     for chain in (k, v):
-        if any(node is chain.source.node for _, node in chain.shape_users()):
-            raise Skip("the ring's dequantized K/V has its shape read (dynamic=True): the ring op has no such value")
+        for user, node in chain.shape_users():
+            if node is chain.source.node and _reads_length(user):
+                raise Skip("the ring's dequantized K/V has its length read (dynamic=True): the ring's codes, "
+                           "which stand in for it, are shorter")
     codes = k.source.codes
     stores = [u for u in codes.users if u.op == "call_function" and u.target in STORE_KV and u.args
               and u.args[0] is codes and u.args[2] is v.source.codes]
@@ -174,6 +176,22 @@ def _stored_at_least(kv_len: fx.Node, tq: Any, anchor: fx.Node) -> Any:
                 and known_eq(val(user.args[1]), tq) and before(user, anchor)):
             return user.args[1]
     return None
+
+
+def _reads_length(user: fx.Node) -> bool:
+    """Whether a shape query on a ring's dequantized K/V may read dim 2, the one its codes differ in
+    (the pass points shape queries at the codes): ``x.size()`` read only at dims 0, 1 and 3 and
+    ``x.size(d)`` / ``sym_size(x, d)`` at another dim do not."""
+    import operator
+
+    other = {0, 1, 3, -1, -3, -4}
+    if user.op == "call_method" and user.target == "size" and len(user.args) == 1 and not user.kwargs:
+        return not all(u.op == "call_function" and u.target is operator.getitem and u.args[1] in other
+                       for u in user.users)
+    if user.op == "call_method" and user.target == "dim":
+        return False
+    dim = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim")
+    return dim not in other
 
 
 def emit(call: AttentionCall, k: KVChain, v: KVChain, p: dict) -> fx.Node:
