@@ -48,6 +48,8 @@ ops undo the rotation on dequantize. The formats themselves never see ``R``.
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 
 import torch
@@ -309,12 +311,15 @@ def quantize(
 
     xg = _group_view(xf, groups)  # [B, H, T, G, D/G]
     # no NaN / Inf anywhere: the special-value steps below change nothing and are skipped (a host
-    # read, so on the CPU only, where it is free; the values are the same either way)
-    special = xf.device.type != "cpu" or not bool(torch.isfinite(xf).all())
+    # read, so on the CPU only, where it is free; the values are the same either way). amax
+    # propagates NaN and Inf, so the group maxima show whether there is any.
+    cpu = xf.device.type == "cpu"
+    special = True
+    if cpu:
+        amax = xg.abs().amax(dim=-1, keepdim=True)
+        special = not math.isfinite(float(amax.max()))
     if special:
         amax = torch.where(torch.isfinite(xg), xg.abs(), torch.zeros_like(xg)).amax(dim=-1, keepdim=True)
-    else:
-        amax = xg.abs().amax(dim=-1, keepdim=True)
     if kv_dtype == "q8_0":
         # a tensor divisor: CUDA torch turns `t / python_scalar` into t * (1/scalar), which rounds
         # differently from the true division the kernels (and CPU torch) do
@@ -329,17 +334,19 @@ def quantize(
         s = s.to(torch.float16)
         codes = _encode(y.flatten(-2), code_dtype)
     elif kv_dtype == "int8":
-        s = amax / torch.full_like(amax, INT8_MAX)  # true division on every device (see q8_0)
-        # x / s, true division, as fp8; s == 0: every finite value is 0, and 0 / 1 = 0 (int8 has no -0)
-        y = xg / torch.where(s > 0, s, torch.ones_like(s))
+        # true division on every device (see q8_0); the CPU divides by a Python scalar truly too
+        s = amax / INT8_MAX if cpu else amax / torch.full_like(amax, INT8_MAX)
+        # x / s, true division, as fp8; s == 0 (a group of zeros, or of values so small that amax / 127
+        # underflows): x / 1, which rounds to 0 (int8 has no -0)
+        y = xg / torch.where(s > 0, s, 1.0)
         if special:
             y = torch.where(torch.isinf(xg), torch.sign(xg) * INT8_MAX, y)  # also where s == 0
             y = torch.nan_to_num(y, nan=0.0)  # int8 has no NaN code: 0 there, and the token's scale is NaN
             s = torch.where(torch.isnan(xg).any(dim=-1, keepdim=True), torch.full_like(s, float("nan")), s)
-        # round half to even, saturate
-        codes = torch.round(y.clamp(-INT8_MAX, INT8_MAX)).flatten(-2).to(torch.int8)
+        # round half to even, saturate (in place: y is this function's own)
+        codes = y.clamp_(-INT8_MAX, INT8_MAX).round_().flatten(-2).to(torch.int8)
     else:
-        s = amax / torch.full_like(amax, FP8_E4M3_MAX)  # true division on every device (see q8_0)
+        s = amax / FP8_E4M3_MAX if cpu else amax / torch.full_like(amax, FP8_E4M3_MAX)  # true division (int8)
         y = torch.where(s > 0, xg / s, torch.zeros_like(xg))  # +0 where s == 0 (e4m3 has a -0 code)
         if special:
             # 0 * inf is nan: an Inf in an otherwise-zero group must still saturate.
@@ -363,9 +370,11 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
     # int8 codes times fp32 scales promote to fp32 in one kernel, the same products (the codes are
     # exact in fp32); fp8 codes do not promote, so they are converted first
     c = codes if codes.dtype == torch.int8 else codes.float()
-    s = scale.float()
+    s = scale if scale.dtype == torch.float32 else scale.float()
     if scale.dim() == 1:
         out = c * s.view(1, -1, 1, 1)
+    elif scale.shape[-1] == 1:  # one scale per token broadcasts as it is (4-D: half the grouped path's cost)
+        out = c * s
     else:
         out = (_group_view(c, scale.shape[-1]) * s.unsqueeze(-1)).flatten(-2)
-    return out.to(dtype)
+    return out if out.dtype == dtype else out.to(dtype)

@@ -105,6 +105,11 @@ def _register(schema: str, impl, fake):
     overload = op.default
 
     def autograd_kernel(*args, **kwargs):
+        if not torch.is_grad_enabled() and torch._C._len_torch_dispatch_stack() == 0 and all(
+                type(a) is Tensor for a in (*args, *kwargs.values()) if isinstance(a, Tensor)):
+            # plain tensors, no mode, no grad: the redispatch below would land in ``impl`` with the same
+            # arguments; calling it here saves a Python -> C++ -> Python round trip (~10 us on CPU)
+            return impl(*args, **kwargs)
         with torch._C._AutoDispatchBelowAutograd():
             out = overload(*args, **kwargs)
         if isinstance(out, Tensor) and torch.is_grad_enabled():

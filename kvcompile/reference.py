@@ -21,46 +21,59 @@ def _as_bytes(t: Tensor) -> Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
+def _f32(t: Tensor) -> Tensor:
+    # the CPU op runs once per layer and step: even a no-op .float() call is worth skipping
+    return t if t.dtype == torch.float32 else t.float()
+
+
 def _per_head(offset: Tensor) -> Tensor:
     """A K offset [H, D] as float32 [H, 1, D]: it broadcasts over [..., H, T, D]."""
-    return offset.float().view(offset.shape[0], 1, offset.shape[1])
+    return _f32(offset).view(offset.shape[0], 1, offset.shape[1])
 
 
 def _rotate_center(x: Tensor, offset: Optional[Tensor], rotation: Optional[Tensor]) -> Tensor:
     """``x @ R - offset`` in float32 (each step only when given)."""
+    x = _f32(x)
     if rotation is not None:
-        x = torch.matmul(x.float(), rotation)  # float32, as the Triton launcher does
+        x = torch.matmul(x, rotation)  # float32, as the Triton launcher does
     if offset is not None:
-        x = x.float() - _per_head(offset)
+        x = x - _per_head(offset)
     return x
 
 
-def _quantize_as(cache: Tensor, scale: Tensor, x: Tensor) -> tuple[Tensor, Optional[Tensor]]:
-    """(codes, scales, or None for static ones) of ``x`` in the format of ``cache`` / ``scale``."""
+def _quantize_as(cache: Tensor, scale: Tensor, x: Tensor, kv_dtype: Optional[str] = None
+                 ) -> tuple[Tensor, Optional[Tensor]]:
+    """(codes, scales, or None for static ones) of ``x`` in the format of ``cache`` / ``scale``
+    (``kv_dtype``: that format's name, when the caller has read it already)."""
     if scale.dim() == 1:
         return formats.quantize(x, cache.dtype, scale=scale)[0], None
-    codes, s = formats.quantize(x, cache.dtype, groups=scale.shape[-1], kv_dtype=formats.format_of(cache, scale))
-    return codes, s.to(scale.dtype)
+    kv_dtype = kv_dtype or formats.format_of(cache, scale)
+    codes, s = formats.quantize(x, cache.dtype, groups=scale.shape[-1], kv_dtype=kv_dtype)
+    return codes, s if s.dtype == scale.dtype else s.to(scale.dtype)
 
 
 def _write(cache: Tensor, scale: Tensor, codes: Tensor, s: Optional[Tensor], where) -> None:
     """Codes (and scales) into positions ``where``: a slice (CPU) or an index tensor."""
-    if isinstance(where, slice):
-        _as_bytes(cache)[:, :, where] = _as_bytes(codes)
+    if isinstance(where, slice):  # narrow + copy_: a third of a Python slice assignment's cost
+        _as_bytes(cache).narrow(2, where.start, where.stop - where.start).copy_(_as_bytes(codes))
         if s is not None:
-            scale[:, :, where] = s
+            scale.narrow(2, where.start, where.stop - where.start).copy_(s)
         return
     _as_bytes(cache).index_copy_(2, where, _as_bytes(codes))
     if s is not None:
         scale.index_copy_(2, where, s)
 
 
-def _one_format(k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor, k: Tensor, v: Tensor) -> bool:
-    """K and V stored in one format and scale layout: once rotated (each by its own matrix), they
-    can be quantized as one tensor. Static scales are not (K's and V's scales differ)."""
-    if k_scale.dim() == 1 or k.shape != v.shape or k_cache.dtype != v_cache.dtype or k_scale.shape != v_scale.shape:
-        return False
-    return k_scale.dtype == v_scale.dtype and formats.format_of(k_cache, k_scale) == formats.format_of(v_cache, v_scale)
+def _one_format(k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor, k: Tensor, v: Tensor
+                ) -> Optional[str]:
+    """The format K and V share when stored in one format and scale layout (once rotated, each by
+    its own matrix, they can be quantized as one tensor), else None. Static scales never do (K's
+    and V's scales differ)."""
+    if k_scale.dim() == 1 or k.shape != v.shape or k_cache.dtype != v_cache.dtype or k_scale.shape != v_scale.shape \
+            or k_scale.dtype != v_scale.dtype:
+        return None
+    name = formats.format_of(k_cache, k_scale)
+    return name if name == formats.format_of(v_cache, v_scale) else None
 
 
 def store_kv(
@@ -81,16 +94,16 @@ def store_kv(
         where = slice(s0, s0 + T)
     else:
         where = torch.arange(T, device=k.device) + start.to(device=k.device, dtype=torch.long)
-    if _one_format(k_cache, k_scale, v_cache, v_scale, k, v):
+    shared = _one_format(k_cache, k_scale, v_cache, v_scale, k, v)
+    if shared:
         # K and V quantized as one [2, B, H, T, D] tensor: half the ops, the same values
         if k_rotation is not None and k_rotation is v_rotation:  # one matrix: one product for both
-            x = _rotate_center(torch.stack((k, v)), None, k_rotation).float()
+            x = _rotate_center(torch.stack((k, v)), None, k_rotation)
             if k_offset is not None:
                 x[0] -= _per_head(k_offset)  # K only
         else:
-            x = torch.stack((_rotate_center(k, k_offset, k_rotation).float(),
-                             _rotate_center(v, None, v_rotation).float()))
-        codes, s = _quantize_as(k_cache, k_scale, x)
+            x = torch.stack((_rotate_center(k, k_offset, k_rotation), _rotate_center(v, None, v_rotation)))
+        codes, s = _quantize_as(k_cache, k_scale, x, shared)
         _write(k_cache, k_scale, codes[0], None if s is None else s[0], where)
         _write(v_cache, v_scale, codes[1], None if s is None else s[1], where)
         return
@@ -144,7 +157,7 @@ def _dequantize_in(codes: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
 
 def _key_slice(t: Tensor, lo: int, hi: int) -> Tensor:
     """Positions [lo, hi) of codes / scales [B, H, L, *]; a static scale ([Hkv]) as it is."""
-    return t if t.dim() == 1 else t[:, :, lo:hi]
+    return t if t.dim() == 1 else t.narrow(2, lo, hi - lo)
 
 
 def attention(
@@ -187,9 +200,9 @@ def attention(
     k = _dequantize_in(_key_slice(k_q, lo, n), _key_slice(k_scale, lo, n), compute_dtype)  # [B, Hkv, n', D]
     v = _dequantize_in(_key_slice(v_q, lo, n), _key_slice(v_scale, lo, n), compute_dtype)
     sm_scale = D**-0.5 if scale is None else scale
-    qc = q.to(compute_dtype)
+    qc = q if q.dtype == compute_dtype else q.to(compute_dtype)  # (a no-op .to() still costs a call)
     if k_rotation is not None:  # K's codes hold k @ R_k: (q R_k)(k R_k)^T = q k^T
-        qc = torch.matmul(qc, k_rotation.to(compute_dtype))
+        qc = torch.matmul(qc, k_rotation if k_rotation.dtype == compute_dtype else k_rotation.to(compute_dtype))
 
     dev = q.device
     valid = None  # [B, 1 or Hq, 1 or Tq, n'] where some key of [lo, n) is hidden from some row
@@ -234,7 +247,7 @@ def attention(
         o = _explicit_softmax(qc, k, v, valid, additive, sm_scale, softcap, sinks, group)
     if v_rotation is not None:  # V's codes hold v @ R_v: P (V R_v) R_v^T = P V
         o = torch.matmul(o, v_rotation.to(compute_dtype).t())
-    return o.to(q.dtype)
+    return o if o.dtype == q.dtype else o.to(q.dtype)
 
 
 def _explicit_softmax(qc: Tensor, k: Tensor, v: Tensor, valid: Optional[Tensor], additive: Optional[Tensor],
