@@ -142,8 +142,8 @@ RUNS = {
         "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024 "
         "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs,kvc-int8+rot-graphs"),
     "cpu": Run(
-        "cpu_s10_bench_cpu.csv", "ca60ce6", CPU2, "session 10",
-        "python benchmarks/bench_cpu.py --providers hf-static kvcompile-int8 kvcompile-fp8_e4m3 kvcompile-q8_0"),
+        "cpu_s12_bench_cpu.csv", "2fa4288", CPU2, "session 12",
+        "python benchmarks/bench_cpu.py"),
     "rot-e2e": Run(
         "h200_s8_run3_e2e.csv", "b138f24", H200, "session 8, run 3",
         "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024 "
