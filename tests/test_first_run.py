@@ -264,6 +264,23 @@ def test_info_config_prints_the_cache_bytes(tmp_path):
     assert "max_cache_len 128 (given)" in out
 
 
+def test_info_config_counts_a_sliding_layer_by_its_window(tmp_path):
+    """A Gemma-3-style config (5 sliding layers of window 64, 1 full): the sliding layers hold a ring of
+    64 positions, whatever max_cache_len; ring=False would hold 4096."""
+    from transformers import Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(vocab_size=96, hidden_size=128, intermediate_size=128, num_hidden_layers=6,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=64,
+                           layer_types=["sliding_attention"] * 5 + ["full_attention"])
+    cfg.save_pretrained(tmp_path)
+    out = _info("--config", str(tmp_path), "--max-cache-len", "4096")
+    ring = QuantizedCache(cfg, max_cache_len=4096, device="meta").planned_nbytes(per_layer=True)
+    full = QuantizedCache(cfg, max_cache_len=4096, device="meta", ring=False).planned_nbytes(per_layer=True)
+    assert "layers 0-4" in out and f"{ring[0]:,d} bytes" in out and f"{full[5]:,d} bytes" in out, out
+    assert "x 64 positions (a ring: sliding window 64)" in out and "x 4096 positions" in out, out
+    assert ring[0] < full[0] / 32 and ring[5] == full[5]
+
+
 def test_info_config_allocates_nothing(tmp_path):
     # a Llama-3.1-8B-shaped config at its full 131072 positions, batch 64: 528 GiB if it were allocated
     LlamaConfig(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
