@@ -365,11 +365,28 @@ def _encode(y: torch.Tensor, code_dtype: torch.dtype) -> torch.Tensor:
     return y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
+_E4M3_TABLE: dict = {}
+
+
+def _e4m3_to_float(codes: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes as float32, the values ``codes.float()`` gives. On the CPU, where that conversion
+    runs one code at a time (~55 us for SmolLM2's 19k decode codes against ~25 for a gather), the
+    values are looked up in the 256-entry table of that same conversion."""
+    if codes.device.type != "cpu":
+        return codes.float()
+    table = _E4M3_TABLE.get("cpu")
+    if table is None:
+        table = _E4M3_TABLE["cpu"] = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(
+            torch.float8_e4m3fn).float()
+    index = codes.view(torch.uint8).to(torch.int64)
+    return torch.gather(table.expand(*codes.shape[:-1], 256), -1, index)  # the codes' shape, no flat copy
+
+
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """codes [B, H, L, D] with scales [B, H, L, G] or static [H] -> values [B, H, L, D] in ``dtype``."""
     # int8 codes times fp32 scales promote to fp32 in one kernel, the same products (the codes are
     # exact in fp32); fp8 codes do not promote, so they are converted first
-    c = codes if codes.dtype == torch.int8 else codes.float()
+    c = codes if codes.dtype == torch.int8 else _e4m3_to_float(codes)
     s = scale if scale.dtype == torch.float32 else scale.float()
     if scale.dim() == 1:
         out = c * s.view(1, -1, 1, 1)
