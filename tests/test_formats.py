@@ -385,3 +385,17 @@ def test_block_formats_refuse_head_dim_not_multiple_of_32(D):
         with pytest.raises(ValueError, match="multiple of 32"):
             fmt.bytes_per_element(D)
     get_format("fp8_e4m3").check_head_dim(D)  # per-token scales take any head_dim
+
+
+def test_cpu_e4m3_lookup_equals_the_conversion():
+    """The CPU's fp8 dequantize looks codes up in a 256-entry table (formats._e4m3_to_float): every code,
+    NaN and -0 included, gives what ``codes.float()`` gives, in any layout (a key-contiguous slice)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).reshape(2, 2, 2, 32)
+    got, want = formats._e4m3_to_float(codes), codes.float()
+    assert torch.equal(got.isnan(), want.isnan()) and want.isnan().sum() == 2
+    assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
+    assert torch.equal(torch.signbit(got), torch.signbit(want))  # -0 stays -0
+    keys = codes.transpose(2, 3).contiguous().transpose(2, 3)[:, :, :1]  # strided, like a V slice
+    assert torch.equal(formats._e4m3_to_float(keys).nan_to_num(0.0), keys.float().nan_to_num(0.0))
+    scale = torch.rand(2, 2, 2, 1) + 0.5
+    assert torch.equal(formats.dequantize(codes, scale).nan_to_num(0.0), (want * scale).nan_to_num(0.0))
