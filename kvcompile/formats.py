@@ -48,9 +48,8 @@ ops undo the rotation on dequantize. The formats themselves never see ``R``.
 
 from __future__ import annotations
 
-import math
-
 import dataclasses
+import math
 
 import torch
 

@@ -1,4 +1,5 @@
-"""The ``kvcompile`` torch.library ops: ``store_kv``, ``dequantize``, ``attention``.
+"""The ``kvcompile`` torch.library ops: ``store_kv``, ``dequantize``, ``attention``, and for a sliding
+layer's ring (:mod:`kvcompile.ring`, which implements them) ``dequantize_ring`` and ``attention_ring``.
 
 Each op is defined on a ``torch.library.Library`` (:func:`_register`) from its implementation and
 its fake, right below each other; the implementation's docstring is the op's contract. It goes

@@ -30,6 +30,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .reference import _as_bytes, _write
+
 __all__ = ["store_kv", "dequantize", "attention"]
 
 
@@ -37,11 +39,6 @@ def _ops():
     from . import ops  # ops registers this module's functions: imported late
 
     return ops
-
-
-def _bytes(t: Tensor) -> Tensor:
-    # index ops have no float8 kernel on every device; moving raw bytes is exact
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def _keys_contiguous(v_codes: Tensor) -> bool:
@@ -59,18 +56,16 @@ def _scratch(codes: Tensor, scale: Tensor, n: int, keys: bool) -> tuple[Tensor, 
     return c, scale.new_zeros((B, H, n, scale.shape[-1]))
 
 
-def _put(dst: Tensor, slots: Tensor, src: Tensor) -> None:
-    """``dst[:, :, slots] = src`` in place (codes as raw bytes; static scales are not per position)."""
-    if dst.dim() == 1:
-        return
-    _bytes(dst).index_copy_(2, slots, _bytes(src))
+def _put(codes: Tensor, scale: Tensor, slots: Tensor, src_codes: Tensor, src_scale: Tensor) -> None:
+    """``codes[:, :, slots] = src_codes`` (and the scales, unless static: per head, not per position)."""
+    _write(codes, scale, src_codes, None if scale.dim() == 1 else src_scale, slots)
 
 
 def _gather(src: Tensor, slots: Tensor, dst: Tensor) -> None:
     """``dst[:, :, :len(slots)] = src[:, :, slots]`` (static scales are not per position)."""
     if src.dim() == 1:
         return
-    _bytes(dst)[:, :, : slots.numel()].copy_(_bytes(src).index_select(2, slots))
+    _as_bytes(dst)[:, :, : slots.numel()].copy_(_as_bytes(src).index_select(2, slots))
 
 
 def store_kv(k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor, k: Tensor, v: Tensor,
@@ -89,8 +84,8 @@ def store_kv(k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor,
     zero = torch.zeros((), dtype=torch.long, device=k.device)
     ops._store_kv(tk, tks, tv, tvs, k[:, :, T - n:], v[:, :, T - n:], zero, k_offset, k_rotation, v_rotation)
     slots = torch.remainder(start.to(torch.long) + (T - n) + torch.arange(n, device=k.device), W)
-    for dst, src in ((k_cache, tk), (k_scale, tks), (v_cache, tv), (v_scale, tvs)):
-        _put(dst, slots, src)
+    _put(k_cache, k_scale, slots, tk, tks)
+    _put(v_cache, v_scale, slots, tv, tvs)
 
 
 def _store_token(k_cache, k_scale, v_cache, v_scale, k, v, start: Tensor, shift: int, k_offset, k_rotation,
@@ -188,7 +183,7 @@ def attention(q: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Ten
                          v_rotation)
     m = min(T, W)
     ring_slots = torch.remainder(cache_len - m + torch.arange(m, device=dev), W)
-    for dst, src in ((k_q, tk), (k_scale, tks), (v_q, tv), (v_scale, tvs)):
-        if dst.dim() != 1:
-            _put(dst, ring_slots, src[:, :, n - m:])
+    tail = lambda t: t if t.dim() == 1 else t[:, :, n - m:]  # noqa: E731  (static scales: per head)
+    _put(k_q, k_scale, ring_slots, tail(tk), tail(tks))
+    _put(v_q, v_scale, ring_slots, tail(tv), tail(tvs))
     return out

@@ -35,6 +35,7 @@ mask does); the op's ``kv_len`` is None when the key bound is the cache length i
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -87,14 +88,14 @@ def plan(call: AttentionCall, k: KVChain, v: KVChain) -> dict:
     windows = [_window(c.source.sliding_window) for c in (k, v)]
     if windows[0] is not windows[1] and windows[0] != windows[1]:
         raise Skip(f"K and V dequantized with different sliding windows {windows}")
-    plan = {
+    found = {
         "mask": _mask(call.mask, n, L, sliced),
         "kv_len": _length(call, k, q.shape[2], n, L, sliced),
         "window": windows[0],
     }
     if k.source.ring:
-        plan["store"] = _ring_store(k, v, call.anchor)
-    return plan
+        found["store"] = _ring_store(k, v, call.anchor)
+    return found
 
 
 def _ring_store(k: KVChain, v: KVChain, anchor: fx.Node) -> fx.Node:
@@ -118,7 +119,6 @@ def _ring_store(k: KVChain, v: KVChain, anchor: fx.Node) -> fx.Node:
     if _stored_at_least(start, shape(new)[2], anchor) is None:
         raise Skip("the ring's length is not advanced by the new tokens before the attention")
     return store
-
 
 
 def _window(w: Any) -> Any:
@@ -182,8 +182,6 @@ def _reads_length(user: fx.Node) -> bool:
     """Whether a shape query on a ring's dequantized K/V may read dim 2, the one its codes differ in
     (the pass points shape queries at the codes): ``x.size()`` read only at dims 0, 1 and 3 and
     ``x.size(d)`` / ``sym_size(x, d)`` at another dim do not."""
-    import operator
-
     other = {0, 1, 3, -1, -3, -4}
     if user.op == "call_method" and user.target == "size" and len(user.args) == 1 and not user.kwargs:
         return not all(u.op == "call_function" and u.target is operator.getitem and u.args[1] in other
