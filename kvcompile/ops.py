@@ -330,7 +330,8 @@ def _attention(
 ) -> Tensor:
     """Attention of ``q`` [B, Hq, Tq, D] over the 8-bit cache, output [B, Hq, Tq, D] in q.dtype.
 
-    * keys at positions >= ``kv_len[b]`` are excluded;
+    * keys at positions >= ``kv_len[b]`` are excluded; a ``kv_len[b]`` above L makes all L keys
+      visible (the bound a ring past its window passes: its token count);
     * GQA/MQA: query head h reads kv head ``h // (Hq // Hkv)`` (as repeat_kv / enable_gqa);
     * ``attn_mask``: bool (True = attend) or additive float, broadcastable to [B, Hq, Tq, L];
     * ``is_causal``: query i sits at absolute position ``kv_len - Tq + i`` (the new tokens are

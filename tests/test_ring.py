@@ -167,6 +167,30 @@ def test_ring_decode_with_a_key_bound(backend, monkeypatch):
     assert _rel(unbounded, ref) > OFF_MIN
 
 
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "int8", "q8_0"])
+def test_attention_key_bound_above_the_cache_reads_every_key(backend, kind, monkeypatch):
+    """``kv_len`` above L (a ring's token count, passed by its decode) reads the L keys and no further:
+    the result equals ``kv_len = L`` bit for bit, on every row (per-row bounds, one past L and one far
+    past). A split decode (L = 80 > one tile) runs the merge, which must also ignore splits past L. The
+    control: a bound below L changes the result."""
+    monkeypatch.setenv("KVCOMPILE_KERNELS", backend)
+    gen = torch.Generator().manual_seed(11)
+    n = 80
+    buf = _buffers(kind, n)
+    k = torch.randn(B, HKV, n, D, generator=gen).to(DEV)
+    v = torch.randn(B, HKV, n, D, generator=gen).to(DEV)
+    ops.store_kv(*buf, k, v, torch.zeros((), dtype=torch.long, device=DEV), None)
+    q = torch.randn(B, HQ, 1, D, generator=gen).to(DEV)
+    full = ops.attention(q, *buf, torch.full((B,), n, device=DEV), None, False, None)
+    over = ops.attention(q, *buf, torch.tensor([n + 1, 10 * n], device=DEV), None, False, None)
+    assert torch.equal(over, full)
+    ref = reference.attention(q, *buf, torch.tensor(n, device=DEV), None, False, None, compute_dtype=torch.float64)
+    assert _rel(full, ref) < TOL
+    short = ops.attention(q, *buf, torch.full((B,), n - 7, device=DEV), None, False, None)
+    assert _rel(short, full) > OFF_MIN
+
+
 @pytest.mark.parametrize("kind", ["fp8_e4m3", "q8_0"])
 def test_dequantize_ring_is_the_window_of_a_linear_cache(kind):
     gen = torch.Generator().manual_seed(7)

@@ -230,6 +230,7 @@ def _attention_kernel(
     OP, stride_opb, stride_oph, stride_opm, stride_ops,  # partial outputs [B, Hq, Tq, S, D] fp32
     LSE, stride_lb, stride_lh, stride_lm, stride_ls,     # their log2-sum-exp [B, Hq, Tq, S]
     Hkv, Tq, D, sm_scale, split_len, window, softcap, rot_scale,  # rot_scale: 1 / sqrt(D) (Q_HADAMARD)
+    n_keys,  # the cache's L: keys past it are never read, whatever kv_len says (a ring's token count)
     GROUP: tl.constexpr,         # query heads per kv head
     GROUP_SIZE: tl.constexpr,    # values per scale group (block32: 32)
     SCALE_KIND: tl.constexpr,    # SCALE_TOKEN / SCALE_BLOCK / SCALE_STATIC
@@ -260,6 +261,7 @@ def _attention_kernel(
     b = pid_bh // Hkv
     hk = pid_bh % Hkv
     kv_len = tl.load(KVLEN + b * stride_kvl).to(tl.int32)
+    kv_end = tl.minimum(kv_len, n_keys)  # the keys stored
 
     if HAS_WINDOW:
         # Splits cover the keys query 0 of this row can see, from its window's first key rounded
@@ -271,7 +273,7 @@ def _attention_kernel(
     else:
         n_lo = split * split_len
     if SPLIT_OUTPUT:
-        if n_lo >= kv_len:  # a split past the current length: nothing to do, the merge skips it
+        if n_lo >= kv_end:  # a split past the current length: nothing to do, the merge skips it
             return
         if HAS_WINDOW:
             if n_lo + split_len <= win_first:  # wholly below every row's window: the merge skips it too
@@ -307,7 +309,7 @@ def _attention_kernel(
         q_bias = 1152.0 * tl.sum(q.to(tl.float32), axis=1)
 
     # ---- keys this program reads: its split, cut at kv_len and (causal) at its last query ----
-    n_hi = tl.minimum(kv_len, n_lo + split_len)
+    n_hi = tl.minimum(kv_end, n_lo + split_len)
     last_q = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, Tq * GROUP - 1) // GROUP
     if IS_CAUSAL:
         n_hi = tl.minimum(n_hi, kv_len - Tq + last_q + 1)

@@ -20,7 +20,7 @@ def _merge_kernel(
     VS, stride_vsh,
     SINKS, stride_sink,
     R_V, rot_scale,             # R_V [D, D] (read unless R_SYLVESTER); 1 / sqrt(D)
-    Hq, Tq, D, split_len, num_splits, window,
+    Hq, Tq, D, split_len, num_splits, window, n_keys,  # n_keys: the cache's L (as _attention_kernel)
     GROUP: tl.constexpr,
     STATIC_SCALE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,   # splits start at the window (as in _attention_kernel, same BLOCK_N)
@@ -43,13 +43,14 @@ def _merge_kernel(
     h = (pid // Tq) % Hq
     b = pid // (Tq * Hq)
     kv_len = tl.load(KVLEN + b * stride_kvl).to(tl.int32)
+    kv_end = tl.minimum(kv_len, n_keys)
     sp = tl.arange(0, SPLITS_P2)
     if HAS_WINDOW:
         sp_lo = tl.maximum(kv_len - Tq - window + 1, 0) // BLOCK_N * BLOCK_N + sp * split_len
         win_lo = kv_len - Tq + qi - window + 1
-        live = (sp < num_splits) & (sp_lo < kv_len) & (sp_lo + split_len > win_lo)
+        live = (sp < num_splits) & (sp_lo < kv_end) & (sp_lo + split_len > win_lo)
     else:
-        live = (sp < num_splits) & (sp * split_len < kv_len)  # splits past kv_len wrote nothing
+        live = (sp < num_splits) & (sp * split_len < kv_end)  # splits past kv_len wrote nothing
     lse = tl.load(LSE + b * stride_lb + h * stride_lh + qi * stride_lm + sp * stride_ls, mask=live,
                   other=float("-inf"))
     m = tl.max(lse, axis=0)

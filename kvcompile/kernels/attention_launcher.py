@@ -175,14 +175,14 @@ def _run(p: plan_mod.LaunchPlan, q, k_q, k_scale, v_q, v_scale, kv_len, attn_mas
         o_buf, *o_buf.stride(),
         op, *op_strides,
         lse, *lse_strides,
-        c.Hkv, Tq, D, float(sm_scale), p.split_len, int(c.window), float(softcap), _rot_scale(D),
+        c.Hkv, Tq, D, float(sm_scale), p.split_len, int(c.window), float(softcap), _rot_scale(D), c.L,
         **p.constexprs(), num_warps=t.num_warps, num_stages=t.num_stages, **_FP_FUSION, **_maxnreg(t),
     )
     if splits > 1:
         _merge_kernel[(B * Hq * Tq, triton_cdiv(D, ROT_CHUNK) if r_v is not None else 1)](
             op, *op.stride()[:4], lse, *lse.stride(), out, *out.stride(), kvl, kvl_stride,
             vs, vs.stride(1), sink_arg, sink_stride, r_v if r_v is not None else q, _rot_scale(D), Hq, Tq, D,
-            p.split_len, splits, int(c.window), GROUP=Hq // c.Hkv, STATIC_SCALE=c.scale_kind == SCALE_STATIC,
+            p.split_len, splits, int(c.window), c.L, GROUP=Hq // c.Hkv, STATIC_SCALE=c.scale_kind == SCALE_STATIC,
             HAS_WINDOW=c.window > 0, HAS_SINKS=sinks is not None, HAS_V_ROT=r_v is not None, ROT_CHUNK=ROT_CHUNK,
             R_SYLVESTER=c.v_rot == ROT_SYLVESTER,
             SPLITS_P2=next_pow2(splits), BLOCK_N=t.block_n, BLOCK_D=next_pow2(D), num_warps=4, **_FP_FUSION,
