@@ -267,18 +267,27 @@ def _signed_permutation(D: int, gen: torch.Generator) -> torch.Tensor:
 
 
 @needs_triton
-@pytest.mark.parametrize("D", [64, 80, 128])
-def test_store_kernel_hadamard_rounds_the_rotated_values(D):
+@pytest.mark.parametrize("D,shared,T", [(64, False, 17), (80, False, 17), (128, False, 17), (64, True, 17),
+                                        (128, True, 17), (64, True, 1), (80, True, 1)])
+def test_store_kernel_hadamard_rounds_the_rotated_values(D, shared, T, monkeypatch):
     """With a Hadamard R (sums of D products) the kernel rotates in fp32 FMA dots, the reference in a
     float32 matmul: the two round their sums in different orders. Against the float64 rotation both
     must round to nearest: |code - y| <= 1/2 + slack, y = (x @ R)_float64 / s, where the slack (2e-4
     codes) covers the fp32 rotation's error (D * 2^-24 * sum|x_i R_ij| / s < 1e-4 for these rows);
-    and the scale is amax / 127 of the rotated row within 8 fp32 ulps (the amax of an fp32 sum)."""
+    and the scale is amax / 127 of the rotated row within 8 fp32 ulps (the amax of an fp32 sum).
+
+    ``shared``: kvcompile.rotation's shared matrix, which the store kernel rotates by itself for a
+    power-of-two D (no rotate_rows launch: refused here), and by a launch for D = 80 (a block-diagonal
+    matrix); a new copy of the matrix is always rotated by the launch. T = 1 is a decode step."""
     from kvcompile import kernels
+    from kvcompile.kernels import store
 
     gen = torch.Generator().manual_seed(9)
-    B, H, L, T = 2, 2, 24, 17
-    R = rotation.hadamard(D, device=DEV)
+    B, H, L = 2, 2, 24
+    R = rotation.shared(D, DEV) if shared else rotation.hadamard(D, device=DEV)
+    launches = []
+    orig = store.rotate_rows
+    monkeypatch.setattr(store, "rotate_rows", lambda *a, **k: launches.append(1) or orig(*a, **k))
     x = (torch.randn(B, H, T, D, generator=gen) * torch.logspace(-3, 3, D)[torch.randperm(D, generator=gen)]).to(DEV)
     kc, ks = _empty("int8", B, H, L, D)
     vc, vs = _empty("int8", B, H, L, D)
@@ -290,9 +299,17 @@ def test_store_kernel_hadamard_rounds_the_rotated_values(D):
     assert ((s - s64).abs() <= 8 * 2.0**-24 * s64).all()
     err = (kc[:, :, 3:3 + T].double().cpu() - y64 / s).abs()
     assert err.max() <= 0.5 + 2e-4, err.max()
-    assert err.max() > 0.45  # many values: some lie near a boundary (the check is not vacuous)
+    if T > 1:
+        assert err.max() > 0.45  # many values: some lie near a boundary (the check is not vacuous)
     # V was stored unrotated: its codes are those of -x, not of -x @ R
     assert not torch.equal(vc[:, :, 3:3 + T], kc[:, :, 3:3 + T].neg())
+    assert launches == ([] if shared and D & (D - 1) == 0 else [1])
+    # both sides rotated (rotate=True): V = -x gives exactly the negated codes of K (the same sums, negated)
+    kc2, ks2 = _empty("int8", B, H, L, D)
+    vc2, vs2 = _empty("int8", B, H, L, D)
+    kernels.store_kv(kc2, ks2, vc2, vs2, x, -x, start, None, R, R)
+    assert torch.equal(kc2, kc) and torch.equal(ks2, ks)
+    assert torch.equal(vc2, kc.neg()) and torch.equal(vs2, ks)
 
 
 @needs_triton

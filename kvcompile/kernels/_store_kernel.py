@@ -4,6 +4,7 @@ import triton
 import triton.language as tl
 
 from ._codes import FP8_MAX, Q8_MAX, codes_to_float, e4m3_encode, e4m3_encode_hw, to_store_dtype
+from ._rotation import hadamard_rows
 
 # CODE constexpr of _quantize_rows: which format a side (K or V) is written in
 CODE_FP8 = tl.constexpr(0)  # fp8_e4m3 (any granularity)
@@ -17,7 +18,7 @@ def _quantize_rows(
     C, stride_cb, stride_ch, stride_ct, stride_cd,
     S, stride_sb, stride_sh, stride_st, stride_sg,
     OFF, stride_oh, stride_od,
-    b, h, t0, start, T, D,
+    b, h, t0, start, T, D, rot_scale,
     HAS_OFFSET: tl.constexpr,
     CODE: tl.constexpr,        # CODE_FP8, CODE_Q8_0 or CODE_INT8
     STATIC_SCALE: tl.constexpr,
@@ -25,6 +26,9 @@ def _quantize_rows(
     GROUPS_P2: tl.constexpr,   # scale groups per token, padded to a power of two (1 for token/static)
     GROUP_SIZE: tl.constexpr,  # values per scale group (32 for block32; padded head_dim otherwise)
     BLOCK_T: tl.constexpr,
+    HADAMARD: tl.constexpr,    # store x @ H_D * rot_scale (one group of D == GROUP_SIZE; BLOCK_T >= 16)
+    ROT_EXACT: tl.constexpr,   # the rotation's dots in fp32 FMAs (the interpreter)
+    ROT_CHUNK: tl.constexpr,
 ):
     # A [BLOCK_T * GROUPS_P2, GROUP_SIZE] tile: row r is token t0 + r // GROUPS_P2, group r % GROUPS_P2.
     rows = tl.arange(0, BLOCK_T * GROUPS_P2)
@@ -35,8 +39,12 @@ def _quantize_rows(
     row_ok = t < T
     ok = row_ok[:, None] & (d < D)
 
-    x = tl.load(X + b * stride_xb + h * stride_xh + t[:, None] * stride_xt + d * stride_xd, mask=ok, other=0.0)
-    x = x.to(tl.float32)
+    if HADAMARD:  # the rotation of a cache stored rotated, in registers (no launch of its own)
+        x = hadamard_rows(X + b * stride_xb + h * stride_xh + t[:, None] * stride_xt, stride_xd, row_ok[:, None],
+                          rot_scale, ROT_EXACT, BLOCK_T, GROUP_SIZE, ROT_CHUNK)
+    else:
+        x = tl.load(X + b * stride_xb + h * stride_xh + t[:, None] * stride_xt + d * stride_xd, mask=ok, other=0.0)
+        x = x.to(tl.float32)
     if HAS_OFFSET:
         x = x - tl.load(OFF + h * stride_oh + d * stride_od, mask=ok, other=0.0).to(tl.float32)
 
@@ -111,6 +119,7 @@ def _store_kv_kernel(
     OFF, stride_oh, stride_od,
     START, H, T, D,
     SHIFT, RING,  # the first position is START + SHIFT, taken modulo RING when RING > 0 (a ring, T == 1)
+    rot_scale,    # 1 / sqrt(D) (K_HADAMARD, V_HADAMARD)
     HAS_OFFSET: tl.constexpr,
     K_CODE: tl.constexpr,  # K's format (CODE_*); V's may differ when both share one scale granularity
     V_CODE: tl.constexpr,
@@ -119,6 +128,10 @@ def _store_kv_kernel(
     GROUPS_P2: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    K_HADAMARD: tl.constexpr,  # K (V) stored times kvcompile.rotation's Sylvester matrix, rotated here
+    V_HADAMARD: tl.constexpr,
+    ROT_EXACT: tl.constexpr,
+    ROT_CHUNK: tl.constexpr,
 ):
     """grid (cdiv(T, BLOCK_T), B * H, 2): axis 2 picks K (0) or V (1): both in one launch."""
     t0 = tl.program_id(0) * BLOCK_T
@@ -134,8 +147,9 @@ def _store_kv_kernel(
             KC, stride_kcb, stride_kch, stride_kct, stride_kcd,
             KS, stride_ksb, stride_ksh, stride_kst, stride_ksg,
             OFF, stride_oh, stride_od,
-            b, h, t0, start, T, D,
-            HAS_OFFSET, K_CODE, STATIC_SCALE, HW_E4M3, GROUPS_P2, GROUP_SIZE, BLOCK_T,
+            b, h, t0, start, T, D, rot_scale,
+            HAS_OFFSET, K_CODE, STATIC_SCALE, HW_E4M3, GROUPS_P2, GROUP_SIZE, BLOCK_T, K_HADAMARD, ROT_EXACT,
+            ROT_CHUNK,
         )
     else:
         _quantize_rows(
@@ -143,8 +157,9 @@ def _store_kv_kernel(
             VC, stride_vcb, stride_vch, stride_vct, stride_vcd,
             VS, stride_vsb, stride_vsh, stride_vst, stride_vsg,
             OFF, stride_oh, stride_od,
-            b, h, t0, start, T, D,
-            False, V_CODE, STATIC_SCALE, HW_E4M3, GROUPS_P2, GROUP_SIZE, BLOCK_T,
+            b, h, t0, start, T, D, rot_scale,
+            False, V_CODE, STATIC_SCALE, HW_E4M3, GROUPS_P2, GROUP_SIZE, BLOCK_T, V_HADAMARD, ROT_EXACT,
+            ROT_CHUNK,
         )
 
 

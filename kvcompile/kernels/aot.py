@@ -219,7 +219,8 @@ def compile_store(
     code = {"fp8_e4m3": 0, "q8_0": 1, "int8": 2}[fmt.kv_dtype]  # store._code: the CODE constexpr
     consts = dict(HAS_OFFSET=False, K_CODE=code, V_CODE=code, STATIC_SCALE=static,
                   HW_E4M3=not int8 and tiles.has_native_fp8(cc),  # store.hw_e4m3 for a GPU of this arch
-                  GROUPS_P2=groups_p2, GROUP_SIZE=group_size, BLOCK_T=block_t)
+                  GROUPS_P2=groups_p2, GROUP_SIZE=group_size, BLOCK_T=block_t,
+                  K_HADAMARD=False, V_HADAMARD=False, ROT_EXACT=False, ROT_CHUNK=32)  # unrotated
     scale = "*fp16" if fmt.scale_dtype.itemsize == 2 else "*fp32"
     code_ptr = "*i8" if int8 else "*u8"  # e4m3 codes go in as uint8 bits
     ptrs = {"K": "*bf16", "V": "*bf16", "KC": code_ptr, "VC": code_ptr, "KS": scale, "VS": scale, "OFF": scale, "START": "*i64"}

@@ -7,9 +7,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import formats, tiles
+from .. import formats, rotation, tiles
 from ._store_kernel import _dequantize_kernel, _dequantize_kv_kernel, _store_kv_kernel
 from .common import device_cc, interpreting, kv_len_arg, next_pow2
+from .plan import ROT_CHUNK
 from .rotate import rotate_rows
 
 # Exact rounding must not be contracted into FMAs (x * s + o must round twice, as torch does).
@@ -51,9 +52,10 @@ def store_kv(
     one token (T == 1) at slot ``(start + shift) % W`` of a sliding layer's ring (:mod:`kvcompile.ring`), the
     slot computed in the kernel (no launch for it). K and V may be written in different formats that
     share one scale granularity (fp8 and int8 per token; fp8/block32 and q8_0). A rotation ``[D, D]``
-    is applied first (:func:`rotate.rotate_rows`, float32 accuracy; its sums round in another order
-    than the reference's matmul, so a value within an fp32 ulp or so of a rounding boundary may get
-    the neighbouring code)."""
+    is applied first, float32 accuracy: kvcompile.rotation's shared matrix over token scales in the
+    store kernel (:func:`_rotation.hadamard_rows`), any other by one more launch
+    (:func:`rotate.rotate_rows`). Either rounds its sums in another order than the reference's
+    matmul, so a value within an fp32 ulp or so of a rounding boundary may get the neighbouring code."""
     B, H, T, D = k.shape
     if T == 0:
         return
@@ -64,13 +66,18 @@ def store_kv(
             "kvcompile.store_kv (triton): K and V scales must share one granularity, got "
             f"{tuple(k_scale.shape)} and {tuple(v_scale.shape)}"
         )
-    if k_rotation is not None and v_rotation is not None and k.dtype == v.dtype:
-        k, v = rotate_rows(k, k_rotation, x2=v, rotation2=v_rotation)  # one launch for both
-    elif k_rotation is not None:
-        k = rotate_rows(k, k_rotation)
-    elif v_rotation is not None:
-        v = rotate_rows(v, v_rotation)
     static, groups_p2, group_size = _scale_layout(k_scale, D)
+    # kvcompile.rotation's shared Sylvester matrix over token scales: rotated in the store kernel
+    k_had = k_rotation is not None and _in_kernel(k_rotation, static, groups_p2)
+    v_had = v_rotation is not None and _in_kernel(v_rotation, static, groups_p2)
+    k_rot = None if k_had else k_rotation
+    v_rot = None if v_had else v_rotation
+    if k_rot is not None and v_rot is not None and k.dtype == v.dtype:
+        k, v = rotate_rows(k, k_rot, x2=v, rotation2=v_rot)  # one launch for both
+    elif k_rot is not None:
+        k = rotate_rows(k, k_rot)
+    elif v_rot is not None:
+        v = rotate_rows(v, v_rot)
     k_code, v_code = _code(k_cache, k_scale), _code(v_cache, v_scale)
     any_fp8 = 0 in (k_code, v_code)
     kc, vc = _as_bits(k_cache), _as_bits(v_cache)
@@ -80,18 +87,27 @@ def store_kv(
     off_strides = (k_offset.stride(0), k_offset.stride(1)) if k_offset is not None else (0, 0)
     # ~4K values per program: enough bytes in flight, registers stay small
     block_t = max(1, min(next_pow2(T), 4096 // (groups_p2 * group_size)))
+    if k_had or v_had:
+        block_t = max(block_t, 16)  # the rotation's tl.dot takes 16 rows (masked past T)
     grid = (triton_cdiv(T, block_t), B * H, 2)
     _store_kv_kernel[grid](
         k, *k.stride(), v, *v.stride(),
         kc, *kc.stride(), vc, *vc.stride(),
         ks, *ks.stride(), vs, *vs.stride(),
         off, *off_strides,
-        start, H, T, D, shift, ring,
+        start, H, T, D, shift, ring, D**-0.5,
         HAS_OFFSET=k_offset is not None, K_CODE=k_code, V_CODE=v_code, STATIC_SCALE=static,
         HW_E4M3=any_fp8 and hw_e4m3(k.device),
         GROUPS_P2=groups_p2, GROUP_SIZE=group_size, BLOCK_T=block_t,
+        K_HADAMARD=k_had, V_HADAMARD=v_had, ROT_EXACT=interpreting(), ROT_CHUNK=ROT_CHUNK,
         num_warps=4, **_EXACT,
     )
+
+
+def _in_kernel(rotation_matrix: Tensor, static: bool, groups_p2: int) -> bool:
+    """Whether the store kernel rotates a side itself: the shared Sylvester matrix (its entries
+    generated, not read) over one scale per token (a whole row per tile)."""
+    return not static and groups_p2 == 1 and rotation.is_shared_sylvester(rotation_matrix)
 
 
 def hw_e4m3(device: torch.device) -> bool:
