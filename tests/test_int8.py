@@ -268,7 +268,7 @@ def _signed_permutation(D: int, gen: torch.Generator) -> torch.Tensor:
 
 @needs_triton
 @pytest.mark.parametrize("D,shared,T", [(64, False, 17), (80, False, 17), (128, False, 17), (64, True, 17),
-                                        (128, True, 17), (64, True, 1), (80, True, 1)])
+                                        (128, True, 40), (64, True, 16), (64, True, 1), (80, True, 1)])
 def test_store_kernel_hadamard_rounds_the_rotated_values(D, shared, T, monkeypatch):
     """With a Hadamard R (sums of D products) the kernel rotates in fp32 FMA dots, the reference in a
     float32 matmul: the two round their sums in different orders. Against the float64 rotation both
@@ -277,13 +277,14 @@ def test_store_kernel_hadamard_rounds_the_rotated_values(D, shared, T, monkeypat
     and the scale is amax / 127 of the rotated row within 8 fp32 ulps (the amax of an fp32 sum).
 
     ``shared``: kvcompile.rotation's shared matrix, which the store kernel rotates by itself for a
-    power-of-two D (no rotate_rows launch: refused here), and by a launch for D = 80 (a block-diagonal
-    matrix); a new copy of the matrix is always rotated by the launch. T = 1 is a decode step."""
+    power-of-two D and 16 tokens or more (no rotate_rows launch: counted here), and by a launch for
+    D = 80 (a block-diagonal matrix) or one token (a decode step); a new copy of the matrix is always
+    rotated by the launch."""
     from kvcompile import kernels
     from kvcompile.kernels import store
 
     gen = torch.Generator().manual_seed(9)
-    B, H, L = 2, 2, 24
+    B, H, L = 2, 2, T + 7
     R = rotation.shared(D, DEV) if shared else rotation.hadamard(D, device=DEV)
     launches = []
     orig = store.rotate_rows
@@ -303,7 +304,7 @@ def test_store_kernel_hadamard_rounds_the_rotated_values(D, shared, T, monkeypat
         assert err.max() > 0.45  # many values: some lie near a boundary (the check is not vacuous)
     # V was stored unrotated: its codes are those of -x, not of -x @ R
     assert not torch.equal(vc[:, :, 3:3 + T], kc[:, :, 3:3 + T].neg())
-    assert launches == ([] if shared and D & (D - 1) == 0 else [1])
+    assert launches == ([] if shared and D & (D - 1) == 0 and T >= 16 else [1])
     # both sides rotated (rotate=True): V = -x gives exactly the negated codes of K (the same sums, negated)
     kc2, ks2 = _empty("int8", B, H, L, D)
     vc2, vs2 = _empty("int8", B, H, L, D)
