@@ -23,7 +23,7 @@ from .. import rotation, tiles
 from . import dense, plan as plan_mod
 from ._attention_kernel import _attention_kernel
 from ._merge_kernel import _merge_kernel
-from .common import device_cc, interpreting, kv_len_arg, next_pow2, sm_count
+from .common import device_cc, interpreting, kv_len_arg, next_pow2, rot_scale, sm_count
 from .plan import (DECODE_MAX_Q, MASK_ADD, MASK_BOOL, MASK_NONE, ROT_CHUNK, ROT_MATRIX, ROT_NONE, ROT_SYLVESTER,
                    SCALE_STATIC, scale_bytes, scale_layout)
 from .rotate import rotate_rows
@@ -175,13 +175,13 @@ def _run(p: plan_mod.LaunchPlan, q, k_q, k_scale, v_q, v_scale, kv_len, attn_mas
         o_buf, *o_buf.stride(),
         op, *op_strides,
         lse, *lse_strides,
-        c.Hkv, Tq, D, float(sm_scale), p.split_len, int(c.window), float(softcap), _rot_scale(D), c.L,
+        c.Hkv, Tq, D, float(sm_scale), p.split_len, int(c.window), float(softcap), rot_scale(D), c.L,
         **p.constexprs(), num_warps=t.num_warps, num_stages=t.num_stages, **_FP_FUSION, **_maxnreg(t),
     )
     if splits > 1:
         _merge_kernel[(B * Hq * Tq, triton_cdiv(D, ROT_CHUNK) if r_v is not None else 1)](
             op, *op.stride()[:4], lse, *lse.stride(), out, *out.stride(), kvl, kvl_stride,
-            vs, vs.stride(1), sink_arg, sink_stride, r_v if r_v is not None else q, _rot_scale(D), Hq, Tq, D,
+            vs, vs.stride(1), sink_arg, sink_stride, r_v if r_v is not None else q, rot_scale(D), Hq, Tq, D,
             p.split_len, splits, int(c.window), c.L, GROUP=Hq // c.Hkv, STATIC_SCALE=c.scale_kind == SCALE_STATIC,
             HAS_WINDOW=c.window > 0, HAS_SINKS=sinks is not None, HAS_V_ROT=r_v is not None, ROT_CHUNK=ROT_CHUNK,
             R_SYLVESTER=c.v_rot == ROT_SYLVESTER,
@@ -190,12 +190,6 @@ def _run(p: plan_mod.LaunchPlan, q, k_q, k_scale, v_q, v_scale, kv_len, attn_mas
     elif p.o_rotation == "launch":
         out.copy_(rotate_rows(o_buf, r_v, transpose=True, dtype=out.dtype))
     return out
-
-
-@functools.lru_cache(maxsize=None)
-def _rot_scale(D: int) -> float:
-    """1 / sqrt(D) rounded to float32 (the entries of kvcompile.rotation's matrix for a power-of-two D)."""
-    return torch.tensor(D**-0.5, dtype=torch.float64).float().item()
 
 
 def _maxnreg(tile: tiles.Tile) -> dict:

@@ -49,3 +49,9 @@ def kv_len_arg(kv_len: Tensor, batch: int, device: torch.device) -> tuple[Tensor
     if kvl.numel() != batch:
         raise ValueError(f"kvcompile: kv_len must be [] or [B={batch}], got shape {tuple(kv_len.shape)}")
     return kvl, kvl.stride(0)
+
+
+@functools.lru_cache(maxsize=None)
+def rot_scale(D: int) -> float:
+    """1 / sqrt(D) rounded to float32 (the entries of kvcompile.rotation's matrix for a power-of-two D)."""
+    return torch.tensor(D**-0.5, dtype=torch.float64).float().item()

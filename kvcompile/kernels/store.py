@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .. import formats, rotation, tiles
 from ._store_kernel import _dequantize_kernel, _dequantize_kv_kernel, _store_kv_kernel
-from .common import device_cc, interpreting, kv_len_arg, next_pow2
+from .common import device_cc, interpreting, kv_len_arg, next_pow2, rot_scale
 from .plan import ROT_CHUNK
 from .rotate import rotate_rows
 
@@ -54,8 +54,9 @@ def store_kv(
     share one scale granularity (fp8 and int8 per token; fp8/block32 and q8_0). A rotation ``[D, D]``
     is applied first, float32 accuracy: kvcompile.rotation's shared matrix over token scales in the
     store kernel for 16 tokens or more (:func:`_rotation.hadamard_rows`), any other rotation (and a
-    decode step's) by one more launch (:func:`rotate.rotate_rows`). Either rounds its sums in another order than the reference's
-    matmul, so a value within an fp32 ulp or so of a rounding boundary may get the neighbouring code."""
+    decode step's) by one more launch (:func:`rotate.rotate_rows`). Either rounds its sums in another
+    order than the reference's matmul, so a value within an fp32 ulp or so of a rounding boundary may
+    get the neighbouring code."""
     B, H, T, D = k.shape
     if T == 0:
         return
@@ -96,7 +97,7 @@ def store_kv(
         kc, *kc.stride(), vc, *vc.stride(),
         ks, *ks.stride(), vs, *vs.stride(),
         off, *off_strides,
-        start, H, T, D, shift, ring, D**-0.5,
+        start, H, T, D, shift, ring, rot_scale(D),
         HAS_OFFSET=k_offset is not None, K_CODE=k_code, V_CODE=v_code, STATIC_SCALE=static,
         HW_E4M3=any_fp8 and hw_e4m3(k.device),
         GROUPS_P2=groups_p2, GROUP_SIZE=group_size, BLOCK_T=block_t,
