@@ -207,12 +207,27 @@ def check_config(config) -> None:
     _per_layer_shapes(text)  # raises for layers of different shapes
 
 
+def _kv_heads(cfg, heads: int) -> int:
+    """The kv heads each layer of ``cfg`` hands its cache: ``num_key_value_heads`` where the config has
+    it. Falcon names it ``num_kv_heads`` and caches what its attention computes from it: every query
+    head's K/V in the ``new_decoder_architecture`` (falcon-40b / 180b broadcast their kv heads before
+    the cache), one head with ``multi_query`` (falcon-7b), else ``num_kv_heads``."""
+    kv = getattr(cfg, "num_key_value_heads", None)
+    if kv:
+        return kv
+    if getattr(cfg, "new_decoder_architecture", False):
+        return heads
+    if getattr(cfg, "multi_query", False):
+        return 1
+    return getattr(cfg, "num_kv_heads", None) or heads
+
+
 def _per_layer_shapes(text) -> tuple[int, int]:
     name = type(text).__name__
     shapes = []
     for cfg in _layer_configs(text):
         heads = cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        kv_heads = _kv_heads(cfg, heads)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         v_head_dim = getattr(cfg, "v_head_dim", None)
         if v_head_dim is not None and v_head_dim != head_dim:

@@ -157,4 +157,12 @@ def shard_to_local_heads(layer, local_heads: int) -> None:
     of the layer's ``num_heads``; fewer means tensor parallelism (``kv_heads / local_heads`` ranks)."""
     if layer.is_initialized or local_heads == layer.num_heads:
         return
+    dist = torch.distributed
+    if local_heads < layer.num_heads and not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            f"kvcompile.QuantizedCache: layer {layer.layer_idx} got K/V of {local_heads} kv heads, but the cache was "
+            f"built for {layer.num_heads}, and this process is not tensor-parallel (torch.distributed is not "
+            "initialized): the config the cache was built from does not describe this model's attention; build it "
+            "from the model's own config (QuantizedCache(model.config, ...))"
+        )
     shard_layer(layer, shard_for_local_heads(layer.num_heads, local_heads, layer.layer_idx))

@@ -56,6 +56,32 @@ def test_layer_shapes_are_what_the_model_writes(row):
     assert layers == len(cache.layers) and written == {(kv_heads, head_dim)}
 
 
+_FALCON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, pad_token_id=0,
+               bos_token_id=1, eos_token_id=2)
+
+
+@pytest.mark.parametrize("variant, heads", [(dict(), 1), (dict(multi_query=False), 4),
+                                            (dict(new_decoder_architecture=True, num_kv_heads=2), 4)],
+                         ids=["multi_query", "mha", "new_decoder"])
+def test_falcon_kv_heads_are_what_the_model_writes(variant, heads):
+    """Falcon names its kv heads num_kv_heads and caches one head (falcon-7b's multi_query) or every
+    query head (the new decoder broadcasts its kv heads first): the cache allocates what the model
+    writes, and the first update fits it (a mismatch would read as tensor parallelism)."""
+    cfg = transformers.FalconConfig(**_FALCON, **variant)
+    model = transformers.FalconForCausalLM(cfg).eval()
+    ids = torch.tensor([[3, 4, 5]])
+    ref = transformers.DynamicCache(config=cfg)
+    with torch.no_grad():
+        model(input_ids=ids, **{cache_kwarg(model): ref})
+    _, kv_heads, head_dim = hf.layer_shapes(cfg)
+    assert {(layer.keys.shape[1], layer.keys.shape[3]) for layer in ref.layers} == {(kv_heads, head_dim)}
+    assert kv_heads == heads
+    cache = kvcompile.QuantizedCache(cfg, max_cache_len=8, kv_dtype="fp8_e4m3")
+    with torch.no_grad():
+        model(input_ids=ids, **{cache_kwarg(model): cache})
+    assert cache.layers[0].k_codes.shape == (1, kv_heads, 8, head_dim)
+
+
 def test_qwen2_window_follows_use_sliding_window_and_max_window_layers():
     cfg = lambda **kw: tiny_config("qwen2", num_hidden_layers=4, sliding_window=8, **kw)  # noqa: E731
     assert hf.layer_windows(cfg()) == [0, 0, 0, 0]  # the window Qwen2 carries by default is off

@@ -170,6 +170,15 @@ def test_without_tp_size_the_first_update_sets_the_local_heads(monkeypatch):
     torch.testing.assert_close(out_k[:, :, :3], k, atol=0.05, rtol=0.05)
 
 
+def test_fewer_heads_in_one_process_names_the_config_not_tensor_parallelism():
+    """Outside torch.distributed, a first update with fewer kv heads than the config says is a config
+    that does not describe the model (not a rank's shard): the message says so and names the fix."""
+    cache = kvcompile.QuantizedCache(tiny_config("llama"), max_cache_len=8)  # 2 kv heads, allocated lazily
+    k = torch.randn(1, 1, 3, 32)
+    with pytest.raises(ValueError, match=r"got K/V of 1 kv heads, but the cache was built for 2.*QuantizedCache\(model.config"):
+        cache.update(k, k.clone(), 0)
+
+
 def test_an_eagerly_allocated_cache_names_tp_size_when_a_rank_writes_fewer_heads():
     cache = kvcompile.QuantizedCache(tiny_config("llama"), max_cache_len=8, device="cpu")
     k = torch.randn(1, 1, 3, 32)
