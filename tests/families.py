@@ -70,6 +70,10 @@ ROWS: list[Row] = [
         no_window=dict(sliding_window=None), real=dict(num_hidden_layers=32, sliding_window=4096)),
     Row("mixtral", "mixtral", "Mixtral", "Mixtral-8x7B-v0.1", {}, real=dict(num_hidden_layers=32, sliding_window=None)),
     Row("qwen3_moe", "qwen3_moe", "Qwen3-MoE", "Qwen3-30B-A3B", {}, real=dict(num_hidden_layers=48)),
+    Row("gpt2", "gpt2", "GPT-2", "gpt2", {}, real=dict(n_layer=12)),
+    Row("gptj", "gptj", "GPT-J", "gpt-j-6b", {}, real=dict(n_layer=28), note="scores in float32"),
+    Row("falcon", "falcon", "Falcon", "falcon-7b", {}, real=dict(num_hidden_layers=32, num_attention_heads=71,
+                                                                 hidden_size=4544), note="one kv head (multi-query)"),
 ]
 
 

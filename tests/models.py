@@ -71,6 +71,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
     # Qwen3-30B-A3B: hidden 2048, 48 layers, 32 q / 4 kv heads, head_dim 128, 128 experts top-8
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)),
+    # GPT-2 (124M): hidden 768, 12 layers, 12 heads (MHA), learned positions, Conv1D projections;
+    # eager attention casts P with .type(). No num_key_value_heads in its config: BASE's is dropped
+    "gpt2": ("GPT2Config", dict(num_key_value_heads=None)),
+    # GPT-J-6B: hidden 4096, 28 layers, 16 heads (MHA), rotary on 64 of 256 dims; eager scores in float32
+    # from query.to(float32) / key.to(float32)
+    "gptj": ("GPTJConfig", dict(num_key_value_heads=None, rotary_dim=16)),
+    # falcon-7b: hidden 4544, 32 layers, 71 q heads over one kv head (multi_query, broadcast without
+    # enable_gqa); its config names kv heads num_kv_heads; eager divides the scores in place
+    "falcon": ("FalconConfig", dict(num_key_value_heads=None)),
 }
 
 

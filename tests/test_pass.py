@@ -133,6 +133,17 @@ def _eager(q, k, v, mask, scaling, dropout_first=False):
     return torch.matmul(p, v)
 
 
+def _eager_fp32_scores(q, k, v, mask, scaling, cast="to"):
+    """GPT-J / CodeGen (transformers 5): scores in float32 from ``query.to(float32)`` and
+    ``key.to(float32)``, P cast back to V's dtype (``.type`` in GPT-2's spelling)."""
+    s = torch.matmul(q.to(torch.float32), k.to(torch.float32).transpose(2, 3)) * scaling
+    if mask is not None:
+        s = s + mask
+    p = F.softmax(s, dim=-1)
+    p = p.type(v.dtype) if cast == "type" else p.to(v.dtype)
+    return torch.matmul(p, v)
+
+
 SPELLINGS = {
     # name: (kv heads, attention(q, k, v, mask_bool, mask_add) -> out, uses which mask, rewritten?)
     "sdpa_gqa_nomask": (2, lambda q, k, v, mb, ma: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), None),
@@ -149,6 +160,7 @@ SPELLINGS = {
     "eager_gqa_additive": (2, lambda q, k, v, mb, ma: _eager(q, _repeat_kv(k, 2), _repeat_kv(v, 2), ma, 0.2), "add"),
     "eager_dropout_first": (1, lambda q, k, v, mb, ma: _eager(
         q, k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1), ma, 0.2, dropout_first=True), "add"),
+    "eager_gpt2_type": (4, lambda q, k, v, mb, ma: _eager_fp32_scores(q, k, v, ma, 0.2, cast="type"), "add"),
 }
 
 
@@ -241,6 +253,8 @@ TABLE_CASES = {
     # two K/V copies go, the pass adds one for q
     "contiguous": (2, lambda q, k, v, mb, ma: F.scaled_dot_product_attention(
         q, k.contiguous(), v.contiguous(), attn_mask=mb, enable_gqa=True), "contiguous", 1),
+    # GPT-J's key.to(float32) goes with its P.to(V's dtype); q's own cast stays (an fp32 query)
+    "cast": (2, lambda q, k, v, mb, ma: _eager_fp32_scores(q, _repeat_kv(k, 2), _repeat_kv(v, 2), ma, 0.2), "cast", 2),
 }
 
 
@@ -263,6 +277,31 @@ def test_spelling_table_entry_fires(entry):
         assert after["kv_attention"] == 1 and after["dequantize"] == after["sdpa"] == after["softmax"] == 0
     for e, g in zip(expected, got):
         torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
+
+
+def test_a_16_bit_query_upcast_for_its_scores_reaches_the_op_as_it_is():
+    """GPT-J / CodeGen in bf16: the op takes the bf16 query, not its float32 copy (the kernels' 16-bit
+    dots accumulate in float32), and answers in V's dtype as the site did; the result equals the
+    eager graph's within bf16 rounding of its output (2^-8 relative, P rounded to bf16 there too)."""
+    fresh_dynamo()
+    torch.manual_seed(0)
+    attention = lambda q, k, v, mb, ma: _eager_fp32_scores(q, k, v, ma, D ** -0.5)  # noqa: E731
+    mod, backend = OneLayer(attention, 4), PassOnly("fp8_e4m3")
+    compiled = torch.compile(mod, backend=backend, fullgraph=True)
+    q, k, v = (torch.randn(B, 4, 5, D, dtype=torch.bfloat16) for _ in range(3))
+    mb, ma = _masks(5, 0)
+    outs = []
+    for fn in (mod, compiled):
+        cache = kvcompile.QuantizedCache(_Cfg(4), max_batch_size=B, max_cache_len=L, kv_dtype="fp8_e4m3", device="cpu")
+        outs.append(fn(q, k, v, cache, mb, ma.to(torch.bfloat16)))
+    (_, after, report), = backend.graphs
+    assert report.rewritten == 1 and after["kv_attention"] == 1
+    (args,), = backend.calls
+    q_op = args[0].args[0]  # the op's query, through the contiguous the pass adds
+    assert q_op.meta["example_value"].dtype == torch.bfloat16 and q_op.op == "placeholder"
+    real = mb.any(-1, keepdim=True).expand_as(outs[0])
+    assert outs[1].dtype == outs[0].dtype == torch.bfloat16
+    torch.testing.assert_close(outs[1][real].float(), outs[0][real].float(), atol=2e-2, rtol=2e-2)
 
 
 def test_slice_sets_the_length_bound():

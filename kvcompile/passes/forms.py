@@ -8,8 +8,9 @@ something the op does not). ``softcap`` and ``sinks`` are stages of the eager ch
 * ``sdpa``: ``F.scaled_dot_product_attention(q, K, V, attn_mask, dropout_p, is_causal, scale,
   enable_gqa)``, positional or keyword;
 * ``eager``: ``matmul(q, K.transpose(2, 3))`` [``* s`` or ``/ s``] [softcap] [``+ mask``] ->
-  ``softmax(dim=-1[, dtype])`` [``.to(q.dtype)`` / ``dropout`` in either order] ->
-  ``matmul(P, V)`` (Llama's ``eager_attention_forward`` and its copies);
+  ``softmax(dim=-1[, dtype])`` [a cast to V's dtype (``.to`` / ``.type``) / ``dropout`` in either
+  order] -> ``matmul(P, V)`` (Llama's ``eager_attention_forward`` and its copies; GPT-2's ``.type``,
+  GPT-J's and CodeGen's scores in float32 from ``query.to(torch.float32)``);
 * ``softcap`` (Gemma 2): ``scores / c -> tanh -> * c`` right after the scaling, before the mask;
 * ``sinks`` (gpt-oss): in place of the softmax, ``cat([scores, sink column], dim=-1)``
   [``- max(dim=-1, keepdim=True)``] ``-> softmax -> [..., :-1]``, the column a ``[Hq]`` tensor
@@ -32,8 +33,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .graph import (
-    ADD, DIV, MATMUL, MUL, SUB, Skip, arg, constant, describe, is_call, known_eq, only_user, scalar_operand, shape,
-    val, value_users,
+    ADD, DIV, MATMUL, MUL, SUB, Skip, arg, cast_dtype, constant, describe, is_call, known_eq, only_user,
+    scalar_operand, shape, val, value_users,
 )
 from .spellings import KVChain, index_entries, is_full
 
@@ -206,13 +207,14 @@ def _check_softmax(node: fx.Node, call: AttentionCall) -> None:
 
 
 def _cast_and_dropout(p: fx.Node, call: AttentionCall) -> fx.Node:
-    """``.to(q.dtype)`` and inference dropout, each at most once, in either order."""
+    """A cast (``.to(dtype)``, ``.type(dtype)``) and inference dropout, each at most once, in either order.
+    The op keeps its probabilities in float32 whatever the cast; the site's output dtype is kept
+    (:func:`kvcompile.passes.rewrite.emit`)."""
     seen = set()
     while True:
         nxt = only_user(p, "the attention probabilities")
-        if nxt.op == "call_method" and nxt.target == "to" and "to" not in seen:
-            dtype = nxt.args[1] if len(nxt.args) == 2 and not nxt.kwargs else nxt.kwargs.get("dtype")
-            if len(nxt.args) + len(nxt.kwargs) != 2 or not isinstance(dtype, torch.dtype):
+        if nxt.op == "call_method" and nxt.target in ("to", "type") and "to" not in seen:
+            if cast_dtype(nxt, p) is None:
                 raise Skip(f"the attention probabilities are converted with {describe(nxt)}{nxt.args[1:]}")
             seen.add("to")
         elif is_call(nxt, *DROPOUT) and "dropout" not in seen:
@@ -229,9 +231,6 @@ def _cast_and_dropout(p: fx.Node, call: AttentionCall) -> fx.Node:
             break
         call.nodes.append(nxt)
         p = nxt
-    q, pv = val(call.q), val(p)
-    if isinstance(q, torch.Tensor) and isinstance(pv, torch.Tensor) and pv.dtype != q.dtype:
-        raise Skip(f"the attention probabilities are {pv.dtype}, the query {q.dtype}")
     return p
 
 

@@ -82,6 +82,25 @@ def is_call(node: Any, *targets: Any) -> bool:
     return False
 
 
+_CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
+
+
+def cast_dtype(node: Any, x: Any = None) -> Optional[torch.dtype]:
+    """The floating dtype ``node`` converts its input to when it is a plain cast (``x.to(dtype)``,
+    ``x.type(dtype)``, ``x.float()`` / ``.half()`` / ``.bfloat16()`` / ``.double()``) of ``x`` (any input
+    when None); None for any other node, or a cast that also moves, copies or reads another tensor."""
+    if not (isinstance(node, fx.Node) and node.op == "call_method" and node.args and (x is None or node.args[0] is x)):
+        return None
+    if node.target in _CAST_METHODS:
+        return _CAST_METHODS[node.target] if len(node.args) == 1 and not node.kwargs else None
+    if node.target not in ("to", "type"):
+        return None
+    dtype = node.args[1] if len(node.args) == 2 and not node.kwargs else None
+    if len(node.args) == 1 and set(node.kwargs) == {"dtype"}:
+        dtype = node.kwargs["dtype"]
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
 def is_shape_query(user: fx.Node, of: fx.Node) -> bool:
     """``x.size()``, ``x.dim()``, ``x.stride()`` or ``aten.sym_size(x, d)``: reads metadata of ``of`` only."""
     if user.op == "call_method" and user.target in SHAPE_METHODS and user.args and user.args[0] is of:
@@ -127,10 +146,12 @@ def _is_tensor(x: Any) -> bool:
     return isinstance(val(x), torch.Tensor)
 
 
-MUL = (operator.mul, torch.mul)
-DIV = (operator.truediv, torch.div)
-ADD = (operator.add, torch.add)
-SUB = (operator.sub, torch.sub)
+# in-place spellings too (Falcon's ``scores /= sqrt(d)``): the forms accept them only on an intermediate
+# with one reader, where they compute what the out-of-place op does
+MUL = (operator.mul, torch.mul, operator.imul)
+DIV = (operator.truediv, torch.div, operator.itruediv)
+ADD = (operator.add, torch.add, operator.iadd)
+SUB = (operator.sub, torch.sub, operator.isub)
 
 
 def before(a: fx.Node, b: fx.Node) -> bool:

@@ -43,7 +43,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .forms import AttentionCall
-from .graph import Skip, arg, before, constant, copy_meta, known_eq, known_le, shape, val
+from .graph import Skip, arg, before, cast_dtype, constant, copy_meta, known_eq, known_le, shape, val
 from .spellings import KVChain
 
 ATTENTION = torch.ops.kvcompile.attention.default
@@ -57,8 +57,12 @@ def plan(call: AttentionCall, k: KVChain, v: KVChain) -> dict:
     kc, vc = shape(k.source.codes), shape(v.source.codes)
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or kc is None or len(kc) != 4:
         raise Skip("query is not a 4-D tensor" if kc is not None else "the cache codes have no shape")
-    if k.source.dtype != q.dtype or v.source.dtype != q.dtype:
-        raise Skip(f"K/V dequantized to {k.source.dtype}/{v.source.dtype} but the query is {q.dtype}")
+    kv_dtypes = [getattr(val(c.end), "dtype", None) for c in (k, v)]
+    out = val(call.anchor)
+    if kv_dtypes[0] != q.dtype or call.form.startswith("sdpa") and kv_dtypes[1] != q.dtype:
+        raise Skip(f"attention reads K/V as {kv_dtypes[0]}/{kv_dtypes[1]} but the query is {q.dtype}")
+    if not (isinstance(out, torch.Tensor) and out.dtype.is_floating_point):
+        raise Skip(f"the attention output is {getattr(out, 'dtype', out)}")
     if vc is None or len(vc) != 4 or not all(known_eq(a, b) for a, b in zip(kc, vc)):
         raise Skip(f"K and V caches differ in shape ({kc} vs {vc})")
     if not known_eq(q.shape[3], kc[3]):
@@ -74,7 +78,8 @@ def plan(call: AttentionCall, k: KVChain, v: KVChain) -> dict:
     if k.repeat != v.repeat:
         raise Skip(f"K repeated {k.repeat}x but V {v.repeat}x")
     heads, hq = kc[1] * k.repeat, q.shape[1]
-    if not (known_eq(hq % heads, 0) if call.enable_gqa else known_eq(hq, heads)):
+    # one kv head broadcasts over every query head, in SDPA and in matmul alike (Falcon's multi-query)
+    if not (known_eq(hq % heads, 0) if call.enable_gqa or known_eq(heads, 1) else known_eq(hq, heads)):
         raise Skip(f"{hq} query heads over {heads} key heads (enable_gqa={call.enable_gqa})")
 
     if k.source.ring != v.source.ring:
@@ -92,10 +97,23 @@ def plan(call: AttentionCall, k: KVChain, v: KVChain) -> dict:
         "mask": _mask(call.mask, n, L, sliced),
         "kv_len": _length(call, k, q.shape[2], n, L, sliced),
         "window": windows[0],
+        "q": _query(call.q),
+        "out_dtype": out.dtype,
     }
     if k.source.ring:
         found["store"] = _ring_store(k, v, call.anchor)
     return found
+
+
+def _query(q: fx.Node) -> fx.Node:
+    """The query the op takes: ``q``, or a 16-bit query that ``q`` only upcasts to float32 (GPT-J's and
+    CodeGen's ``query.to(torch.float32)``, which keeps their scores from overflowing in 16 bits). The op
+    accumulates its scores in float32 from 16-bit operands exactly (the kernels scale a query beyond
+    fp16's range), so the 16-bit query gives the float32 scores without the float32 dots' cost."""
+    src = q.args[0] if cast_dtype(q) == torch.float32 and len(q.users) == 1 else None
+    if isinstance(src, fx.Node) and getattr(val(src), "dtype", None) in (torch.float16, torch.bfloat16):
+        return src
+    return q
 
 
 def _ring_store(k: KVChain, v: KVChain, anchor: fx.Node) -> fx.Node:
@@ -196,11 +214,11 @@ def emit(call: AttentionCall, k: KVChain, v: KVChain, p: dict) -> fx.Node:
     """Insert the op before the anchor; returns the node replacing it."""
     graph = call.anchor.graph
     with graph.inserting_before(call.anchor):
-        q = call.q
+        q = p["q"]
         # contiguous q: the op's fake returns empty_like(q) (q's strides) while kernels write a dense
         # [B, Hq, Tq, D] output; HF's q is a transposed view. Free when already dense.
         q = graph.call_method("contiguous", (q,))
-        copy_meta(q, call.q, ("nn_module_stack", "stack_trace"))
+        copy_meta(q, p["q"], ("nn_module_stack", "stack_trace"))
         kv_len = p["kv_len"]
         if isinstance(kv_len, tuple):
             _, length, bound = kv_len
@@ -224,6 +242,11 @@ def emit(call: AttentionCall, k: KVChain, v: KVChain, p: dict) -> fx.Node:
                 q, k.source.codes, k.source.scale, v.source.codes, v.source.scale, kv_len, mask, call.is_causal,
                 call.scale, p["window"], float(call.softcap), call.sinks, k.source.rotation, v.source.rotation,
             ))
+        if getattr(val(p["q"]), "dtype", None) != p["out_dtype"]:
+            # the op answers in its query's dtype; the site answered in V's (GPT-J: float32 scores, P cast
+            # to V's dtype before P @ V)
+            copy_meta(out, p["q"], ("nn_module_stack", "stack_trace"))
+            out = graph.call_method("to", (out, p["out_dtype"]))
         copy_meta(out, call.anchor)
     call.anchor.replace_all_uses_with(out)
     if "store" in p:

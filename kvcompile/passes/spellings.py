@@ -17,6 +17,9 @@ entry                       graph                                               
 ``slice``                   ``x[:, :, :n]`` / ``x[..., :n, :]`` (start 0, step  only the first n
                             1, every other dim whole)                           keys exist
 ``contiguous``              ``x.contiguous()``                                  nothing
+``cast``                    ``x.to(dtype)`` / ``x.type(dtype)`` / ``x.float()``  the dtype attention
+                            (a floating dtype, nothing else moved or copied)    reads (the op works
+                                                                                from the codes)
 ==========================  ==================================================  =================
 
 Every step is proven from the node's arguments *and* its input/output shapes (fake tensors in
@@ -35,7 +38,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-from .graph import Skip, arg, describe, is_shape_query, known_eq, known_le, shape, val, value_users
+from .graph import Skip, arg, cast_dtype, describe, is_shape_query, known_eq, known_le, shape, val, value_users
 
 DEQUANTIZE = torch.ops.kvcompile.dequantize.default
 # a sliding layer's ring (kvcompile.ring): the same first seven arguments, then the new tokens and
@@ -206,6 +209,12 @@ def match_contiguous(user: fx.Node, x: fx.Node) -> Optional[Step]:
     return None
 
 
+def match_cast(user: fx.Node, x: fx.Node) -> Optional[Step]:
+    """GPT-J / CodeGen read K as ``key.to(torch.float32)``: a cast changes only the dtype the attention
+    reads, which the forms check against the query's."""
+    return Step((user,)) if cast_dtype(user, x) is not None else None
+
+
 def _single(node: fx.Node, what: str) -> fx.Node:
     users = value_users(node)
     if len(users) != 1:
@@ -223,6 +232,7 @@ KV_SPELLINGS: dict[str, Spelling] = {
         Spelling("torch.repeat_interleave", "kv heads repeated n times (function)", match_repeat_interleave_function),
         Spelling("slice", "only the first n keys: the op's length is min(kv_len, n)", match_slice),
         Spelling("contiguous", "nothing (a copy)", match_contiguous),
+        Spelling("cast", "the dtype attention reads (to / type / float / half / bfloat16)", match_cast),
     )
 }
 
