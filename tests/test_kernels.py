@@ -304,6 +304,14 @@ def test_attention_gqa(group, Tq, v_layout):
     check_attention("fp8_e4m3", "token", Hkv=2, group=group, Tq=Tq, causal=Tq > 1, L=33, B=1, v_layout=v_layout)
 
 
+@pytest.mark.parametrize("group", [48, 71])
+@pytest.mark.parametrize("Tq", [1, 3])
+def test_attention_multi_query_large_groups(group, Tq):
+    """One kv head under many query heads (StarCoder's 48, falcon-7b's 71, odd): the rows of a decode
+    program span several row blocks, the last one partial."""
+    check_attention("fp8_e4m3", "token", Hkv=1, group=group, Tq=Tq, causal=Tq > 1, L=33, B=1, v_layout="keys")
+
+
 def test_v_keys_contiguous_needs_room_for_16_key_chunks():
     """The kernel reads key-contiguous V in whole 16-key chunks: only storage that extends to the
     16-rounded length qualifies; anything else takes the generic path (still correct)."""
