@@ -154,3 +154,23 @@ def test_generate_without_mask(through):
         r == {"found": layers, "rewritten": layers, "skipped": [], "kv_dtype": kv_dtype} for r in reports), reports
     if through == "pass":
         assert "slice" in next(iter(backend.graphs[0][2].patterns))
+
+
+def test_flex_attention_is_left_alone_with_the_fix_named():
+    """attn_implementation='flex_attention' is no form the pass rewrites: the graph runs as it was
+    (logits equal the uncompiled model's over the same cache format) and the report's reason says
+    which implementations kvcompile's kernels serve."""
+    fresh_dynamo()
+    model, kv_dtype, cache_kw = _model("llama", "flex_attention")
+    ids = torch.randint(3, VOCAB, (1, 7))
+    backend = PassOnly(kv_dtype)
+    compiled = torch.compile(model.forward, backend=backend)
+    outs = []
+    with torch.no_grad():
+        for fn in (model.forward, compiled):
+            cache = kvcompile.QuantizedCache(model.config, max_batch_size=1, max_cache_len=MAX_LEN, kv_dtype=kv_dtype)
+            outs.append(fn(input_ids=ids, **{cache_kw: cache}).logits)
+    torch.testing.assert_close(outs[1], outs[0], atol=ATOL, rtol=RTOL)
+    reports = [report for _, after, report in backend.graphs if report.found]
+    assert sum(r.found for r in reports) == 2 and all(r.rewritten == 0 for r in reports)
+    assert all("attn_implementation='sdpa'" in reason for r in reports for _, reason in r.skipped)

@@ -176,7 +176,11 @@ class KVAttentionPass(CustomGraphPass):
                 if call is not None:
                     return self._rewrite(call, first, second)
         consumers = ", ".join(f"{describe(c.consumer)} ({c.consumer.name})" for c in chains)
-        raise Skip(f"attention form not recognised (the dequantized K/V feed {consumers})")
+        hint = ""
+        if any("flex_attention" in describe(c.consumer) for c in chains):
+            hint = ("; kvcompile rewrites SDPA and eager attention: load the model with attn_implementation='sdpa' "
+                    "(or 'eager') to run its kernels")
+        raise Skip(f"attention form not recognised (the dequantized K/V feed {consumers}){hint}")
 
     def _rewrite(self, call: forms.AttentionCall, k: KVChain, v: KVChain) -> str:
         self._check_format(k.source.node, "k")
