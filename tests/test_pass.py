@@ -474,6 +474,33 @@ def test_tables_are_explicit_and_uuid_is_stable():
     assert a.uuid() == b.uuid() != c.uuid()
 
 
+def _eager_in_place(q, k, v, ma, into_mask):
+    """Falcon's ``scores /= sqrt(d)``; with ``into_mask``, the scores added into the mask in place."""
+    s = torch.matmul(q, k.transpose(2, 3))
+    s /= D ** 0.5
+    if into_mask:
+        m = ma.expand(-1, HQ, -1, -1).clone()
+        m += s
+        s = m
+    else:
+        s += ma
+    return torch.matmul(F.softmax(s, dim=-1), v)
+
+
+@pytest.mark.parametrize("into_mask", [False, True], ids=["scores", "into-mask"])
+def test_in_place_score_ops(into_mask):
+    """In-place scaling and masking of the scores are the out-of-place ops on an intermediate with one
+    reader: rewritten. Scores added into the mask in place (the mask is the one mutated) are left alone."""
+    (expected, got), backend = _run_one_layer(lambda q, k, v, mb, ma: _eager_in_place(q, k, v, ma, into_mask), 4)
+    for _, after, report in backend.graphs:
+        if into_mask:
+            assert report.rewritten == 0 and "in place" in report.skipped[0][1], report.skipped
+        else:
+            assert (report.found, report.rewritten) == (1, 1) and after["kv_attention"] == 1
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
+
+
 def test_no_cache_graph_is_untouched():
     fresh_dynamo()
     backend = PassOnly("fp8_e4m3")

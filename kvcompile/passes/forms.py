@@ -181,6 +181,8 @@ def _mask(x: fx.Node, call: AttentionCall) -> fx.Node:
     nxt = only_user(x, "the attention scores")
     if not (is_call(nxt, *ADD) and len(nxt.args) == 2 and not nxt.kwargs and x in nxt.args):
         return x
+    if nxt.target is operator.iadd and nxt.args[0] is not x:
+        raise Skip("the attention scores are added into the mask in place (mask += scores), which the op would not do")
     other = nxt.args[1] if nxt.args[0] is x else nxt.args[0]
     if not isinstance(val(other), torch.Tensor):
         raise Skip(f"the attention scores are shifted by {other!r}, not by a mask tensor")

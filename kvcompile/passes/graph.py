@@ -82,13 +82,14 @@ def is_call(node: Any, *targets: Any) -> bool:
     return False
 
 
-_CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
+_CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
+_CAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the query dtypes the op serves
 
 
 def cast_dtype(node: Any, x: Any = None) -> Optional[torch.dtype]:
-    """The floating dtype ``node`` converts its input to when it is a plain cast (``x.to(dtype)``,
-    ``x.type(dtype)``, ``x.float()`` / ``.half()`` / ``.bfloat16()`` / ``.double()``) of ``x`` (any input
-    when None); None for any other node, or a cast that also moves, copies or reads another tensor."""
+    """The dtype ``node`` converts its input to when it is a plain cast (``x.to(dtype)``, ``x.type(dtype)``,
+    ``x.float()`` / ``.half()`` / ``.bfloat16()``) of ``x`` (any input when None) to float32, float16 or
+    bfloat16; None for any other node, or a cast that also moves, copies or reads another tensor."""
     if not (isinstance(node, fx.Node) and node.op == "call_method" and node.args and (x is None or node.args[0] is x)):
         return None
     if node.target in _CAST_METHODS:
@@ -98,7 +99,7 @@ def cast_dtype(node: Any, x: Any = None) -> Optional[torch.dtype]:
     dtype = node.args[1] if len(node.args) == 2 and not node.kwargs else None
     if len(node.args) == 1 and set(node.kwargs) == {"dtype"}:
         dtype = node.kwargs["dtype"]
-    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+    return dtype if dtype in _CAST_DTYPES else None
 
 
 def is_shape_query(user: fx.Node, of: fx.Node) -> bool:

@@ -17,8 +17,8 @@ entry                       graph                                               
 ``slice``                   ``x[:, :, :n]`` / ``x[..., :n, :]`` (start 0, step  only the first n
                             1, every other dim whole)                           keys exist
 ``contiguous``              ``x.contiguous()``                                  nothing
-``cast``                    ``x.to(dtype)`` / ``x.type(dtype)`` / ``x.float()``  the dtype attention
-                            (a floating dtype, nothing else moved or copied)    reads (the op works
+``cast``                    ``x.to(dtype)``, ``x.type(dtype)``, ``x.float()``   the dtype attention
+                            (fp32, fp16, bf16; nothing moved or copied)         reads (the op works
                                                                                 from the codes)
 ==========================  ==================================================  =================
 
