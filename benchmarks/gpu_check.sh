@@ -36,10 +36,11 @@ if want tests; then
     echo "gpu tests: $(tail -1 "$OUT/gpu_tests.log")"
 fi
 
-# 2. decode under CUDA graphs: replay == non-graph compiled code, no re-capture, no recompile
+# 2. decode under CUDA graphs: replay == non-graph compiled code, no re-capture, no recompile; whole
+#    models whose attention the pass reaches through less common spellings (GPT-J, Falcon, GPT-2)
 if want graphs; then
-    timeout 200 python -m pytest -q tests/test_cudagraphs.py > "$OUT/cudagraphs.log" 2>&1
-    echo "cudagraph tests: $(tail -1 "$OUT/cudagraphs.log")"
+    timeout 400 python -m pytest -q tests/test_cudagraphs.py tests/test_gpu_families.py > "$OUT/cudagraphs.log" 2>&1
+    echo "cudagraph and model tests: $(tail -1 "$OUT/cudagraphs.log")"
 fi
 
 # 3. end-to-end decode step, the issue's two target points, default formats (fp8 = token scales)
