@@ -209,9 +209,10 @@ def check_config(config) -> None:
 
 def _kv_heads(cfg, heads: int) -> int:
     """The kv heads each layer of ``cfg`` hands its cache: ``num_key_value_heads`` where the config has
-    it. Falcon names it ``num_kv_heads`` and caches what its attention computes from it: every query
-    head's K/V in the ``new_decoder_architecture`` (falcon-40b / 180b broadcast their kv heads before
-    the cache), one head with ``multi_query`` (falcon-7b), else ``num_kv_heads``."""
+    it. Falcon's config has it from transformers 5.25 on; before, it names them ``num_kv_heads`` and the
+    cache gets what the attention computes from it: every query head's K/V in the
+    ``new_decoder_architecture`` (falcon-40b / 180b broadcast their kv heads before the cache), one
+    head with ``multi_query`` (falcon-7b), else ``num_kv_heads``."""
     kv = getattr(cfg, "num_key_value_heads", None)
     if kv:
         return kv

@@ -60,13 +60,15 @@ _FALCON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention
                bos_token_id=1, eos_token_id=2)
 
 
+# the new decoder's cached heads depend on the transformers version (5.17-5.24 broadcast the kv heads to
+# every query head before the cache; 5.25 caches num_kv_heads): only "what the model writes" is checked
 @pytest.mark.parametrize("variant, heads", [(dict(), 1), (dict(multi_query=False), 4),
-                                            (dict(new_decoder_architecture=True, num_kv_heads=2), 4)],
+                                            (dict(new_decoder_architecture=True, num_kv_heads=2), None)],
                          ids=["multi_query", "mha", "new_decoder"])
 def test_falcon_kv_heads_are_what_the_model_writes(variant, heads):
-    """Falcon names its kv heads num_kv_heads and caches one head (falcon-7b's multi_query) or every
-    query head (the new decoder broadcasts its kv heads first): the cache allocates what the model
-    writes, and the first update fits it (a mismatch would read as tensor parallelism)."""
+    """Falcon names its kv heads num_kv_heads and caches one head with falcon-7b's multi_query: the
+    cache allocates what the model writes, and the first update fits it (a mismatch would read as
+    tensor parallelism)."""
     cfg = transformers.FalconConfig(**_FALCON, **variant)
     model = transformers.FalconForCausalLM(cfg).eval()
     ids = torch.tensor([[3, 4, 5]])
@@ -75,7 +77,7 @@ def test_falcon_kv_heads_are_what_the_model_writes(variant, heads):
         model(input_ids=ids, **{cache_kwarg(model): ref})
     _, kv_heads, head_dim = hf.layer_shapes(cfg)
     assert {(layer.keys.shape[1], layer.keys.shape[3]) for layer in ref.layers} == {(kv_heads, head_dim)}
-    assert kv_heads == heads
+    assert heads is None or kv_heads == heads
     cache = kvcompile.QuantizedCache(cfg, max_cache_len=8, kv_dtype="fp8_e4m3")
     with torch.no_grad():
         model(input_ids=ids, **{cache_kwarg(model): cache})
