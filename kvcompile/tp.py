@@ -42,9 +42,14 @@ class TPShard:
         return slice(self.rank * self.local_heads, (self.rank + 1) * self.local_heads)
 
 
+def _distributed() -> bool:
+    """Whether this process runs under an initialized torch.distributed (a tensor-parallel rank can)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def _tp_rank(tp_size: int) -> int:
     dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _distributed():
         raise ValueError(
             f"kvcompile.QuantizedCache: tp_size={tp_size}, but torch.distributed is not initialized in this "
             "process; run under torchrun and load the model with from_pretrained(..., tp_plan='auto') first "
@@ -157,8 +162,7 @@ def shard_to_local_heads(layer, local_heads: int) -> None:
     of the layer's ``num_heads``; fewer means tensor parallelism (``kv_heads / local_heads`` ranks)."""
     if layer.is_initialized or local_heads == layer.num_heads:
         return
-    dist = torch.distributed
-    if local_heads < layer.num_heads and not (dist.is_available() and dist.is_initialized()):
+    if local_heads < layer.num_heads and not _distributed():
         raise ValueError(
             f"kvcompile.QuantizedCache: layer {layer.layer_idx} got K/V of {local_heads} kv heads, but the cache was "
             f"built for {layer.num_heads}, and this process is not tensor-parallel (torch.distributed is not "

@@ -22,7 +22,7 @@ SHAPES = {  # per layer: falcon-7b's heads and head_dim; GPT-J's and GPT-2's hea
 }
 
 
-# GPT-J's float32 scores are its eager attention (transformers before 5.2x has no SDPA path for it)
+# GPT-J's float32 scores are its eager attention (the device's transformers 5.17 has no SDPA path for it)
 CASES = [("falcon", "sdpa"), ("falcon", "eager"), ("gptj", "eager"), ("gpt2", "sdpa"), ("gpt2", "eager")]
 
 

@@ -279,13 +279,25 @@ def test_spelling_table_entry_fires(entry):
         torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
 
 
-def test_a_16_bit_query_upcast_for_its_scores_reaches_the_op_as_it_is():
+def _fp32_query_read_twice(q, k, v, mb, ma):
+    """GPT-J's spelling, with the float32 query also read outside the scores: it cannot be unwrapped."""
+    qf = q.to(torch.float32)
+    s = torch.matmul(qf, k.to(torch.float32).transpose(2, 3)) * D ** -0.5 + ma
+    out = torch.matmul(F.softmax(s, dim=-1).to(v.dtype), v)
+    return out + (qf.sum() * 0).to(out.dtype)
+
+
+@pytest.mark.parametrize("query_read_twice", [False, True], ids=["unwrapped", "fp32-query"])
+def test_a_16_bit_query_upcast_for_its_scores_reaches_the_op_as_it_is(query_read_twice):
     """GPT-J / CodeGen in bf16: the op takes the bf16 query, not its float32 copy (the kernels' 16-bit
     dots accumulate in float32), and answers in V's dtype as the site did; the result equals the
-    eager graph's within bf16 rounding of its output (2^-8 relative, P rounded to bf16 there too)."""
+    eager graph's within bf16 rounding of its output (2^-8 relative, P rounded to bf16 there too).
+    A float32 query that something else reads too stays float32, and the op's float32 answer is
+    cast to the site's bf16."""
     fresh_dynamo()
     torch.manual_seed(0)
-    attention = lambda q, k, v, mb, ma: _eager_fp32_scores(q, k, v, ma, D ** -0.5)  # noqa: E731
+    attention = (_fp32_query_read_twice if query_read_twice
+                 else lambda q, k, v, mb, ma: _eager_fp32_scores(q, k, v, ma, D ** -0.5))  # noqa: E731
     mod, backend = OneLayer(attention, 4), PassOnly("fp8_e4m3")
     compiled = torch.compile(mod, backend=backend, fullgraph=True)
     q, k, v = (torch.randn(B, 4, 5, D, dtype=torch.bfloat16) for _ in range(3))
@@ -298,7 +310,10 @@ def test_a_16_bit_query_upcast_for_its_scores_reaches_the_op_as_it_is():
     assert report.rewritten == 1 and after["kv_attention"] == 1
     (args,), = backend.calls
     q_op = args[0].args[0]  # the op's query, through the contiguous the pass adds
-    assert q_op.meta["example_value"].dtype == torch.bfloat16 and q_op.op == "placeholder"
+    if query_read_twice:
+        assert q_op.meta["example_value"].dtype == torch.float32 and q_op.op == "call_method"
+    else:
+        assert q_op.meta["example_value"].dtype == torch.bfloat16 and q_op.op == "placeholder"
     real = mb.any(-1, keepdim=True).expand_as(outs[0])
     assert outs[1].dtype == outs[0].dtype == torch.bfloat16
     torch.testing.assert_close(outs[1][real].float(), outs[0][real].float(), atol=2e-2, rtol=2e-2)

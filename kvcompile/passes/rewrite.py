@@ -98,7 +98,6 @@ def plan(call: AttentionCall, k: KVChain, v: KVChain) -> dict:
         "kv_len": _length(call, k, q.shape[2], n, L, sliced),
         "window": windows[0],
         "q": _query(call.q),
-        "out_dtype": out.dtype,
     }
     if k.source.ring:
         found["store"] = _ring_store(k, v, call.anchor)
@@ -242,11 +241,12 @@ def emit(call: AttentionCall, k: KVChain, v: KVChain, p: dict) -> fx.Node:
                 q, k.source.codes, k.source.scale, v.source.codes, v.source.scale, kv_len, mask, call.is_causal,
                 call.scale, p["window"], float(call.softcap), call.sinks, k.source.rotation, v.source.rotation,
             ))
-        if getattr(val(p["q"]), "dtype", None) != p["out_dtype"]:
+        site_dtype = val(call.anchor).dtype  # a floating tensor (plan checked)
+        if getattr(val(p["q"]), "dtype", None) != site_dtype:
             # the op answers in its query's dtype; the site answered in V's (GPT-J: float32 scores, P cast
             # to V's dtype before P @ V)
             copy_meta(out, p["q"], ("nn_module_stack", "stack_trace"))
-            out = graph.call_method("to", (out, p["out_dtype"]))
+            out = graph.call_method("to", (out, site_dtype))
         copy_meta(out, call.anchor)
     call.anchor.replace_all_uses_with(out)
     if "store" in p:
