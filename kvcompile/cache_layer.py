@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from . import formats, ops, reference, rotation, tp
+from . import formats, ops, rotation, tp
 
 __all__ = ["QuantizedLayer", "V_LAYOUTS", "v_codes_buffer"]
 
@@ -241,11 +241,7 @@ class QuantizedLayer(CacheLayerMixin):
         k_codes, k_scales, v_codes, v_scales = self.live_buffers(key_states.shape[0])
         if self.ring:
             return self._update_ring(key_states, value_states, k_codes, k_scales, v_codes, v_scales)
-        # compiled on the CPU the store is traced as torch ops that Inductor fuses (a third of the step's
-        # cost of the ops otherwise: BENCHMARKS.md, bench_cpu); on a GPU, and in eager mode, the op runs
-        store = reference.store_kv_traced if _is_compiling() and ops.kernel_backend(key_states.device) == "reference" \
-            else ops.store_kv
-        store(
+        ops.store_kv(
             k_codes, k_scales, v_codes, v_scales,
             key_states, value_states, self.cumulative_length, self.k_offset, self.k_rotation, self.v_rotation,
         )

@@ -283,7 +283,6 @@ def quantize(
     groups: int = 1,
     *,
     kv_dtype: str | None = None,
-    traced: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` [B, H, T, D] -> (codes [B, H, T, D], scales [B, H, T, G]).
 
@@ -292,9 +291,6 @@ def quantize(
 
     ``kv_dtype`` names the format when the code dtype alone does not: int8 codes are q8_0 unless
     ``kv_dtype="int8"`` (then ``groups`` must be 1: one fp32 scale per token).
-
-    ``traced``: no host read, for a graph the compiler traces (the NaN / Inf steps always run; the
-    values are the same).
     """
     if kv_dtype is None:
         kv_dtype = "fp8_e4m3" if code_dtype == torch.float8_e4m3fn else "q8_0"
@@ -318,7 +314,7 @@ def quantize(
     # propagates NaN and Inf, so the group maxima show whether there is any.
     cpu = xf.device.type == "cpu"
     special = True
-    if cpu and not traced:
+    if cpu:
         amax = xg.abs().amax(dim=-1, keepdim=True)
         special = not math.isfinite(float(amax.max()))
     if special:

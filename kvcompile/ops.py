@@ -199,7 +199,7 @@ def _store_kv(
             f"kvcompile.store_kv: k {tuple(k.shape)} / v {tuple(v.shape)} do not fit caches "
             f"{tuple(k_cache.shape)} (need [B, Hkv, T, D] with the cache's B, Hkv and D)"
         )
-    past_end = reference.PAST_END
+    past_end = "kvcompile.store_kv: writing past max_cache_len; build the cache with a larger max_cache_len"
     if k.device.type == "cpu":  # a host read is free here (and the reference reads start anyway)
         if int(start) + k.shape[2] > k_cache.shape[2]:
             raise RuntimeError(past_end)  # the error type the device assert raises

@@ -16,9 +16,6 @@ from torch import Tensor
 from . import formats
 
 
-PAST_END = "kvcompile.store_kv: writing past max_cache_len; build the cache with a larger max_cache_len"
-
-
 def _as_bytes(t: Tensor) -> Tensor:
     # index_copy_ has no float8 kernel on every device; moving raw bytes is exact.
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
@@ -44,14 +41,14 @@ def _rotate_center(x: Tensor, offset: Optional[Tensor], rotation: Optional[Tenso
     return x
 
 
-def _quantize_as(cache: Tensor, scale: Tensor, x: Tensor, kv_dtype: Optional[str] = None, traced: bool = False
+def _quantize_as(cache: Tensor, scale: Tensor, x: Tensor, kv_dtype: Optional[str] = None
                  ) -> tuple[Tensor, Optional[Tensor]]:
     """(codes, scales, or None for static ones) of ``x`` in the format of ``cache`` / ``scale``
-    (``kv_dtype``: that format's name, when the caller has read it already; ``traced``: no host read)."""
+    (``kv_dtype``: that format's name, when the caller has read it already)."""
     if scale.dim() == 1:
         return formats.quantize(x, cache.dtype, scale=scale)[0], None
     kv_dtype = kv_dtype or formats.format_of(cache, scale)
-    codes, s = formats.quantize(x, cache.dtype, groups=scale.shape[-1], kv_dtype=kv_dtype, traced=traced)
+    codes, s = formats.quantize(x, cache.dtype, groups=scale.shape[-1], kv_dtype=kv_dtype)
     return codes, s if s.dtype == scale.dtype else s.to(scale.dtype)
 
 
@@ -114,34 +111,6 @@ def store_kv(
                                       (v_cache, v_scale, v, None, v_rotation)):
         codes, s = _quantize_as(cache, scale, _rotate_center(x, off, rot))
         _write(cache, scale, codes, s, where)
-
-
-def store_kv_traced(
-    k_cache: Tensor,
-    k_scale: Tensor,
-    v_cache: Tensor,
-    v_scale: Tensor,
-    k: Tensor,
-    v: Tensor,
-    start: Tensor,
-    k_offset: Optional[Tensor],
-    k_rotation: Optional[Tensor] = None,
-    v_rotation: Optional[Tensor] = None,
-) -> None:
-    """:func:`store_kv` as plain torch ops for a compiled graph on the CPU (the layer calls it in
-    place of the op while Dynamo traces): Inductor fuses each side's centering, quantization and
-    write into one loop over the new tokens, where the op runs ~20 eager ops per layer and step,
-    cold (the weights streamed between two layers evict them). The same codes: no host read, so
-    the special-value steps always run and writing past the end is a runtime assert."""
-    T, L = k.shape[2], k_cache.shape[2]
-    torch._assert_async(start + T <= L, PAST_END)
-    where = torch.arange(T, device=k.device) + start
-    for cache, scale, x, off, rot in ((k_cache, k_scale, k, k_offset, k_rotation),
-                                      (v_cache, v_scale, v, None, v_rotation)):
-        codes, s = _quantize_as(cache, scale, _rotate_center(x, off, rot), traced=True)
-        cache[:, :, where] = codes  # index_put_: Inductor writes it in place
-        if s is not None:
-            scale[:, :, where] = s
 
 
 def _valid_positions(kv_len: Tensor, batch: int, length: int, device) -> Tensor:
