@@ -178,6 +178,47 @@ def test_prefill_rotated(side, path, Tq, monkeypatch):
     _check(q, cache, torch.tensor([45, 33], device=DEV), R, side, causal=True, tol=TOL)
 
 
+@pytest.mark.parametrize("side", list(SIDES))
+def test_dense_prefill_sylvester_unrotates_in_the_dequantize(side, monkeypatch):
+    """The shared Hadamard matrix on the keys' side of the dense path: the dequantize rotates back
+    (no rotate_rows launch for that side), and the answer is the reference's."""
+    from kvcompile.kernels import dense
+
+    monkeypatch.setenv("KVCOMPILE_PREFILL", "dense")
+    B, Hq, Hkv, L, D, Tq = 2, 4, 2, 45, 64, 40  # Hq * Tq = 160 > Hkv * n = 90: the keys' side
+    cache, R = rotated_cache(B, Hkv, L, D, *SIDES[side], seed=13, sylvester=True)
+    launched = []
+    real = dense.rotate_rows
+    monkeypatch.setattr(dense, "rotate_rows", lambda *a, **k: launched.append(a[1]) or real(*a, **k))
+    q = torch.randn(B, Hq, Tq, D, generator=torch.Generator().manual_seed(14)).to(DEV)
+    _check(q, cache, torch.tensor([45, 33], device=DEV), R, side, causal=True, tol=TOL)
+    assert not any(r is R for r in launched), "the Sylvester rotation went to a rotate_rows launch"
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8", "fp8-static"])
+@pytest.mark.parametrize("D", [16, 64, 128])
+def test_dequantize_kv_unrotates_against_float64(kind, D):
+    """``dequantize_kv(..., k_unrotate, v_unrotate)``: (codes * scale) @ R^T in float64, to fp32
+    rounding (the codes times H's +-1 summed exactly, one scaling: ~1e-7 relative, 1e-6 allowed);
+    zeros past each row's length; without the flag the rotated values come out (the control)."""
+    from kvcompile.kernels.store import dequantize_kv, unrotates_in_dequantize
+
+    B, Hkv, L, n = 2, 2, 37, 33
+    cache, R = rotated_cache(B, Hkv, L, D, True, True, seed=15, kind=kind, sylvester=True)
+    kc, ks, vc, vs = cache
+    assert unrotates_in_dequantize(R, ks)
+    kv_len = torch.tensor([33, 20], device=DEV)
+    k, v = dequantize_kv(kc, ks, vc, vs, kv_len, n, torch.float32, True, True)
+    for got, codes, scale in ((k, kc, ks), (v, vc, vs)):
+        s = scale.double().view(1, -1, 1, 1) if scale.dim() == 1 else scale.double()
+        want = (codes[:, :, :n].double() * (s if s.shape[2] == 1 else s[:, :, :n])) @ R.double().t()
+        want[1, :, 20:] = 0
+        err = ((got.double() - want).abs().max() / want.abs().max()).item()
+        assert err < 1e-6, f"{kind} D={D}: relative error {err:.3g}"
+    k_rot, _ = dequantize_kv(kc, ks, vc, vs, kv_len, n, torch.float32)
+    assert ((k_rot.double() - k.double()).abs().max() / k.abs().max()).item() > 0.1
+
+
 @pytest.mark.skipif(DEV != "cuda", reason="bf16 dots: GPU only (the interpreter has no bf16 arithmetic)")
 @pytest.mark.parametrize("Tq", [1, 4, 300])
 def test_rotated_bf16_gpu(Tq):

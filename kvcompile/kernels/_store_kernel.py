@@ -3,8 +3,8 @@
 import triton
 import triton.language as tl
 
-from ._codes import FP8_MAX, Q8_MAX, codes_to_float, e4m3_encode, e4m3_encode_hw, to_store_dtype
-from ._rotation import hadamard_rows
+from ._codes import FP8_MAX, Q8_MAX, codes_to, codes_to_float, e4m3_encode, e4m3_encode_hw, to_store_dtype
+from ._rotation import hadamard_rows, sylvester_sign
 
 # CODE constexpr of _quantize_rows: which format a side (K or V) is written in
 CODE_FP8 = tl.constexpr(0)  # fp8_e4m3 (any granularity)
@@ -164,35 +164,76 @@ def _store_kv_kernel(
 
 
 @triton.jit
+def _codes_times_hadamard(rows, stride_d, rows_ok, FP8_BITS: tl.constexpr, EXACT: tl.constexpr,
+                          BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, RC: tl.constexpr):
+    """fp32 ``codes @ H_D`` of the code rows at pointers ``rows`` [BLOCK_L, 1] (D == BLOCK_D), RC columns
+    at a time: the codes widened to fp16 (exact for int8 and e4m3) meet H's +-1 in one 16-bit MMA per
+    chunk, products exact and sums in fp32 (``EXACT``, the interpreter: fp32 FMA dots). H is symmetric,
+    so this is also ``codes @ H_D^T``; rows RC apart share H's rows up to a sign per column
+    (``_rotation.hadamard_rows``)."""
+    k = tl.arange(0, RC)
+    n = tl.arange(0, BLOCK_D)
+    h = sylvester_sign(k[:, None], n[None, :])
+    if not EXACT:
+        h = h.to(tl.float16)
+    acc = tl.zeros([BLOCK_L, BLOCK_D], tl.float32)
+    for c in tl.static_range(0, BLOCK_D, RC):
+        codes = tl.load(rows + (c + k)[None, :] * stride_d, mask=rows_ok, other=0.0)
+        if EXACT:
+            part = tl.dot(codes_to_float(codes, FP8_BITS), h, input_precision="ieee")
+        else:
+            part = tl.dot(codes_to(codes, tl.float16, FP8_BITS), h)
+        acc += part * sylvester_sign(c, n)[None, :]
+    return acc
+
+
+@triton.jit
 def _dequantize_rows(
     C, stride_cb, stride_ch, stride_cl, stride_cd,
     S, stride_sb, stride_sh, stride_sl, stride_sg,
     OFF, stride_oh, stride_od,
     OUT, stride_ob, stride_oh2, stride_ol, stride_od2,
-    b, h, l0, kv_len, L, D, G,
+    b, h, l0, kv_len, L, D, G, rot_scale,
     HAS_OFFSET: tl.constexpr,
     STATIC_SCALE: tl.constexpr,
     FP8_BITS: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    UNROTATE: tl.constexpr = False,  # codes of x @ H_D * rot_scale (Sylvester; one scale per row): write x
+    EXACT: tl.constexpr = False,     # UNROTATE's dots in fp32 FMAs (the interpreter)
+    RC: tl.constexpr = 32,           # UNROTATE's columns per dot (<= BLOCK_D, >= 16)
 ):
-    """Rows l0 .. l0 + BLOCK_L of (b, h): codes * scale (+ offset); zeros at positions >= kv_len."""
+    """Rows l0 .. l0 + BLOCK_L of (b, h): codes * scale (+ offset); zeros at positions >= kv_len.
+    ``UNROTATE``: ``(codes @ H_D^T) * scale * rot_scale``, the rotation undone on the exact codes
+    before the one scaling (token or static scales: a row's scale factors out of the product)."""
     l = l0 + tl.arange(0, BLOCK_L)
     d = tl.arange(0, BLOCK_D)
     in_range = (l[:, None] < L) & (d[None, :] < D)
     live = l < kv_len
-    c = tl.load(C + b * stride_cb + h * stride_ch + l[:, None] * stride_cl + d[None, :] * stride_cd, mask=in_range, other=0.0)
-    x = codes_to_float(c, FP8_BITS)
-    if STATIC_SCALE:
-        x = x * tl.load(S + h * stride_sh).to(tl.float32)
+    if UNROTATE:
+        x = _codes_times_hadamard(C + b * stride_cb + h * stride_ch + l[:, None] * stride_cl, stride_cd,
+                                  (l < L)[:, None], FP8_BITS, EXACT, BLOCK_L, BLOCK_D, RC)
+        if STATIC_SCALE:
+            x = x * (tl.load(S + h * stride_sh).to(tl.float32) * rot_scale)
+        else:
+            s = tl.load(S + b * stride_sb + h * stride_sh + l * stride_sl, mask=l < L, other=0.0)
+            x = x * (s.to(tl.float32) * rot_scale)[:, None]
     else:
-        g = d // (D // G)  # the scale group of each column
-        s = tl.load(S + b * stride_sb + h * stride_sh + l[:, None] * stride_sl + g[None, :] * stride_sg, mask=in_range, other=0.0)
-        x = x * s.to(tl.float32)
+        c = tl.load(C + b * stride_cb + h * stride_ch + l[:, None] * stride_cl + d[None, :] * stride_cd, mask=in_range,
+                    other=0.0)
+        x = codes_to_float(c, FP8_BITS)
+        if STATIC_SCALE:
+            x = x * tl.load(S + h * stride_sh).to(tl.float32)
+        else:
+            g = d // (D // G)  # the scale group of each column
+            s = tl.load(S + b * stride_sb + h * stride_sh + l[:, None] * stride_sl + g[None, :] * stride_sg,
+                        mask=in_range, other=0.0)
+            x = x * s.to(tl.float32)
     if HAS_OFFSET:
         x = x + tl.load(OFF + h * stride_oh + d * stride_od, mask=d < D, other=0.0).to(tl.float32)[None, :]
     x = tl.where(live[:, None], x, 0.0)
-    tl.store(OUT + b * stride_ob + h * stride_oh2 + l[:, None] * stride_ol + d[None, :] * stride_od2, to_store_dtype(x, OUT.dtype.element_ty), mask=in_range)
+    tl.store(OUT + b * stride_ob + h * stride_oh2 + l[:, None] * stride_ol + d[None, :] * stride_od2,
+             to_store_dtype(x, OUT.dtype.element_ty), mask=in_range)
 
 
 @triton.jit
@@ -219,7 +260,7 @@ def _dequantize_kernel(
         S, stride_sb, stride_sh, stride_sl, stride_sg,
         OFF, stride_oh, stride_od,
         OUT, stride_ob, stride_oh2, stride_ol, stride_od2,
-        b, h, tl.program_id(0) * BLOCK_L, kv_len, L, D, G,
+        b, h, tl.program_id(0) * BLOCK_L, kv_len, L, D, G, 1.0,
         HAS_OFFSET, STATIC_SCALE, FP8_BITS, BLOCK_L, BLOCK_D,
     )
 
@@ -233,15 +274,20 @@ def _dequantize_kv_kernel(
     KVLEN, stride_kvl,
     KO, stride_kob, stride_koh, stride_kol, stride_kod,
     VO, stride_vob, stride_voh, stride_vol, stride_vod,
-    H, L, D, G,
+    H, L, D, G, rot_scale,
     STATIC_SCALE: tl.constexpr,
     K_FP8_BITS: tl.constexpr,  # per side: K and V codes may differ (fp8 K with int8 V and vice versa)
     V_FP8_BITS: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    K_UNROTATE: tl.constexpr = False,  # per side: codes of x @ H_D * rot_scale, written as x (_dequantize_rows)
+    V_UNROTATE: tl.constexpr = False,
+    EXACT: tl.constexpr = False,
+    RC: tl.constexpr = 32,
 ):
     """grid (cdiv(L, BLOCK_L), B * H, 2): axis 2 picks K (0) or V (1), each in its own layout: the
-    dense prefill's workspace in one launch (no offset: softmax does not see K's centering)."""
+    dense prefill's workspace in one launch (no offset: softmax does not see K's centering), a side
+    stored rotated by the Sylvester matrix rotated back on the way."""
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
@@ -253,8 +299,8 @@ def _dequantize_kv_kernel(
             KS, stride_ksb, stride_ksh, stride_ksl, stride_ksg,
             KS, 0, 0,
             KO, stride_kob, stride_koh, stride_kol, stride_kod,
-            b, h, l0, kv_len, L, D, G,
-            False, STATIC_SCALE, K_FP8_BITS, BLOCK_L, BLOCK_D,
+            b, h, l0, kv_len, L, D, G, rot_scale,
+            False, STATIC_SCALE, K_FP8_BITS, BLOCK_L, BLOCK_D, K_UNROTATE, EXACT, RC,
         )
     else:
         _dequantize_rows(
@@ -262,6 +308,6 @@ def _dequantize_kv_kernel(
             VS, stride_vsb, stride_vsh, stride_vsl, stride_vsg,
             VS, 0, 0,
             VO, stride_vob, stride_voh, stride_vol, stride_vod,
-            b, h, l0, kv_len, L, D, G,
-            False, STATIC_SCALE, V_FP8_BITS, BLOCK_L, BLOCK_D,
+            b, h, l0, kv_len, L, D, G, rot_scale,
+            False, STATIC_SCALE, V_FP8_BITS, BLOCK_L, BLOCK_D, V_UNROTATE, EXACT, RC,
         )

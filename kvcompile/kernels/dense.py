@@ -5,10 +5,12 @@ Needs one host sync (the prefix length), so the launcher never takes it while a 
 being captured. The workspace is dropped even when a later step raises. A sliding window goes
 into SDPA's mask, and only keys some query can see are dequantized.
 
-A rotated cache: either the dequantized K and V are rotated back (``@ R^T``, one launch for both)
-and SDPA sees the model's own q, or q is rotated by K's R and SDPA's output by V's R^T, whichever
-side has fewer rows: a prefill over its own keys rotates the keys (Hkv * n rows against Hq * Tq: a
-GQA group fewer), an extend over a long prefix rotates q and the output.
+A rotated cache: either the dequantized K and V are rotated back (``@ R^T``) and SDPA sees the
+model's own q, or q is rotated by K's R and SDPA's output by V's R^T, whichever side has fewer rows:
+a prefill over its own keys rotates the keys (Hkv * n rows against Hq * Tq: a GQA group fewer), an
+extend over a long prefix rotates q and the output. Keys stored by the shared Sylvester matrix with
+one scale per token are rotated back inside the dequantize (the exact codes times the generated H,
+then the scale); any other matrix by one launch after it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .rotate import rotate_rows
-from .store import dequantize_kv
+from .store import dequantize_kv, unrotates_in_dequantize
 
 __all__ = ["attention"]
 
@@ -43,7 +45,8 @@ def attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_sc
 
 
 def _unrotate(k, v, k_rotation, v_rotation):
-    """Dequantized K / V (rotated space, workspace dtype) back to the model's space: ``@ R^T``."""
+    """Dequantized K / V (rotated space, workspace dtype) back to the model's space: ``@ R^T`` (a side
+    whose rotation is None is left as it is)."""
     if k_rotation is not None and v_rotation is not None:
         return rotate_rows(k, k_rotation, transpose=True, dtype=k.dtype, x2=v, rotation2=v_rotation)
     if k_rotation is not None:
@@ -71,19 +74,22 @@ def _dense_sdpa(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_
     start = min(max(lo - Tq - window + 1, 0), n) if window else 0
     ws_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float32
 
+    # rotate the side with fewer rows: the dequantized keys (Hkv * (n - start)) or q and the output (Hq * Tq);
+    # on the keys' side the dequantize itself rotates back a side stored by the Sylvester matrix
+    kv_side = Hkv * (n - start) < Hq * Tq
+    k_in = kv_side and unrotates_in_dequantize(k_rotation, k_scale)
+    v_in = kv_side and unrotates_in_dequantize(v_rotation, v_scale)
     k = v = mask = None
     try:
         # K and V in one launch; K centering offsets are left out: softmax does not see them.
         if start:
             k, v = dequantize_kv(k_q[:, :, start:], k_scale if k_scale.dim() == 1 else k_scale[:, :, start:],
                                  v_q[:, :, start:], v_scale if v_scale.dim() == 1 else v_scale[:, :, start:],
-                                 kvl - start, n - start, ws_dtype)
+                                 kvl - start, n - start, ws_dtype, k_in, v_in)
         else:
-            k, v = dequantize_kv(k_q, k_scale, v_q, v_scale, kv_len, n, ws_dtype)
-        # rotate the side with fewer rows: the dequantized keys (Hkv * (n - start)) or q and the output (Hq * Tq)
-        kv_side = Hkv * (n - start) < Hq * Tq
+            k, v = dequantize_kv(k_q, k_scale, v_q, v_scale, kv_len, n, ws_dtype, k_in, v_in)
         if kv_side and (k_rotation is not None or v_rotation is not None):
-            k, v = _unrotate(k, v, k_rotation, v_rotation)
+            k, v = _unrotate(k, v, None if k_in else k_rotation, None if v_in else v_rotation)
             v_rotation = None
         elif k_rotation is not None:  # scores against K's rotated codes: (q R)(k R)^T = q k^T
             q = rotate_rows(q, k_rotation, dtype=q.dtype)

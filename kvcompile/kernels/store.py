@@ -169,20 +169,54 @@ def dequantize(codes: Tensor, scale: Tensor, offset: Optional[Tensor], kv_len: T
     return out
 
 
+def unrotates_in_dequantize(rotation_matrix: Optional[Tensor], scale: Tensor) -> bool:
+    """Whether :func:`dequantize_kv` can rotate a side back itself: the shared Sylvester matrix (its
+    entries generated, never read) of a head_dim the 16-wide dots take, one scale per row (token or
+    static: it factors out of the product with the exact codes)."""
+    return (rotation_matrix is not None and rotation_matrix.shape[0] >= 16 and rotation.is_shared_sylvester(rotation_matrix)
+            and (scale.dim() == 1 or scale.shape[-1] == 1))
+
+
 def dequantize_kv(k_codes: Tensor, k_scale: Tensor, v_codes: Tensor, v_scale: Tensor, kv_len: Tensor, n: int,
-                  dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+                  dtype: torch.dtype, k_unrotate: bool = False, v_unrotate: bool = False) -> tuple[Tensor, Tensor]:
     """The first ``n`` positions of K and V codes ``[B, H, L, D]`` (each in its own layout) -> two
     contiguous ``[B, H, n, D]`` tensors in ``dtype``, in one launch; zeros at positions >= kv_len[b].
-    K's centering offset is not added (the dense prefill's workspace: softmax does not see it), nor is a
-    rotation undone (the attention op works in the rotated space). K and V codes may differ in dtype
-    (fp8 and int8) when their scales share one granularity."""
+    K's centering offset is not added (the dense prefill's workspace: softmax does not see it). A side
+    stored rotated stays rotated, unless ``k_unrotate`` / ``v_unrotate`` (the side is rotated by the
+    shared Sylvester matrix, :func:`unrotates_in_dequantize`): then its values come out rotated back,
+    ``(codes @ H^T) * scale / sqrt(D)`` from the exact codes. K and V codes may differ in dtype (fp8
+    and int8) when their scales share one granularity."""
     B, H, L, D = k_codes.shape
     if not 0 <= n <= L or v_codes.shape != k_codes.shape:
         raise ValueError(f"kvcompile.dequantize_kv: n={n} for codes {tuple(k_codes.shape)} / {tuple(v_codes.shape)}")
+    unrotate = k_unrotate or v_unrotate
+    if unrotate and (D & (D - 1) or D < 16 or (k_scale.dim() != 1 and k_scale.shape[-1] != 1)):
+        raise ValueError(f"kvcompile.dequantize_kv: no un-rotation in the dequantize for head_dim {D} and scales "
+                         f"{tuple(k_scale.shape)} (a power of two >= 16 and one scale per token or head)")
     k = torch.empty((B, H, n, D), dtype=dtype, device=k_codes.device)
     v = torch.empty_like(k)
     if n == 0:
         return k, v
+    native = tiles.has_native_fp8(device_cc(k_codes.device))
+    k_bits = k_codes.dtype == torch.float8_e4m3fn and not native
+    v_bits = v_codes.dtype == torch.float8_e4m3fn and not native
+    kc = k_codes.view(torch.uint8) if k_bits else k_codes
+    vc = v_codes.view(torch.uint8) if v_bits else v_codes
+    static = k_scale.dim() == 1
+    ks, vs = (k_scale.view(1, -1, 1, 1), v_scale.view(1, -1, 1, 1)) if static else (k_scale, v_scale)
+    kvl, kvl_stride = kv_len_arg(kv_len, B, k_codes.device)
+    block_d = next_pow2(D)
+    block_l = max(1, min(next_pow2(n), 4096 // block_d))
+    if unrotate:  # the dots need 16 rows
+        block_l = max(block_l, 16)
+    _dequantize_kv_kernel[(triton_cdiv(n, block_l), B * H, 2)](
+        kc, *kc.stride(), ks, *ks.stride(), vc, *vc.stride(), vs, *vs.stride(), kvl, kvl_stride,
+        k, *k.stride(), v, *v.stride(), H, n, D, 1 if static else k_scale.shape[-1], rot_scale(D),
+        STATIC_SCALE=static, K_FP8_BITS=k_bits, V_FP8_BITS=v_bits, BLOCK_L=block_l, BLOCK_D=block_d,
+        K_UNROTATE=k_unrotate, V_UNROTATE=v_unrotate, EXACT=interpreting(), RC=min(ROT_CHUNK, block_d),
+        num_warps=4, **_EXACT,
+    )
+    return k, v
     native = tiles.has_native_fp8(device_cc(k_codes.device))
     k_bits = k_codes.dtype == torch.float8_e4m3fn and not native
     v_bits = v_codes.dtype == torch.float8_e4m3fn and not native
