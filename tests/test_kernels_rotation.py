@@ -179,20 +179,22 @@ def test_prefill_rotated(side, path, Tq, monkeypatch):
 
 
 @pytest.mark.parametrize("side", list(SIDES))
-def test_dense_prefill_sylvester_unrotates_in_the_dequantize(side, monkeypatch):
-    """The shared Hadamard matrix on the keys' side of the dense path: the dequantize rotates back
-    (no rotate_rows launch for that side), and the answer is the reference's."""
+@pytest.mark.parametrize("Tq", [21, 40])
+def test_dense_prefill_sylvester_unrotates_in_the_dequantize(side, Tq, monkeypatch):
+    """The shared Hadamard matrix in the dense path: the dequantize rotates back (no rotate_rows
+    launch at all), also where the row counts would rotate q and the output (Hq * Tq = 84 <= Hkv * n
+    = 90 at Tq 21: any other matrix goes there, test_prefill_rotated), and the answer is the reference's."""
     from kvcompile.kernels import dense
 
     monkeypatch.setenv("KVCOMPILE_PREFILL", "dense")
-    B, Hq, Hkv, L, D, Tq = 2, 4, 2, 45, 64, 40  # Hq * Tq = 160 > Hkv * n = 90: the keys' side
+    B, Hq, Hkv, L, D = 2, 4, 2, 45, 64
     cache, R = rotated_cache(B, Hkv, L, D, *SIDES[side], seed=13, sylvester=True)
     launched = []
     real = dense.rotate_rows
     monkeypatch.setattr(dense, "rotate_rows", lambda *a, **k: launched.append(a[1]) or real(*a, **k))
     q = torch.randn(B, Hq, Tq, D, generator=torch.Generator().manual_seed(14)).to(DEV)
     _check(q, cache, torch.tensor([45, 33], device=DEV), R, side, causal=True, tol=TOL)
-    assert not any(r is R for r in launched), "the Sylvester rotation went to a rotate_rows launch"
+    assert not launched, "a rotate_rows launch ran: the dequantize should have rotated back"
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8", "fp8-static"])

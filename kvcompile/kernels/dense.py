@@ -8,9 +8,10 @@ into SDPA's mask, and only keys some query can see are dequantized.
 A rotated cache: either the dequantized K and V are rotated back (``@ R^T``) and SDPA sees the
 model's own q, or q is rotated by K's R and SDPA's output by V's R^T, whichever side has fewer rows:
 a prefill over its own keys rotates the keys (Hkv * n rows against Hq * Tq: a GQA group fewer), an
-extend over a long prefix rotates q and the output. Keys stored by the shared Sylvester matrix with
-one scale per token are rotated back inside the dequantize (the exact codes times the generated H,
-then the scale); any other matrix by one launch after it.
+extend over a long prefix rotates q and the output. A side stored by the shared Sylvester matrix
+with one scale per token is rotated back inside the dequantize (the exact codes times the generated
+H, then the scale), which costs no launch: when that covers every rotated side, the keys' side is
+taken whatever the row counts; any other matrix goes by the row counts, one launch either way.
 """
 
 from __future__ import annotations
@@ -74,11 +75,14 @@ def _dense_sdpa(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_
     start = min(max(lo - Tq - window + 1, 0), n) if window else 0
     ws_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float32
 
-    # rotate the side with fewer rows: the dequantized keys (Hkv * (n - start)) or q and the output (Hq * Tq);
-    # on the keys' side the dequantize itself rotates back a side stored by the Sylvester matrix
-    kv_side = Hkv * (n - start) < Hq * Tq
-    k_in = kv_side and unrotates_in_dequantize(k_rotation, k_scale)
-    v_in = kv_side and unrotates_in_dequantize(v_rotation, v_scale)
+    # Rotate the side with fewer rows: the dequantized keys (Hkv * (n - start)) or q and the output
+    # (Hq * Tq). The dequantize itself rotates back a side stored by the Sylvester matrix, at no cost
+    # beyond its own pass: when it can take every rotated side, the keys' side costs nothing.
+    k_in = unrotates_in_dequantize(k_rotation, k_scale)
+    v_in = unrotates_in_dequantize(v_rotation, v_scale)
+    folded = (k_rotation is None or k_in) and (v_rotation is None or v_in)
+    kv_side = folded or Hkv * (n - start) < Hq * Tq
+    k_in, v_in = kv_side and k_in, kv_side and v_in
     k = v = mask = None
     try:
         # K and V in one launch; K centering offsets are left out: softmax does not see them.
