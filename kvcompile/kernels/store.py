@@ -217,20 +217,3 @@ def dequantize_kv(k_codes: Tensor, k_scale: Tensor, v_codes: Tensor, v_scale: Te
         num_warps=4, **_EXACT,
     )
     return k, v
-    native = tiles.has_native_fp8(device_cc(k_codes.device))
-    k_bits = k_codes.dtype == torch.float8_e4m3fn and not native
-    v_bits = v_codes.dtype == torch.float8_e4m3fn and not native
-    kc = k_codes.view(torch.uint8) if k_bits else k_codes
-    vc = v_codes.view(torch.uint8) if v_bits else v_codes
-    static = k_scale.dim() == 1
-    ks, vs = (k_scale.view(1, -1, 1, 1), v_scale.view(1, -1, 1, 1)) if static else (k_scale, v_scale)
-    kvl, kvl_stride = kv_len_arg(kv_len, B, k_codes.device)
-    block_d = next_pow2(D)
-    block_l = max(1, min(next_pow2(n), 4096 // block_d))
-    _dequantize_kv_kernel[(triton_cdiv(n, block_l), B * H, 2)](
-        kc, *kc.stride(), ks, *ks.stride(), vc, *vc.stride(), vs, *vs.stride(), kvl, kvl_stride,
-        k, *k.stride(), v, *v.stride(), H, n, D, 1 if static else k_scale.shape[-1],
-        STATIC_SCALE=static, K_FP8_BITS=k_bits, V_FP8_BITS=v_bits, BLOCK_L=block_l, BLOCK_D=block_d,
-        num_warps=4, **_EXACT,
-    )
-    return k, v
