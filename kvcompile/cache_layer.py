@@ -14,6 +14,9 @@ positions (zeros outside the window) and transformers' masks apply unchanged.
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -27,6 +30,26 @@ _KV_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _is_compiling() -> bool:
     return torch.compiler.is_compiling()
+
+
+_warned_uncompiled = False
+
+
+def _warn_if_compiled_module_bypassed() -> None:
+    """Once per process: a cache written eagerly while a ``kvcompile.backend()`` exists that no graph
+    ever reached is what ``torch.compile(model, backend=...)`` followed by ``model.generate()`` does
+    (generate calls the module it wraps, uncompiled): say so, and what compiles instead."""
+    global _warned_uncompiled
+    cb = sys.modules.get("kvcompile.compile_backend")  # not imported: no backend was made
+    if _warned_uncompiled or cb is None or not cb.unused_backend_exists():
+        return
+    _warned_uncompiled = True
+    warnings.warn(
+        "kvcompile: the QuantizedCache is running uncompiled (attention reads dequantized K/V, slowly) while a "
+        "kvcompile.backend() has compiled nothing. After `model = torch.compile(model, backend=...)`, "
+        "model.generate() calls the original, uncompiled module; compile its forward instead: "
+        "`model.forward = torch.compile(model.forward, backend=backend)`",
+        UserWarning, stacklevel=4)
 
 
 V_LAYOUTS = ("auto", "keys", "head_dim")
@@ -223,6 +246,7 @@ class QuantizedLayer(CacheLayerMixin):
                 + ("; under tensor parallelism build it with tp_size=model.tp_size" if H < self.num_heads else "")
             )
         if not _is_compiling():
+            _warn_if_compiled_module_bypassed()
             # One host read per layer in eager mode; compiled code relies on the op's device assert.
             end = int(self.cumulative_length) + T
             if end > self.max_cache_len:

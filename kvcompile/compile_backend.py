@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from typing import Any, Optional, Sequence
 
 import torch
@@ -29,7 +30,15 @@ from .passes import KVAttentionPass, KVDtypeMismatch
 
 log = logging.getLogger("kvcompile")
 
-__all__ = ["KVCompileBackend"]
+__all__ = ["KVCompileBackend", "unused_backend_exists"]
+
+# every backend made in this process that is still alive (unused_backend_exists)
+_BACKENDS: "weakref.WeakSet[KVCompileBackend]" = weakref.WeakSet()
+
+
+def unused_backend_exists() -> bool:
+    """Whether some live backend of this process has not been handed a graph yet."""
+    return any(not b.used for b in _BACKENDS)
 
 
 class KVCompileBackend:
@@ -63,6 +72,8 @@ class KVCompileBackend:
         self.graph_pass = KVAttentionPass(k_dtype=self.k_dtype, v_dtype=self.v_dtype)
         self._reports: list[dict] = []
         self.pass_seconds: list[float] = []  # wall time of the pass per graph (benchmarks)
+        self.used = False  # Dynamo has handed this backend a graph
+        _BACKENDS.add(self)
 
     def report(self) -> list[dict]:
         """One dict per compiled graph: ``{"found", "rewritten", "skipped": [(site, reason)], "kv_dtype"}``."""
@@ -82,6 +93,7 @@ class KVCompileBackend:
         from torch._inductor import list_mode_options
         from torch._inductor.compile_fx import compile_fx
 
+        self.used = True
         index = len(self._reports)
         self._dump(gm, index, "before")
         t0 = time.perf_counter()

@@ -393,3 +393,29 @@ def test_cache_of_another_model_names_the_layers():
 def test_torch_compile_options_given_to_the_backend(option):
     with pytest.raises(TypeError, match=rf"kvcompile.backend\(\) takes no {option}=; it is torch.compile's"):
         kvcompile.backend(kv_dtype="q8_0", **{option: True})
+
+
+@pytest.mark.usefixtures("dynamo_reset_around")
+def test_generate_through_a_compiled_module_names_the_forward(monkeypatch):
+    """``torch.compile(model, backend=kvcompile.backend())`` then ``.generate()`` runs the original
+    module uncompiled (PyTorch's OptimizedModule hands ``generate`` to it): the cache says so once,
+    with the fix. Control: the forward compiled as the README does it reaches the backend, no warning."""
+    from kvcompile import cache_layer
+
+    model = tiny_model()
+    backend = kvcompile.backend()
+    compiled = torch.compile(model, backend=backend)
+    monkeypatch.setattr(cache_layer, "_warned_uncompiled", False)
+    gen = dict(max_new_tokens=2, do_sample=False)
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"model\.forward = torch\.compile\(model\.forward"):
+        compiled.generate(IDS, **gen, **kv(QuantizedCache(model.config, max_batch_size=1, max_cache_len=16)))
+    assert backend.report() == []  # nothing was compiled: what the warning says
+
+    monkeypatch.setattr(cache_layer, "_warned_uncompiled", False)
+    backend = kvcompile.backend()
+    monkeypatch.setattr(model, "forward", torch.compile(model.forward, backend=backend))  # the shared model: undone after
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.generate(IDS, **gen, **kv(QuantizedCache(model.config, max_batch_size=1, max_cache_len=16)))
+    assert backend.report(), "the compiled forward never reached the backend"
+    assert not [w for w in caught if "compiled nothing" in str(w.message)]
