@@ -35,13 +35,17 @@ def _is_compiling() -> bool:
 _warned_uncompiled = False
 
 
-def _warn_if_compiled_module_bypassed() -> None:
-    """Once per process: a cache written eagerly while a ``kvcompile.backend()`` exists that no graph
-    ever reached is what ``torch.compile(model, backend=...)`` followed by ``model.generate()`` does
-    (generate calls the module it wraps, uncompiled): say so, and what compiles instead."""
+def _warn_if_compiled_module_bypassed(tokens: int) -> None:
+    """Once per process: a decode step (one token) written eagerly while a ``kvcompile.backend()``
+    exists that no graph ever reached is what ``torch.compile(model, backend=...)`` followed by
+    ``model.generate()`` does (generate calls the module it wraps, uncompiled): say so, and what
+    compiles instead. Not for a longer write: transformers' ``CompileConfig`` runs the prefill
+    uncompiled and compiles from the first decode step on."""
     global _warned_uncompiled
+    if _warned_uncompiled or tokens != 1:
+        return
     cb = sys.modules.get("kvcompile.compile_backend")  # not imported: no backend was made
-    if _warned_uncompiled or cb is None or not cb.unused_backend_exists():
+    if cb is None or not cb.unused_backend_exists():
         return
     _warned_uncompiled = True
     warnings.warn(
@@ -246,7 +250,7 @@ class QuantizedLayer(CacheLayerMixin):
                 + ("; under tensor parallelism build it with tp_size=model.tp_size" if H < self.num_heads else "")
             )
         if not _is_compiling():
-            _warn_if_compiled_module_bypassed()
+            _warn_if_compiled_module_bypassed(T)
             # One host read per layer in eager mode; compiled code relies on the op's device assert.
             end = int(self.cumulative_length) + T
             if end > self.max_cache_len:
