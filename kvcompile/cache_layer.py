@@ -49,10 +49,10 @@ def _warn_if_compiled_module_bypassed(tokens: int) -> None:
         return
     _warned_uncompiled = True
     warnings.warn(
-        "kvcompile: the QuantizedCache is running uncompiled (attention reads dequantized K/V, slowly) while a "
-        "kvcompile.backend() has compiled nothing. After `model = torch.compile(model, backend=...)`, "
-        "model.generate() calls the original, uncompiled module; compile its forward instead: "
-        "`model.forward = torch.compile(model.forward, backend=backend)`",
+        "kvcompile: a decode step ran uncompiled over the QuantizedCache (attention reads dequantized K/V, "
+        "slowly) while a kvcompile.backend() exists that has compiled nothing. If you wrote "
+        "`model = torch.compile(model, backend=...)`: model.generate() calls the original, uncompiled module; "
+        "compile its forward instead: `model.forward = torch.compile(model.forward, backend=backend)`",
         UserWarning, stacklevel=4)
 
 
