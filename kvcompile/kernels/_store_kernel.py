@@ -3,8 +3,8 @@
 import triton
 import triton.language as tl
 
-from ._codes import FP8_MAX, Q8_MAX, codes_to, codes_to_float, e4m3_encode, e4m3_encode_hw, to_store_dtype
-from ._rotation import hadamard_rows, sylvester_sign
+from ._codes import FP8_MAX, Q8_MAX, codes_to_float, e4m3_encode, e4m3_encode_hw, to_store_dtype
+from ._rotation import hadamard_rows
 
 # CODE constexpr of _quantize_rows: which format a side (K or V) is written in
 CODE_FP8 = tl.constexpr(0)  # fp8_e4m3 (any granularity)
@@ -164,30 +164,6 @@ def _store_kv_kernel(
 
 
 @triton.jit
-def _codes_times_hadamard(rows, stride_d, rows_ok, FP8_BITS: tl.constexpr, EXACT: tl.constexpr,
-                          BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, RC: tl.constexpr):
-    """fp32 ``codes @ H_D`` of the code rows at pointers ``rows`` [BLOCK_L, 1] (D == BLOCK_D), RC columns
-    at a time: the codes widened to fp16 (exact for int8 and e4m3) meet H's +-1 in one 16-bit MMA per
-    chunk, products exact and sums in fp32 (``EXACT``, the interpreter: fp32 FMA dots). H is symmetric,
-    so this is also ``codes @ H_D^T``; rows RC apart share H's rows up to a sign per column
-    (``_rotation.hadamard_rows``)."""
-    k = tl.arange(0, RC)
-    n = tl.arange(0, BLOCK_D)
-    h = sylvester_sign(k[:, None], n[None, :])
-    if not EXACT:
-        h = h.to(tl.float16)
-    acc = tl.zeros([BLOCK_L, BLOCK_D], tl.float32)
-    for c in tl.static_range(0, BLOCK_D, RC):
-        codes = tl.load(rows + (c + k)[None, :] * stride_d, mask=rows_ok, other=0.0)
-        if EXACT:
-            part = tl.dot(codes_to_float(codes, FP8_BITS), h, input_precision="ieee")
-        else:
-            part = tl.dot(codes_to(codes, tl.float16, FP8_BITS), h)
-        acc += part * sylvester_sign(c, n)[None, :]
-    return acc
-
-
-@triton.jit
 def _dequantize_rows(
     C, stride_cb, stride_ch, stride_cl, stride_cd,
     S, stride_sb, stride_sh, stride_sl, stride_sg,
@@ -211,8 +187,8 @@ def _dequantize_rows(
     in_range = (l[:, None] < L) & (d[None, :] < D)
     live = l < kv_len
     if UNROTATE:
-        x = _codes_times_hadamard(C + b * stride_cb + h * stride_ch + l[:, None] * stride_cl, stride_cd,
-                                  (l < L)[:, None], FP8_BITS, EXACT, BLOCK_L, BLOCK_D, RC)
+        x = hadamard_rows(C + b * stride_cb + h * stride_ch + l[:, None] * stride_cl, stride_cd, (l < L)[:, None],
+                          1.0, EXACT, BLOCK_L, BLOCK_D, RC, CODES=True, FP8_BITS=FP8_BITS)
         if STATIC_SCALE:
             x = x * (tl.load(S + h * stride_sh).to(tl.float32) * rot_scale)
         else:

@@ -173,8 +173,8 @@ def unrotates_in_dequantize(rotation_matrix: Optional[Tensor], scale: Tensor) ->
     """Whether :func:`dequantize_kv` can rotate a side back itself: the shared Sylvester matrix (its
     entries generated, never read) of a head_dim the 16-wide dots take, one scale per row (token or
     static: it factors out of the product with the exact codes)."""
-    return (rotation_matrix is not None and rotation_matrix.shape[0] >= 16 and rotation.is_shared_sylvester(rotation_matrix)
-            and (scale.dim() == 1 or scale.shape[-1] == 1))
+    return (rotation_matrix is not None and rotation_matrix.shape[0] >= 16
+            and rotation.is_shared_sylvester(rotation_matrix) and (scale.dim() == 1 or scale.shape[-1] == 1))
 
 
 def dequantize_kv(k_codes: Tensor, k_scale: Tensor, v_codes: Tensor, v_scale: Tensor, kv_len: Tensor, n: int,
