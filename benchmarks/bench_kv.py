@@ -186,7 +186,7 @@ def decode(args):
                 record("decode", shape, f"kvcompile-{name} R-launches", bench(fns_m, len(fns_m)),
                        nb + 4 * B * HQ * D, base_ms=base, splits=splits)
                 del fns_m
-            if args.sweep and (B, L) in ((1, 4096), (8, 4096), (8, 32768), (1, 32768), (4, 131072), (32, 8192), (32, 32768)):
+            if args.sweep and (B, L) in ((1, 4096), (8, 32768), (1, 32768), (4, 131072), (32, 8192), (32, 32768)):
                 sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=args.tile_sweep, R=R)
             del caches, fns
         torch.cuda.empty_cache()
@@ -271,7 +271,7 @@ def splits_used(fn) -> int:
 def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False, R=(None, None)):
     """A/B of launch-plan variants on one shape (``plan.override``): V widened after its smem read,
     int8 widened by Triton's arithmetic, forced decode tiles and split counts, V in the other layout."""
-    variants = [("vpin-off", dict(v_pin=False)), ("merge-launch", dict(merge_last=False))]
+    variants = [("vpin-off", dict(v_pin=False))]
     if name.startswith("int8"):  # the K tile widened with its exact subtraction, no score correction
         variants.append(("int8bias-off", dict(int8_bias=False)))
     if R[0] is not None:  # q rotated by a launch before the kernel instead of in its prologue

@@ -483,52 +483,6 @@ def test_sinks_split_and_unsplit_decode_agree():
             run(q, cache, kvl, None, False, sinks=sinks, off=dict(sinks=None))
 
 
-# (k kind, v kind, B, Hkv, group, Tq, L, kv_len, window, sinks): split decode launches whose merge
-# covers every case of which splits ran: splits past one row's kv_len (and a row with no key at
-# all), splits wholly below a window (a split running for one row block and not another: 16
-# queries x 4 heads over the interpreter's 32-row tile), sinks, static V scales, several row blocks
-MERGE_CASES = {
-    "ragged": ("fp8", "fp8", 3, 2, 4, 1, 300, [17, 250, 0], 0, False),
-    "spec-causal": ("int8", "int8", 2, 1, 4, 3, 300, [40, 299], 0, False),
-    "static": ("fp8-static", "fp8-static", 2, 2, 2, 1, 200, [200, 77], 0, False),
-    "window-row-blocks": ("fp8", "fp8", 1, 1, 4, 16, 120, [98], 20, False),
-    "window-sinks": ("q8_0", "q8_0", 2, 2, 4, 2, 150, [150, 61], 37, True),
-}
-
-
-@pytest.mark.parametrize("case", list(MERGE_CASES))
-def test_merge_in_the_last_split_program(case):
-    """Split decode merged by the last split program to finish (the default) and by the merge
-    kernel: both against the float64 reference, and against each other (the same partials and
-    weights; only the order of the fp32 sums differs, so 1e-6). Every launch leaves the counters
-    at zero (the next launch counts from there); a launch needing more counters than the buffer
-    holds takes the merge kernel."""
-    k_kind, v_kind, B, Hkv, group, Tq, L, kv_len, window, with_sinks = MERGE_CASES[case]
-    cache = make_cache(k_kind, v_kind, B, Hkv, L, 64, seed=len(case), v_layout="keys")
-    q = make_q(B, Hkv * group, Tq, 64, seed=len(case))
-    kvl = torch.tensor(kv_len, device=DEV)
-    sinks = torch.linspace(-1, 3, Hkv * group).to(DEV) if with_sinks else None
-    causal = Tq > 1
-    outs = {}
-    for merge_last in (True, False):
-        with plan_mod.override(splits=5, merge_last=merge_last):
-            p = attn_mod.plan_of(attn_mod.call_of(q, *cache, is_causal=causal, window=window, sinks=sinks))
-            assert p.splits >= 3 and p.merge_last == merge_last  # (a window's span may take fewer)
-            for _ in range(2):  # the second run finds the first's partials, and the counters it left
-                outs[merge_last], ref = run(q, cache, kvl, None, causal, window=window, sinks=sinks)
-        assert all(not c.any() for c in attn_mod._COUNTERS.values()), "a launch left a counter non-zero"
-    assert rel_err(outs[True], outs[False]) < 1e-6
-    if 0 in kv_len:
-        assert (outs[True][kv_len.index(0)] == 0).all()
-    with plan_mod.override(splits=5), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(attn_mod, "MERGE_COUNTERS", 1)  # fewer counters than programs per split
-        launched = []
-        real = attn_mod._merge_kernel
-        mp.setattr(attn_mod, "_merge_kernel", type("K", (), {"__getitem__": lambda _, g: (launched.append(g), real[g])[1]})())
-        run(q, cache, kvl, None, causal, window=window, sinks=sinks)
-        assert launched, "the merge kernel did not run"
-
-
 @pytest.mark.parametrize("v_layout", ["head_dim", "keys"], ids=["v-d", "v-keys"])
 @pytest.mark.parametrize("Tq", [1, 20])
 def test_window_softcap_sinks_together(Tq, v_layout):

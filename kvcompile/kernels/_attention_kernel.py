@@ -1,8 +1,7 @@
 """@triton.jit attention over 8-bit K/V codes (launchers in attention_launcher.py).
 
 One kernel serves prefill/extend (grid over query blocks, one split) and split-K decode
-(flash-decoding: grid over splits of the cache, partial outputs merged by the last split program
-to finish, ``MERGE_LAST``, or by ``_merge_kernel``).
+(flash-decoding: grid over splits of the cache, partial outputs merged by ``_merge_kernel``).
 Rows of a program are (query index, query head) pairs of ONE kv head: row r is query ``r // GROUP``
 of head ``hk * GROUP + r % GROUP``, so each K/V tile is read once for all heads that share it (GQA).
 
@@ -34,8 +33,9 @@ import triton
 import triton.language as tl
 
 from ._codes import codes_to, codes_to_f16_pinned, to_store_dtype
-from ._merge_kernel import LOG2E, merge_in_last_program, split_ran
 from ._rotation import hadamard_rows
+
+LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): exp(x) = exp2(x * LOG2E)
 # fp16 P * s_v / max(s_v) is <= 1: times 2^14 (exact) it stays <= 16384 < 65504, and a key whose
 # scale is 1e-6 of the tile's largest keeps fp16's full precision instead of going subnormal
 # (below 2^-14) and losing it, e.g. when the large-scale keys are masked for this row
@@ -231,7 +231,6 @@ def _attention_kernel(
     LSE, stride_lb, stride_lh, stride_lm, stride_ls,     # their log2-sum-exp [B, Hq, Tq, S]
     Hkv, Tq, D, sm_scale, split_len, window, softcap, rot_scale,  # rot_scale: 1 / sqrt(D) (Q_HADAMARD)
     n_keys,  # the cache's L: keys past it are never read, whatever kv_len says (a ring's token count)
-    COUNTER,  # int32 [programs per split], zeros (MERGE_LAST): arrivals per (row block, batch, kv head)
     GROUP: tl.constexpr,         # query heads per kv head
     GROUP_SIZE: tl.constexpr,    # values per scale group (block32: 32)
     SCALE_KIND: tl.constexpr,    # SCALE_TOKEN / SCALE_BLOCK / SCALE_STATIC
@@ -240,10 +239,7 @@ def _attention_kernel(
     HAS_WINDOW: tl.constexpr,    # a query at p sees keys > p - window only; splits start at the window
     HAS_SOFTCAP: tl.constexpr,   # logits become softcap * tanh(logit / softcap)
     HAS_SINKS: tl.constexpr,     # SINKS[h] joins the softmax denominator (in the merge when split)
-    SPLIT_OUTPUT: tl.constexpr,  # write partial outputs + LSE for the merge
-    MERGE_LAST: tl.constexpr,    # ... and the last split program to finish merges them (COUNTER)
-    SPLITS: tl.constexpr,        # the launch's split count (MERGE_LAST; else 1)
-    SPLITS_P2: tl.constexpr,     # SPLITS rounded up to a power of two
+    SPLIT_OUTPUT: tl.constexpr,  # write partial outputs + LSE for _merge_kernel
     K_FP8_BITS: tl.constexpr,    # K's e4m3 codes arrive as uint8 bits (no fp8 type on this arch)
     V_FP8_BITS: tl.constexpr,    # V's e4m3 codes arrive as uint8 bits (K and V may differ in code type)
     DOT_DTYPE: tl.constexpr,     # operand type of both dots: fp16 (P scaled by s_v / max s_v), or fp32
@@ -267,21 +263,21 @@ def _attention_kernel(
     kv_len = tl.load(KVLEN + b * stride_kvl).to(tl.int32)
     kv_end = tl.minimum(kv_len, n_keys)  # the keys stored
 
-    n_lo0 = 0  # the first split's first key
-    win_first = 0
     if HAS_WINDOW:
         # Splits cover the keys query 0 of this row can see, from its window's first key rounded
         # down to a tile (the launcher planned them for that span, not the whole cache): a sliding
         # layer's decode reads and launches as for a cache of the window's length.
-        n_lo0 = tl.maximum(kv_len - Tq - window + 1, 0) // BLOCK_N * BLOCK_N
+        n_lo = tl.maximum(kv_len - Tq - window + 1, 0) // BLOCK_N * BLOCK_N + split * split_len
         # the first key the program's first row (its lowest query) sees
         win_first = kv_len - Tq + (pid_m * BLOCK_M) // GROUP - window + 1
-    n_lo = n_lo0 + split * split_len
+    else:
+        n_lo = split * split_len
     if SPLIT_OUTPUT:
-        # a split past the current length, or (window) wholly below every row's window: nothing to
-        # do, and the merge skips it (with MERGE_LAST the first split always runs)
-        if not split_ran(n_lo, n_lo0, split_len, kv_end, win_first, HAS_WINDOW, MERGE_LAST):
+        if n_lo >= kv_end:  # a split past the current length: nothing to do, the merge skips it
             return
+        if HAS_WINDOW:
+            if n_lo + split_len <= win_first:  # wholly below every row's window: the merge skips it too
+                return
 
     # ---- rows of this program: (query index, query head) pairs of kv head hk ----
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -400,15 +396,6 @@ def _attention_kernel(
         tl.store(OP + b * stride_opb + h[:, None] * stride_oph + qi[:, None] * stride_opm + split * stride_ops
                  + d[None, :], out, mask=out_ok)
         tl.store(LSE + b * stride_lb + h * stride_lh + qi * stride_lm + split * stride_ls, lse, mask=row_ok)
-        if MERGE_LAST:
-            out_scale = 1.0
-            if SCALE_KIND == SCALE_STATIC:
-                out_scale = tl.load(VS + hk * stride_vsh).to(tl.float32)
-            merge_in_last_program(
-                COUNTER, pid_bh * tl.num_programs(0) + pid_m, n_lo0, split_len, kv_end, win_first,
-                OP, stride_opb, stride_oph, stride_opm, stride_ops, LSE, stride_lb, stride_lh, stride_lm, stride_ls,
-                O, stride_ob, stride_oh, stride_om, stride_od, SINKS, stride_sink, out_scale,
-                b, h, qi, row_ok, d, d_ok, HAS_WINDOW, HAS_SINKS, SPLITS, SPLITS_P2, BLOCK_M, BLOCK_D)
     else:
         if SCALE_KIND == SCALE_STATIC:
             out = out * tl.load(VS + hk * stride_vsh).to(tl.float32)

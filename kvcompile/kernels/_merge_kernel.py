@@ -1,85 +1,14 @@
-"""The merge of split-K decode: the partial outputs of one query row's splits combined by their
-log-sum-exp; a sink logit joins the denominator once.
-
-Two places run it. ``merge_in_last_program``: inside ``_attention_kernel``, the program that
-finishes last among the splits of its (row block, batch, kv head) merges them (it learns that from
-an atomic counter per row block; no second launch). ``_merge_kernel``: a launch of its own after
-``_attention_kernel`` (attention_launcher.py), which also multiplies a rotated V's output by R_V^T
-on the way out.
+"""@triton.jit merge of split-K decode (launched by attention_launcher.py after ``_attention_kernel``):
+the partial outputs of one query row's splits combined by their log-sum-exp; a sink logit joins
+the denominator once; a rotated V's output is multiplied by R_V^T on the way out.
 """
 
 import triton
 import triton.language as tl
 
+from ._attention_kernel import LOG2E
 from ._codes import to_store_dtype
 from ._rotation import sylvester_sign
-
-LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): exp(x) = exp2(x * LOG2E)
-
-
-@triton.jit
-def split_ran(n_lo, n_lo0, split_len, kv_end, win_first, HAS_WINDOW: tl.constexpr, MERGE_LAST: tl.constexpr):
-    """Whether the split starting at key ``n_lo`` runs (writes partials): it starts below the stored
-    length and (window) ends above the first key of its program's first row. With MERGE_LAST the
-    first split (``n_lo == n_lo0``) always runs, so that some program merges even with no key."""
-    ran = n_lo < kv_end
-    if HAS_WINDOW:
-        ran = ran & (n_lo + split_len > win_first)
-    if MERGE_LAST:
-        ran = ran | (n_lo == n_lo0)
-    return ran
-
-
-@triton.jit
-def merge_in_last_program(
-    COUNTER, counter_idx, n_lo0, split_len, kv_end, win_first,
-    OP, stride_opb, stride_oph, stride_opm, stride_ops,
-    LSE, stride_lb, stride_lh, stride_lm, stride_ls,
-    O, stride_ob, stride_oh, stride_om, stride_od,
-    SINKS, stride_sink, out_scale,
-    b, h, qi, row_ok, d, d_ok,
-    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """Called by every split program of ``_attention_kernel`` that ran, after it stored its partials:
-    the last of them to arrive merges the partials of all of them into ``O`` (rows ``(b, h, qi)``).
-
-    ``COUNTER[counter_idx]`` counts the arrivals of this (row block, batch, kv head); it is 0 before
-    the launch, and the last program sets it back to 0. The programs that run are exactly those
-    :func:`split_ran` names, so every program computes the same count. Ordering (the message-passing
-    pattern of CUTLASS's semaphore): the barrier orders this program's partial stores before one
-    thread's release increment; the last program's acquire orders its loads (through L2, ``.cg``)
-    after every release.
-    """
-    sp = tl.arange(0, SPLITS_P2)
-    ran = (sp < SPLITS) & split_ran(n_lo0 + sp * split_len, n_lo0, split_len, kv_end, win_first, HAS_WINDOW, True)
-    n_ran = tl.sum(ran.to(tl.int32), axis=0)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(COUNTER + counter_idx, 1, sem="acq_rel")
-    if arrived == n_ran - 1:
-        tl.atomic_xchg(COUNTER + counter_idx, 0, sem="relaxed")  # ready for the next launch
-        lse_rows = LSE + b * stride_lb + h * stride_lh + qi * stride_lm  # [BLOCK_M]
-        lse = tl.load(lse_rows[:, None] + sp[None, :] * stride_ls, mask=row_ok[:, None] & ran[None, :],
-                      other=float("-inf"), cache_modifier=".cg")
-        m = tl.max(lse, axis=1)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)  # a row without keys: every weight 0
-        den = tl.sum(tl.math.exp2(lse - m_safe[:, None]), axis=1)
-        o_rows = OP + b * stride_opb + h[:, None] * stride_oph + qi[:, None] * stride_opm + d[None, :]
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for s in tl.static_range(SPLITS):  # unrolled: every split's loads independent, in flight together
-            # split s ran, per row (a row vector: the interpreter widens a scalar & vector of bools to int32)
-            ran_s = row_ok & split_ran(tl.zeros([BLOCK_M], tl.int32) + (n_lo0 + s * split_len), n_lo0, split_len,
-                                       kv_end, win_first, HAS_WINDOW, True)
-            w = tl.math.exp2(tl.load(lse_rows + s * stride_ls, mask=ran_s, other=float("-inf"),
-                                     cache_modifier=".cg") - m_safe)
-            acc += w[:, None] * tl.load(o_rows + s * stride_ops, mask=ran_s[:, None] & d_ok[None, :],
-                                        other=0.0, cache_modifier=".cg")
-        if HAS_SINKS:  # the sink logit (natural-log units) in the LSE's log2 units; none for a row without keys
-            sink = tl.load(SINKS + h * stride_sink, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
-            den = den + tl.where(m == float("-inf"), 0.0, tl.math.exp2(sink - m_safe))
-        out = acc * (out_scale / tl.where(den > 0, den, 1.0))[:, None]
-        tl.store(O + b * stride_ob + h[:, None] * stride_oh + qi[:, None] * stride_om + d[None, :] * stride_od,
-                 to_store_dtype(out, O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit

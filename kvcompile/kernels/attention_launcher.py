@@ -1,8 +1,7 @@
 """Launcher of ``kvcompile::attention``: executes the plan :mod:`kvcompile.kernels.plan` makes.
 
 Paths (``plan.prefill_path``): ``decode`` (q_len <= 16: split-K over the cache with a split count
-fixed by static shapes, splits past ``kv_len`` exit at once, the last split program to finish
-combines the partials by their LSE, or a merge kernel after it),
+fixed by static shapes, splits past ``kv_len`` exit at once, an LSE merge kernel combines),
 ``fused`` (one pass of the fused kernel over the codes, one program per query block) and ``dense``
 (:mod:`kvcompile.kernels.dense`: dequantize the live prefix once, then the best SDPA; one host sync,
 so never inside CUDA graph capture). Sliding window, softcap and sinks are constexpr switches of
@@ -98,32 +97,6 @@ def call_of(q, k_q, k_scale, v_q, v_scale, attn_mask=None, is_causal=False, deco
 
 _SHRUNK: dict = {}  # calls whose tile Triton refused for lack of shared memory -> the tile that compiled
 
-# The merge counters of MERGE_LAST launches (_merge_kernel.merge_in_last_program): int32 zeros,
-# MERGE_COUNTERS of them per (device, stream), allocated once and never replaced or freed (a captured
-# CUDA graph keeps their address); every launch leaves them at zero. Launches on one stream never
-# overlap. A graph being captured (on a capture stream of its own, as torch.cuda.graph does) uses
-# the buffer its stream has or else the device's newest: the capture is ordered after the stream it
-# started from, so the graph's launches overlap no earlier launch that uses that buffer (replaying it
-# concurrently with kvcompile launches on another stream of the same device is not supported).
-MERGE_COUNTERS = 1 << 16
-_COUNTERS: dict = {}
-
-
-def merge_counters(dev: torch.device, n: int) -> Optional[Tensor]:
-    """The counter buffer for a launch on ``dev``'s current stream with ``n`` programs per split, or
-    None (the launch takes the merge kernel): more programs than a buffer holds, or a CUDA graph
-    being captured before any buffer exists on the device (it must not come from the graph's pool)."""
-    if n > MERGE_COUNTERS:
-        return None
-    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
-    buf = _COUNTERS.get((dev.type, dev.index, stream))
-    if buf is None:
-        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            same_device = [b for (t, i, _), b in _COUNTERS.items() if (t, i) == (dev.type, dev.index)]
-            return same_device[-1] if same_device else None
-        buf = _COUNTERS[(dev.type, dev.index, stream)] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=dev)
-    return buf
-
 
 def plan_of(call: plan_mod.Call) -> plan_mod.LaunchPlan:
     """The plan this launcher runs for ``call`` (the table's, or the smaller tile that compiled)."""
@@ -192,9 +165,6 @@ def _run(p: plan_mod.LaunchPlan, q, k_q, k_scale, v_q, v_scale, kv_len, attn_mas
     o_buf = torch.empty(out.shape, dtype=torch.float32, device=dev) if p.o_rotation == "launch" else out
     t = p.tile
     grid = (triton_cdiv(Tq * (Hq // c.Hkv), t.block_m), B * c.Hkv, splits)
-    counters = merge_counters(dev, grid[0] * grid[1]) if p.merge_last else None
-    if p.merge_last and counters is None:
-        p = dataclasses.replace(p, merge_last=False)
     _attention_kernel[grid](
         q, *q.stride(),
         kc, *kc.stride(), vc, *vc.stride(),
@@ -206,10 +176,9 @@ def _run(p: plan_mod.LaunchPlan, q, k_q, k_scale, v_q, v_scale, kv_len, attn_mas
         op, *op_strides,
         lse, *lse_strides,
         c.Hkv, Tq, D, float(sm_scale), p.split_len, int(c.window), float(softcap), rot_scale(D), c.L,
-        counters if counters is not None else kvl,
         **p.constexprs(), num_warps=t.num_warps, num_stages=t.num_stages, **_FP_FUSION, **_maxnreg(t),
     )
-    if splits > 1 and not p.merge_last:
+    if splits > 1:
         _merge_kernel[(B * Hq * Tq, triton_cdiv(D, ROT_CHUNK) if r_v is not None else 1)](
             op, *op.stride()[:4], lse, *lse.stride(), out, *out.stride(), kvl, kvl_stride,
             vs, vs.stride(1), sink_arg, sink_stride, r_v if r_v is not None else q, rot_scale(D), Hq, Tq, D,

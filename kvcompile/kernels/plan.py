@@ -30,7 +30,7 @@ from .. import tiles
 
 __all__ = ["Call", "LaunchPlan", "plan", "override", "prefill_path", "decode_splits", "SCALE_TOKEN", "SCALE_BLOCK",
            "SCALE_STATIC", "MASK_NONE", "MASK_BOOL", "MASK_ADD", "ROT_NONE", "ROT_MATRIX", "ROT_SYLVESTER",
-           "DECODE_MAX_Q", "DECODE_SMALL_PROGRAMS", "MERGE_LAST_MAX_SPLITS", "DENSE_MIN_Q", "DECODE_WAVES", "DECODE_PROGRAMS_PER_SM_SMALL",
+           "DECODE_MAX_Q", "DECODE_SMALL_PROGRAMS", "DENSE_MIN_Q", "DECODE_WAVES", "DECODE_PROGRAMS_PER_SM_SMALL",
            "INTERPRET_TILE"]
 
 # the kernel's mode constants (tl.constexpr in _attention_kernel.py; equal by test_plan)
@@ -59,8 +59,6 @@ DECODE_PROGRAMS_PER_SM_SMALL = 2
 INTERPRET_TILE = (32, 16)  # (largest block_m, block_n)
 # Columns per product of a rotation (the q prologue's and the merge's); tl.dot needs >= 16.
 ROT_CHUNK = 32
-# The most splits the last split program merges (its loop over them is unrolled); more: a merge launch.
-MERGE_LAST_MAX_SPLITS = 64
 _PATHS = ("auto", "fused", "dense")
 
 
@@ -117,10 +115,6 @@ class LaunchPlan:
     # after); "" where that side is not rotated
     q_rotation: str = ""
     o_rotation: str = ""
-    # split-K: the last split program of each (row block, batch, kv head) to finish merges the
-    # partials (an atomic counter; no merge launch), else _merge_kernel does (always for an output
-    # rotated by the merge)
-    merge_last: bool = False
 
     def _biased(self, code: torch.dtype) -> bool:
         # int8_bias may be forced (override): the bias needs int8 codes, token / static scales, fp16 dots
@@ -161,8 +155,7 @@ class LaunchPlan:
         return dict(
             GROUP=c.Hq // c.Hkv, GROUP_SIZE=c.group_size, SCALE_KIND=c.scale_kind, MASK_KIND=c.mask_kind,
             IS_CAUSAL=bool(c.is_causal), HAS_WINDOW=c.window > 0, HAS_SOFTCAP=c.softcap, HAS_SINKS=c.sinks,
-            SPLIT_OUTPUT=self.splits > 1, MERGE_LAST=self.merge_last, SPLITS=self.splits if self.merge_last else 1,
-            SPLITS_P2=_pow2(self.splits) if self.merge_last else 1, K_FP8_BITS=self.k_fp8_bits, V_FP8_BITS=self.v_fp8_bits, DOT_DTYPE=dt,
+            SPLIT_OUTPUT=self.splits > 1, K_FP8_BITS=self.k_fp8_bits, V_FP8_BITS=self.v_fp8_bits, DOT_DTYPE=dt,
             V_PIN=self.v_pin, V_KEYS_CONTIG=c.v_keys, INT8_PTX=self.int8_ptx,
             K_BIAS=self.k_bias, V_BIAS=self.v_bias,
             Q_HADAMARD=self.q_rotation == "kernel", ROT_CHUNK=ROT_CHUNK,
@@ -173,8 +166,6 @@ class LaunchPlan:
     def describe(self) -> str:
         t, c = self.tile, self.call
         split = f", {self.resident}/SM, {self.splits} splits of {self.split_len}" if c.decode else ""
-        if self.splits > 1:
-            split += ", merged by the last split" if self.merge_last else ", merged by a launch"
         rot = [f"{side} rotated by {where}" for side, where in (("q", self.q_rotation), ("out", self.o_rotation)) if where]
         return (f"{'decode' if c.decode else 'fused'}: tile {t.block_m}x{t.block_n} {t.num_warps}w {t.num_stages}s"
                 + (f" maxnreg {t.maxnreg}" if t.maxnreg else "") + split + f", {str(self.dot_dtype)[6:]} dots"
@@ -255,8 +246,7 @@ def plan(call: Call, tile: Optional[tiles.Tile] = None) -> LaunchPlan:
             o_rot = _plan(call, tile).o_rotation
         if o_rot == "merge" and p.splits == 1:
             o_rot = "launch"
-        return dataclasses.replace(p, q_rotation=q_rot, o_rotation=o_rot,
-                                   merge_last=p.merge_last and _merge_last_applies(p.splits, o_rot))
+        return dataclasses.replace(p, q_rotation=q_rot, o_rotation=o_rot)
     return _plan(call, tile)
 
 
@@ -325,14 +315,7 @@ def _plan(call: Call, tile: Optional[tiles.Tile]) -> LaunchPlan:
         o_rot = "merge" if splits > 1 else "launch"
     return LaunchPlan(call=c, tile=tile, resident=max(1, resident), splits=splits, split_len=split_len,
                       dot_dtype=dot_dtype, k_fp8_bits=k_fp8_bits, v_fp8_bits=v_fp8_bits, v_pin=v_pin,
-                      int8_ptx=int8_ptx, int8_bias=int8_bias, q_rotation=q_rot, o_rotation=o_rot,
-                      merge_last=_merge_last_applies(splits, o_rot))
-
-
-def _merge_last_applies(splits: int, o_rotation: str) -> bool:
-    """The last split program can merge: a split launch whose output the merge does not rotate, with
-    at most MERGE_LAST_MAX_SPLITS splits (its loop over them is unrolled)."""
-    return 1 < splits <= MERGE_LAST_MAX_SPLITS and o_rotation != "merge"
+                      int8_ptx=int8_ptx, int8_bias=int8_bias, q_rotation=q_rot, o_rotation=o_rot)
 
 
 def _span(c: Call, tile: tiles.Tile) -> int:
