@@ -210,6 +210,7 @@ class QuantizedCache(Cache):
         device = _checked_device(device)
         num_layers, kv_heads, head_dim = hf.layer_shapes(config)  # refuses what the cache cannot serve
         windows = hf.layer_windows(config)
+        hf.check_cache_length(config, max_cache_len)
         k_fmt.check_head_dim(head_dim)
         v_fmt.check_head_dim(head_dim)
         if rotate is None:

@@ -262,6 +262,27 @@ def layer_windows(config) -> list[int]:
     return [int(kw["sliding_window"]) if t == "sliding_attention" else 0 for t, kw in zip(types, kwargs)]
 
 
+def check_cache_length(config, max_cache_len: int) -> None:
+    """Raise :class:`UnsupportedModelError` for a model whose attention cannot run over a static cache
+    of ``max_cache_len`` positions.
+
+    GPT-Neo's local layers cut their window out of a band mask by the key tensor's length (the rows
+    ``key_length - query_length ...``), which a static cache pads to ``max_cache_len``: once that
+    exceeds ``window_size`` the band lands on the empty slots past the tokens stored (transformers'
+    own ``StaticCache`` gives the same wrong answer). Up to ``window_size`` the band holds every key.
+    """
+    text = text_config(config)
+    layers = getattr(text, "attention_layers", None) or []
+    window = getattr(text, "window_size", None)
+    if getattr(text, "model_type", "") == "gpt_neo" and "local" in layers and window and max_cache_len > window:
+        raise UnsupportedModelError(
+            f"GPT-Neo's local attention layers (window_size={window}) cut their window out of a mask by the "
+            f"key tensor's length, which a static cache pads to max_cache_len={max_cache_len}: past "
+            f"{window} positions they would attend to empty slots (transformers' StaticCache does the same)",
+            f"use max_cache_len <= {window}, or transformers' DynamicCache for longer sequences",
+        )
+
+
 def cache_kwarg(model) -> str:
     """The keyword under which ``model`` (a transformers model, its ``forward``, or a wrapper of it such
     as ``torch.compile``'s or :class:`kvcompile.BatchPaddedForward`) takes a cache: ``"cache"``

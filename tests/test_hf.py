@@ -123,6 +123,30 @@ def test_other_refusals(config, match):
         hf.layer_shapes(config())
 
 
+def test_gpt_neo_local_layers_refused_past_their_window():
+    """GPT-Neo's local layers slice their band mask by the key tensor's length: over a static cache
+    longer than window_size the band misses the stored tokens. transformers' StaticCache shows it
+    (its logits leave DynamicCache's), so kvcompile refuses that length, naming the window and the
+    fix; up to window_size it builds, and a config without local layers builds at any length."""
+    cfg = transformers.GPTNeoConfig(vocab_size=96, hidden_size=64, num_layers=2, num_heads=4, window_size=4,
+                                    attention_types=[[["global", "local"], 1]], max_position_embeddings=64,
+                                    bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    ids = torch.randint(3, 96, (1, 8))
+    kw = cache_kwarg(model)
+    with torch.no_grad():
+        dynamic = model(ids, **{kw: transformers.DynamicCache(config=cfg)}).logits
+        static = model(ids, **{kw: transformers.StaticCache(config=cfg, max_cache_len=16)}).logits
+    assert (dynamic - static).abs().max() > 1e-2  # what the refusal guards against
+    with pytest.raises(hf.UnsupportedModelError, match=r"window_size=4.*max_cache_len <= 4"):
+        kvcompile.QuantizedCache(cfg, max_cache_len=16, kv_dtype="fp8_e4m3")
+    assert kvcompile.QuantizedCache(cfg, max_cache_len=4, kv_dtype="fp8_e4m3").max_cache_len == 4
+    cfg.attention_types = [[["global"], 2]]
+    cfg.attention_layers = ["global", "global"]
+    assert kvcompile.QuantizedCache(cfg, max_cache_len=16, kv_dtype="fp8_e4m3").max_cache_len == 16
+
+
 def test_cache_kwarg_sees_through_wrappers():
     model = tiny_model("llama")
     want = "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters else "past_key_values"
