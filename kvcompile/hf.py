@@ -266,20 +266,31 @@ def check_cache_length(config, max_cache_len: int) -> None:
     """Raise :class:`UnsupportedModelError` for a model whose attention cannot run over a static cache
     of ``max_cache_len`` positions.
 
-    GPT-Neo's local layers cut their window out of a band mask by the key tensor's length (the rows
-    ``key_length - query_length ...``), which a static cache pads to ``max_cache_len``: once that
-    exceeds ``window_size`` the band lands on the empty slots past the tokens stored (transformers'
-    own ``StaticCache`` gives the same wrong answer). Up to ``window_size`` the band holds every key.
+    Two models select keys by the key tensor's length, which a static cache pads to
+    ``max_cache_len`` (transformers' own ``StaticCache`` gives the same wrong answers there):
+
+    * GPT-Neo's local layers cut their window out of a band mask by rows ``key_length -
+      query_length ...``: past ``window_size`` positions the band lands on the empty slots past the
+      tokens stored (up to ``window_size`` the band holds every key);
+    * Doge's dynamic mask keeps the ``keep_window_size`` keys of largest weight over the whole key
+      length: past it, empty slots compete with the stored tokens.
     """
     text = text_config(config)
-    layers = getattr(text, "attention_layers", None) or []
-    window = getattr(text, "window_size", None)
-    if getattr(text, "model_type", "") == "gpt_neo" and "local" in layers and window and max_cache_len > window:
+    model_type = getattr(text, "model_type", "")
+    limit, why = None, ""
+    if model_type == "gpt_neo" and "local" in (getattr(text, "attention_layers", None) or []):
+        limit = getattr(text, "window_size", None)
+        why = (f"GPT-Neo's local attention layers (window_size={limit}) cut their window out of a mask by the key "
+               "tensor's length")
+    elif model_type == "doge":
+        limit = getattr(text, "keep_window_size", None)
+        why = (f"Doge's dynamic mask keeps the keep_window_size={limit} keys of largest weight over the key "
+               "tensor's whole length")
+    if limit and max_cache_len > limit:
         raise UnsupportedModelError(
-            f"GPT-Neo's local attention layers (window_size={window}) cut their window out of a mask by the "
-            f"key tensor's length, which a static cache pads to max_cache_len={max_cache_len}: past "
-            f"{window} positions they would attend to empty slots (transformers' StaticCache does the same)",
-            f"use max_cache_len <= {window}, or transformers' DynamicCache for longer sequences",
+            f"{why}, which a static cache pads to max_cache_len={max_cache_len}: past {limit} positions it would "
+            "select empty slots (transformers' StaticCache gives the same wrong answer)",
+            f"use max_cache_len <= {limit}, or transformers' DynamicCache for longer sequences",
         )
 
 

@@ -123,14 +123,27 @@ def test_other_refusals(config, match):
         hf.layer_shapes(config())
 
 
-def test_gpt_neo_local_layers_refused_past_their_window():
-    """GPT-Neo's local layers slice their band mask by the key tensor's length: over a static cache
-    longer than window_size the band misses the stored tokens. transformers' StaticCache shows it
-    (its logits leave DynamicCache's), so kvcompile refuses that length, naming the window and the
-    fix; up to window_size it builds, and a config without local layers builds at any length."""
-    cfg = transformers.GPTNeoConfig(vocab_size=96, hidden_size=64, num_layers=2, num_heads=4, window_size=4,
-                                    attention_types=[[["global", "local"], 1]], max_position_embeddings=64,
-                                    bos_token_id=1, eos_token_id=2)
+def _gpt_neo(local: bool):
+    types = [[["global", "local"], 1]] if local else [[["global"], 2]]
+    return transformers.GPTNeoConfig(vocab_size=96, hidden_size=64, num_layers=2, num_heads=4, window_size=4,
+                                     attention_types=types, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+
+
+def tiny_config_doge(keep: int):
+    return transformers.DogeConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   keep_window_size=keep, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.mark.parametrize("family", ["gpt_neo", "doge"])
+def test_key_length_selecting_models_refused_past_their_limit(family):
+    """GPT-Neo's local layers (a band mask sliced by the key length) and Doge's dynamic mask (the
+    keep_window_size largest keys over the key length) select keys by the key tensor's length,
+    which a static cache pads: transformers' StaticCache shows it (its logits leave DynamicCache's),
+    so kvcompile refuses lengths past the limit, naming it and the fix; up to the limit it builds,
+    and the same family without the feature builds at any length."""
+    cfg, plain, limit = {"gpt_neo": (_gpt_neo(True), _gpt_neo(False), 4),
+                         "doge": (tiny_config_doge(4), tiny_config_doge(64), 4)}[family]
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     ids = torch.randint(3, 96, (1, 8))
@@ -139,12 +152,10 @@ def test_gpt_neo_local_layers_refused_past_their_window():
         dynamic = model(ids, **{kw: transformers.DynamicCache(config=cfg)}).logits
         static = model(ids, **{kw: transformers.StaticCache(config=cfg, max_cache_len=16)}).logits
     assert (dynamic - static).abs().max() > 1e-2  # what the refusal guards against
-    with pytest.raises(hf.UnsupportedModelError, match=r"window_size=4.*max_cache_len <= 4"):
+    with pytest.raises(hf.UnsupportedModelError, match=rf"={limit}\b.*max_cache_len <= {limit}, or .*DynamicCache"):
         kvcompile.QuantizedCache(cfg, max_cache_len=16, kv_dtype="fp8_e4m3")
-    assert kvcompile.QuantizedCache(cfg, max_cache_len=4, kv_dtype="fp8_e4m3").max_cache_len == 4
-    cfg.attention_types = [[["global"], 2]]
-    cfg.attention_layers = ["global", "global"]
-    assert kvcompile.QuantizedCache(cfg, max_cache_len=16, kv_dtype="fp8_e4m3").max_cache_len == 16
+    assert kvcompile.QuantizedCache(cfg, max_cache_len=limit, kv_dtype="fp8_e4m3").max_cache_len == limit
+    assert kvcompile.QuantizedCache(plain, max_cache_len=16, kv_dtype="fp8_e4m3").max_cache_len == 16
 
 
 def test_cache_kwarg_sees_through_wrappers():
