@@ -186,7 +186,8 @@ def decode(args):
                 record("decode", shape, f"kvcompile-{name} R-launches", bench(fns_m, len(fns_m)),
                        nb + 4 * B * HQ * D, base_ms=base, splits=splits)
                 del fns_m
-            if args.sweep and (B, L) in ((1, 4096), (8, 4096), (8, 32768), (1, 32768), (4, 131072), (32, 8192), (32, 32768)):
+            if args.sweep and ((B, L) in ((1, 4096), (8, 4096), (8, 32768), (1, 32768), (4, 131072), (32, 8192),
+                                          (32, 32768)) or shape in SPLITS):
                 sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=args.tile_sweep, R=R)
             del caches, fns
         torch.cuda.empty_cache()
