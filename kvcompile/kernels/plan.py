@@ -30,7 +30,7 @@ from .. import tiles
 
 __all__ = ["Call", "LaunchPlan", "plan", "override", "prefill_path", "decode_splits", "SCALE_TOKEN", "SCALE_BLOCK",
            "SCALE_STATIC", "MASK_NONE", "MASK_BOOL", "MASK_ADD", "ROT_NONE", "ROT_MATRIX", "ROT_SYLVESTER",
-           "DECODE_MAX_Q", "DECODE_SMALL_PROGRAMS", "DENSE_MIN_Q", "DECODE_WAVES", "DECODE_PROGRAMS_PER_SM_SMALL",
+           "DECODE_MAX_Q", "DECODE_SMALL_PROGRAMS", "DECODE_MIN_SPLIT_TILES", "DENSE_MIN_Q", "DECODE_WAVES", "DECODE_PROGRAMS_PER_SM_SMALL",
            "INTERPRET_TILE"]
 
 # the kernel's mode constants (tl.constexpr in _attention_kernel.py; equal by test_plan)
@@ -51,6 +51,12 @@ DECODE_SMALL_PROGRAMS = 16  # programs per split at most: no full wave (latency-
 # best, at most this many waves (H200, session 6 run 5: 1-4 within 1% at B=8 L=32k and B=4 L=128k;
 # 1 loses 7% at B=32 L=32k, 6 loses 4-8%).
 DECODE_WAVES = 2
+# ... but splits shorter than this many key tiles: their per-program fixed cost (prologue, q, partial
+# output) outweighs the waves' fill, and one wave of DECODE_PROGRAMS_PER_SM_SMALL programs per SM
+# wins (H200, session 16, fp8 / int8 us: B=8 L=4k 26.1 / 29.5 with 4 splits against 30.6 / 34.3
+# with the fill's 11, B=4 L=8k 25.9 / 28.9 with 8 against 31.5 / 35.7 with 22, B=4 L=4k 17.7 /
+# 19.7 with 8 against 18.7 / 21.0 with 11; 128-key tiles).
+DECODE_MIN_SPLIT_TILES = 8
 # ... when there are at most DECODE_SMALL_PROGRAMS a split per program cannot fill a wave anyway: this
 # many programs per SM (session 6 run 3: 3 instead of 2 at B=1 L=32k, 27.3 vs 26.0 us fp8, 49.6 vs
 # 38.2 q8_0).
@@ -362,22 +368,25 @@ def decode_splits(programs: int, max_len: int, block_n: int, sms: int, resident:
     ``programs`` per split (batch * kv heads * query blocks); ``resident`` programs of the tile fit
     one SM at once, so ``resident * sms`` run per wave. Every program of a launch reads one split
     (the last may be shorter), so a launch a few programs past a whole wave ends with that wave
-    nearly empty: the count chosen fills its waves best (ties: more waves), at most ``DECODE_WAVES``
+    nearly empty: the count chosen fills its waves best (ties: fewer waves), at most ``DECODE_WAVES``
     of them; with at least one block of keys per split. With at most ``DECODE_SMALL_PROGRAMS``
-    a split per program cannot fill a wave anyway: ``DECODE_PROGRAMS_PER_SM_SMALL`` programs per SM.
+    a split per program cannot fill a wave anyway, and when the best fill needs splits shorter than
+    ``DECODE_MIN_SPLIT_TILES`` blocks their fixed costs outweigh it: then one wave of
+    ``DECODE_PROGRAMS_PER_SM_SMALL`` programs per SM.
     """
     return _decode_splits(programs, max_len, block_n, sms, max(1, resident), DECODE_WAVES,
-                          DECODE_PROGRAMS_PER_SM_SMALL)
+                          DECODE_PROGRAMS_PER_SM_SMALL, DECODE_MIN_SPLIT_TILES)
 
 
 @functools.lru_cache(maxsize=4096)
-def _decode_splits(programs, max_len, block_n, sms, resident, waves_max, pps_small):
+def _decode_splits(programs, max_len, block_n, sms, resident, waves_max, pps_small, min_tiles):
     blocks = -(-max_len // block_n)
 
     def split(want: int) -> tuple[int, int]:
         split_len = -(-(-(-max_len // want)) // block_n) * block_n
         return -(-max_len // split_len), split_len
 
+    per_sm = split(max(1, min(round(pps_small * sms / programs), blocks)))
     if programs <= DECODE_SMALL_PROGRAMS:
         return split(max(1, min(-(-(pps_small * sms) // programs), blocks)))
     slots = resident * sms
@@ -394,6 +403,8 @@ def _decode_splits(programs, max_len, block_n, sms, resident, waves_max, pps_sma
         last_len = max_len - (splits - 1) * split_len
         tail = last_len if programs * (splits - 1) <= (waves - 1) * slots else split_len
         fill = programs * max_len / (slots * ((waves - 1) * split_len + tail))
-        if fill >= best_fill - 0.01:
-            best, best_fill = (splits, split_len), max(fill, best_fill)
+        if fill > best_fill + 0.01:  # ties: fewer waves (fewer programs, each one's fixed cost paid fewer times)
+            best, best_fill = (splits, split_len), fill
+    if best[1] < min_tiles * block_n:  # short splits: one wave of pps_small programs per SM instead
+        return per_sm
     return best
