@@ -134,9 +134,21 @@ def layer_types(config) -> list[str]:
     return list(types)
 
 
+def _attr(text, name: str, default: Any = None) -> Any:
+    """``text.<name>``; for an attribute a heterogeneous config holds per layer (transformers raises
+    on its global read), the first layer's value that is set (else the first layer's)."""
+    try:
+        return getattr(text, name, default)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError: it varies across layers
+        if not hasattr(text, "per_layer_config"):
+            raise
+        values = [getattr(c, name, default) for c in text.per_layer_config]
+        return next((v for v in values if v not in (None, False, 0)), values[0] if values else default)
+
+
 def _truthy_attr(cfg, *names) -> Any:
     for name in names:
-        value = getattr(cfg, name, None)
+        value = _attr(cfg, name)
         if value:
             return name, value
     return None
@@ -157,33 +169,33 @@ def check_config(config) -> None:
         raise UnsupportedModelError(
             f"{name} has cross-attention ({cross[0]}={cross[1]}), and the cache serves self-attention K/V only"
         )
-    if getattr(text, "kv_lora_rank", None) is not None:
+    if _attr(text, "kv_lora_rank") is not None:
         raise UnsupportedModelError(
-            f"{name} uses multi-head latent attention (kv_lora_rank={text.kv_lora_rank}: DeepSeek-V2/V3, Kimi K2, "
+            f"{name} uses multi-head latent attention (kv_lora_rank={_attr(text, 'kv_lora_rank')}: DeepSeek-V2/V3, Kimi K2, "
             "MiniCPM3): K and V come from a compressed latent with different head dims, which the cache's "
             "one-shape K/V store and kvcompile::attention do not serve"
         )
     model_type = getattr(text, "model_type", "") or ""
-    alibi = model_type == "bloom" or getattr(text, "alibi", False) or getattr(getattr(text, "attn_config", None), "alibi", False)
-    alibi = alibi or getattr(text, "position_embedding_type", None) == "alibi"
+    alibi = model_type == "bloom" or _attr(text, "alibi", False) or getattr(_attr(text, "attn_config"), "alibi", False)
+    alibi = alibi or _attr(text, "position_embedding_type") == "alibi"
     if alibi:
         raise UnsupportedModelError(
             f"{name} uses ALiBi (a per-head linear position bias added to the attention scores: Bloom, MPT, "
             "Falcon with alibi=True), which kvcompile::attention does not apply"
         )
-    if getattr(text, "is_causal", True) is False or getattr(text, "use_bidirectional_attention", False):
+    if _attr(text, "is_causal", True) is False or _attr(text, "use_bidirectional_attention", False):
         raise UnsupportedModelError(
             f"{name} attends bidirectionally (is_causal=False / use_bidirectional_attention=True), and the "
             "cache serves causal decoding only",
             "run the model without a cache (it is an encoder)",
         )
-    shared = getattr(text, "num_kv_shared_layers", 0)
+    shared = _attr(text, "num_kv_shared_layers", 0)
     if shared:
         raise UnsupportedModelError(
             f"{name} shares K/V across layers (num_kv_shared_layers={shared}: Gemma 3n, Gemma 4): those layers "
             "read another layer's cache entries directly"
         )
-    if getattr(text, "num_attention_heads", None) is None:
+    if _attr(text, "num_attention_heads") is None:
         raise UnsupportedModelError(
             f"{name} has no attention heads (a recurrent model such as Mamba or RWKV): it keeps no K/V to quantize",
             "run it without kvcompile",
@@ -226,9 +238,12 @@ def _kv_heads(cfg, heads: int) -> int:
 def _per_layer_shapes(text) -> tuple[int, int]:
     name = type(text).__name__
     shapes = []
-    for cfg in _layer_configs(text):
+    types, _ = _types_and_kwargs(text)
+    for cfg, layer_type in zip(_layer_configs(text), types):
         heads = cfg.num_attention_heads
         kv_heads = _kv_heads(cfg, heads)
+        if getattr(text, "model_type", "") == "mimo_v2_flash" and layer_type == "sliding_attention":
+            kv_heads *= 2  # MiMo-V2-Flash's sliding layers: twice the config's kv heads (its modeling code)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         v_head_dim = getattr(cfg, "v_head_dim", None)
         if v_head_dim is not None and v_head_dim != head_dim:

@@ -158,6 +158,20 @@ def test_key_length_selecting_models_refused_past_their_limit(family):
     assert kvcompile.QuantizedCache(plain, max_cache_len=16, kv_dtype="fp8_e4m3").max_cache_len == 16
 
 
+@pytest.mark.parametrize("cls, kw, match", [
+    # a heterogeneous config (transformers' per-layer attributes): kv_lora_rank is per layer, and its
+    # global read raises in transformers; the refusal must read it per layer
+    ("Dots3NoteConfig", {}, "multi-head latent attention"),
+    # its modeling code gives the sliding layers twice the config's kv heads
+    ("MiMoV2FlashConfig", dict(v_head_dim=192), r"differ in \(kv heads, head dim\): \[\(4, 192\), \(8, 192\)\]"),
+])
+def test_refusals_of_per_layer_configs(cls, kw, match):
+    if not hasattr(transformers, cls):
+        pytest.skip(f"transformers {transformers.__version__} has no {cls}")
+    with pytest.raises(hf.UnsupportedModelError, match=match):
+        kvcompile.QuantizedCache(getattr(transformers, cls)(**kw), max_cache_len=16, kv_dtype="fp8_e4m3")
+
+
 def test_cache_kwarg_sees_through_wrappers():
     model = tiny_model("llama")
     want = "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters else "past_key_values"
