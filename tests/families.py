@@ -72,6 +72,8 @@ ROWS: list[Row] = [
     Row("qwen3_moe", "qwen3_moe", "Qwen3-MoE", "Qwen3-30B-A3B", {}, real=dict(num_hidden_layers=48)),
     Row("gpt2", "gpt2", "GPT-2", "gpt2", {}, real=dict(n_layer=12)),
     Row("gptj", "gptj", "GPT-J", "gpt-j-6b", {}, real=dict(n_layer=28), note="scores in float32"),
+    Row("gpt_neo", "gpt_neo", "GPT-Neo", "gpt-neo-1.3B", {}, real=dict(num_layers=24), attn=("eager",),
+        note="12 of them local (window 256), served up to max_cache_len 256"),
     Row("falcon", "falcon", "Falcon", "falcon-7b", {}, real=dict(num_hidden_layers=32, num_attention_heads=71,
                                                                  hidden_size=4544), note="one kv head (multi-query)"),
 ]

@@ -77,6 +77,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # GPT-J-6B: hidden 4096, 28 layers, 16 heads (MHA), rotary on 64 of 256 dims; eager scores in float32
     # from query.to(float32) / key.to(float32)
     "gptj": ("GPTJConfig", dict(num_key_value_heads=None, rotary_dim=16)),
+    # GPT-Neo-1.3B: hidden 2048, 24 layers alternating global / local (window_size 256), 16 heads (MHA),
+    # learned positions, unscaled float32 scores masked by torch.where(band, scores, finfo.min); its
+    # local layers are served up to window_size positions (kvcompile.hf.check_cache_length)
+    "gpt_neo": ("GPTNeoConfig", dict(num_key_value_heads=None, num_hidden_layers=2,
+                                     attention_types=[[["global", "local"], 1]], window_size=256)),
     # falcon-7b: hidden 4544, 32 layers, 71 q heads over one kv head (multi_query, broadcast without
     # enable_gqa); its config names kv heads num_kv_heads; eager divides the scores in place
     "falcon": ("FalconConfig", dict(num_key_value_heads=None)),

@@ -436,6 +436,9 @@ LEFT_ALONE = {
     "alibi_bias": (_alibi, None, "second additive term", True),
     "masked_fill": (lambda q, k, v, mb, ma: _finish(q, _scores(q, k).masked_fill(~mb, -1e9), v), None,
                     "masked_fill", True),
+    # a where-mask (GPT-Neo's spelling) whose fill does not mask: the scores of dropped keys become -5
+    "where_fill_not_masking": (lambda q, k, v, mb, ma: _finish(q, torch.where(mb, _scores(q, k), -5.0), v), None,
+                               "not a masking value", True),
     "probabilities_read_elsewhere": (_probs_read_twice, None, "read by several nodes", True),
     "training_dropout": (lambda q, k, v, mb, ma: torch.matmul(F.dropout(
         F.softmax(_scores(q, k) + ma, dim=-1, dtype=torch.float32), p=0.1, training=True).to(q.dtype), v), None,

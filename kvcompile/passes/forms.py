@@ -7,7 +7,8 @@ something the op does not). ``softcap`` and ``sinks`` are stages of the eager ch
 
 * ``sdpa``: ``F.scaled_dot_product_attention(q, K, V, attn_mask, dropout_p, is_causal, scale,
   enable_gqa)``, positional or keyword;
-* ``eager``: ``matmul(q, K.transpose(2, 3))`` [``* s`` or ``/ s``] [softcap] [``+ mask``] ->
+* ``eager``: ``matmul(q, K.transpose(2, 3))`` [``* s`` or ``/ s``] [softcap] [``torch.where(bool mask,
+  scores, fill <= -1e30)``, GPT-Neo] [``+ mask``] ->
   ``softmax(dim=-1[, dtype])`` [a cast to V's dtype (``.to`` / ``.type``) / ``dropout`` in either
   order] -> ``matmul(P, V)`` (Llama's ``eager_attention_forward`` and its copies; GPT-2's ``.type``,
   GPT-J's and CodeGen's scores in float32 from ``query.to(torch.float32)``);
@@ -44,6 +45,15 @@ SOFTMAX = (F.softmax, torch.softmax, "softmax")
 DROPOUT = (F.dropout, torch.dropout)
 
 
+@dataclasses.dataclass(frozen=True)
+class WhereMask:
+    """A bool mask and an additive one on the same scores (GPT-Neo: ``torch.where(keep, s, min) +
+    add``): the rewrite passes the op ``torch.where(keep, add, -inf)``."""
+
+    keep: fx.Node
+    add: fx.Node
+
+
 @dataclasses.dataclass
 class AttentionCall:
     """What one attention site computes, in the op's terms (before the common checks of :mod:`.rewrite`)."""
@@ -53,7 +63,7 @@ class AttentionCall:
     q: fx.Node
     key: fx.Node  # the K value attention reads (the K chain's end)
     value: fx.Node
-    mask: Any = None
+    mask: Any = None  # a bool / additive mask node, or a WhereMask
     is_causal: bool = False
     scale: Optional[float] = None
     enable_gqa: bool = False
@@ -119,6 +129,7 @@ def eager(k: KVChain, v: KVChain) -> Optional[AttentionCall]:
     call = AttentionCall(form="eager", anchor=m1, q=m1.args[0], key=k.end, value=v.end, nodes=[t, m1])
     x = _scaling(m1, call)
     x = softcap(x, call)
+    x = _where_mask(x, call)
     x = _mask(x, call)
     nxt = only_user(x, "the attention scores")
     if is_call(nxt, torch.cat):
@@ -177,6 +188,42 @@ def softcap(x: fx.Node, call: AttentionCall) -> fx.Node:
     return mul
 
 
+# a fill at or below this masks a key: exp(fill - max) is 0 in float32 for any score the op sees
+_MASKING_FILL = -1e30
+
+
+def _fill_value(fill: Any) -> Optional[float]:
+    """The number a ``torch.where`` fill stands for: a Python number, or ``torch.tensor(number, ...)``
+    built in the graph (GPT-Neo's ``torch.finfo(dtype).min``); None otherwise."""
+    if isinstance(fill, (int, float)) and not isinstance(fill, bool):
+        return float(fill)
+    if is_call(fill, torch.tensor) and fill.args and isinstance(fill.args[0], (int, float)):
+        return float(fill.args[0])
+    return None
+
+
+def _where_mask(x: fx.Node, call: AttentionCall) -> fx.Node:
+    """A bool mask applied by ``torch.where(mask, scores, fill)`` with a masking fill (GPT-Neo's band /
+    causal mask, ``torch.finfo(dtype).min``) -> the op's bool mask (keep where True). An additive mask
+    after it joins it in :func:`_mask`."""
+    nxt = only_user(x, "the attention scores")
+    if not (is_call(nxt, torch.where, "where") and len(nxt.args) == 3 and not nxt.kwargs and nxt.args[1] is x):
+        return x
+    cond, fill = nxt.args[0], nxt.args[2]
+    c = val(cond)
+    if not (isinstance(c, torch.Tensor) and c.dtype == torch.bool):
+        raise Skip(f"torch.where over the attention scores selects by {describe(cond) if isinstance(cond, fx.Node) else cond!r}, "
+                   "not by a bool mask")
+    f = _fill_value(fill)
+    if f is None or not f <= _MASKING_FILL:
+        raise Skip(f"torch.where(mask, scores, fill) fills with {fill!r}, not a masking value (<= {_MASKING_FILL:g})")
+    call.mask = cond
+    call.nodes.append(nxt)
+    if isinstance(fill, fx.Node):
+        call.nodes.append(fill)  # erased with the form's nodes once dead
+    return nxt
+
+
 def _mask(x: fx.Node, call: AttentionCall) -> fx.Node:
     nxt = only_user(x, "the attention scores")
     if not (is_call(nxt, *ADD) and len(nxt.args) == 2 and not nxt.kwargs and x in nxt.args):
@@ -186,7 +233,8 @@ def _mask(x: fx.Node, call: AttentionCall) -> fx.Node:
     other = nxt.args[1] if nxt.args[0] is x else nxt.args[0]
     if not isinstance(val(other), torch.Tensor):
         raise Skip(f"the attention scores are shifted by {other!r}, not by a mask tensor")
-    call.mask = other
+    # after a where-mask both apply: the op gets one additive mask, built by the rewrite
+    call.mask = other if call.mask is None else WhereMask(call.mask, other)
     call.nodes.append(nxt)
     after = only_user(nxt, "the masked attention scores")
     if is_call(after, *ADD, *SUB):

@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .forms import AttentionCall
+from .forms import AttentionCall, WhereMask
 from .graph import Skip, arg, before, cast_dtype, constant, copy_meta, known_eq, known_le, shape, val
 from .spellings import KVChain
 
@@ -148,9 +148,15 @@ def _window(w: Any) -> Any:
 
 def _mask(mask: Any, n: Any, L: Any, sliced: bool) -> Any:
     """A mask over the graph's keys: bool (keep) or float (additive), at most 4-D, its last dim the
-    key count. Returns ``mask`` or, over a slice of n < L keys, ``("pad", mask, L - n)``."""
+    key count. Returns ``mask`` or, over a slice of n < L keys, ``("pad", mask, L - n)``; a
+    :class:`WhereMask` gives ``("where", keep, add)`` of those."""
     if mask is None:
         return None
+    if isinstance(mask, WhereMask):
+        keep, add = _mask(mask.keep, n, L, sliced), _mask(mask.add, n, L, sliced)
+        if val(mask.add).dtype == torch.bool:
+            raise Skip("a bool mask added to the attention scores")
+        return ("where", keep, add)
     m = val(mask)
     if not isinstance(m, torch.Tensor):
         raise Skip(f"mask {mask!r} is not a tensor")
@@ -209,6 +215,16 @@ def _reads_length(user: fx.Node) -> bool:
     return dim not in other
 
 
+def _emit_mask(graph: fx.Graph, mask: Any) -> Any:
+    """The op's mask from :func:`_mask`'s answer (at the graph's insertion point)."""
+    if not isinstance(mask, tuple):
+        return mask
+    if mask[0] == "pad":  # bool: padded keys are dropped (False); additive: 0 (kv_len bounds them anyway)
+        return graph.call_function(F.pad, (mask[1], (0, mask[2])))
+    keep, add = _emit_mask(graph, mask[1]), _emit_mask(graph, mask[2])
+    return graph.call_function(torch.where, (keep, add, float("-inf")))
+
+
 def emit(call: AttentionCall, k: KVChain, v: KVChain, p: dict) -> fx.Node:
     """Insert the op before the anchor; returns the node replacing it."""
     graph = call.anchor.graph
@@ -223,10 +239,7 @@ def emit(call: AttentionCall, k: KVChain, v: KVChain, p: dict) -> fx.Node:
             _, length, bound = kv_len
             kv_len = graph.call_method("clamp", (length,), {"max": bound})
             copy_meta(kv_len, length, ("example_value", "val"))
-        mask = p["mask"]
-        if isinstance(mask, tuple):
-            _, mask, extra = mask
-            mask = graph.call_function(F.pad, (mask, (0, extra)))
+        mask = _emit_mask(graph, p["mask"])
         if "store" in p:  # a ring: the store folded in (module docstring)
             store = p["store"]
             cache_len = arg(store, 6, "start")
