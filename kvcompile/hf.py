@@ -189,6 +189,12 @@ def check_config(config) -> None:
             "cache serves causal decoding only",
             "run the model without a cache (it is an encoder)",
         )
+    if model_type == "moshi" and _attr(text, "sliding_window") is not None:
+        raise UnsupportedModelError(
+            f"{name} gives its layers a sliding_window ({_attr(text, 'sliding_window')}) but masks them as full causal "
+            "attention: the window exists only as transformers' caches evict old tokens, so a prefill sees every "
+            "token and a decode step the last sliding_window; kvcompile's cache applies the window to every query"
+        )
     shared = _attr(text, "num_kv_shared_layers", 0)
     if shared:
         raise UnsupportedModelError(

@@ -105,6 +105,7 @@ REFUSED: list[Refused] = [
     Refused("MPT", "mpt-7b", _cfg("MptConfig"), "ALiBi"),
     Refused("Falcon (alibi=True)", "falcon-rw-1b", _cfg("FalconConfig", alibi=True), "ALiBi"),
     Refused("Gemma 3n", "gemma-3n-E4B", _cfg("Gemma3nTextConfig"), "shares K/V"),
+    Refused("Moshi", "moshiko-pytorch-bf16", _cfg("MoshiConfig"), "masks them as full causal"),
     Refused("Jamba", "Jamba-v0.1", _cfg("JambaConfig"), "recurrent / linear-attention"),
     Refused("Qwen3-Next", "Qwen3-Next-80B-A3B", _cfg("Qwen3NextConfig"), "recurrent / linear-attention"),
     Refused("Falcon-H1", "Falcon-H1-7B", _cfg("FalconH1Config"), "recurrent state"),
