@@ -171,8 +171,8 @@ def check_config(config) -> None:
         )
     if _attr(text, "kv_lora_rank") is not None:
         raise UnsupportedModelError(
-            f"{name} uses multi-head latent attention (kv_lora_rank={_attr(text, 'kv_lora_rank')}: DeepSeek-V2/V3, Kimi K2, "
-            "MiniCPM3): K and V come from a compressed latent with different head dims, which the cache's "
+            f"{name} uses multi-head latent attention (kv_lora_rank={_attr(text, 'kv_lora_rank')}: DeepSeek-V2/V3, "
+            "Kimi K2, MiniCPM3): K and V come from a compressed latent with different head dims, which the cache's "
             "one-shape K/V store and kvcompile::attention do not serve"
         )
     model_type = getattr(text, "model_type", "") or ""
@@ -191,9 +191,10 @@ def check_config(config) -> None:
         )
     if model_type == "moshi" and _attr(text, "sliding_window") is not None:
         raise UnsupportedModelError(
-            f"{name} gives its layers a sliding_window ({_attr(text, 'sliding_window')}) but masks them as full causal "
-            "attention: the window exists only as transformers' caches evict old tokens, so a prefill sees every "
-            "token and a decode step the last sliding_window; kvcompile's cache applies the window to every query"
+            f"{name} gives its layers a sliding_window ({_attr(text, 'sliding_window')}) but masks them as full "
+            "causal attention: the window exists only as transformers' caches evict old tokens, so a prefill sees "
+            "every token and a decode step the last sliding_window; kvcompile's cache applies the window to every "
+            "query"
         )
     shared = _attr(text, "num_kv_shared_layers", 0)
     if shared:

@@ -30,8 +30,8 @@ from .. import tiles
 
 __all__ = ["Call", "LaunchPlan", "plan", "override", "prefill_path", "decode_splits", "SCALE_TOKEN", "SCALE_BLOCK",
            "SCALE_STATIC", "MASK_NONE", "MASK_BOOL", "MASK_ADD", "ROT_NONE", "ROT_MATRIX", "ROT_SYLVESTER",
-           "DECODE_MAX_Q", "DECODE_SMALL_PROGRAMS", "DECODE_MIN_SPLIT_TILES", "DENSE_MIN_Q", "DECODE_WAVES", "DECODE_PROGRAMS_PER_SM_SMALL",
-           "INTERPRET_TILE"]
+           "DECODE_MAX_Q", "DECODE_SMALL_PROGRAMS", "DECODE_MIN_SPLIT_TILES", "DENSE_MIN_Q", "DECODE_WAVES",
+           "DECODE_PROGRAMS_PER_SM_SMALL", "INTERPRET_TILE"]
 
 # the kernel's mode constants (tl.constexpr in _attention_kernel.py; equal by test_plan)
 SCALE_TOKEN, SCALE_BLOCK, SCALE_STATIC = 0, 1, 2
@@ -386,7 +386,6 @@ def _decode_splits(programs, max_len, block_n, sms, resident, waves_max, pps_sma
         split_len = -(-(-(-max_len // want)) // block_n) * block_n
         return -(-max_len // split_len), split_len
 
-    per_sm = split(max(1, min(round(pps_small * sms / programs), blocks)))
     if programs <= DECODE_SMALL_PROGRAMS:
         return split(max(1, min(-(-(pps_small * sms) // programs), blocks)))
     slots = resident * sms
@@ -406,5 +405,5 @@ def _decode_splits(programs, max_len, block_n, sms, resident, waves_max, pps_sma
         if fill > best_fill + 0.01:  # ties: fewer waves (fewer programs, each one's fixed cost paid fewer times)
             best, best_fill = (splits, split_len), fill
     if best[1] < min_tiles * block_n:  # short splits: one wave of pps_small programs per SM instead
-        return per_sm
+        return split(max(1, min(round(pps_small * sms / programs), blocks)))
     return best

@@ -212,8 +212,8 @@ def _where_mask(x: fx.Node, call: AttentionCall) -> fx.Node:
     cond, fill = nxt.args[0], nxt.args[2]
     c = val(cond)
     if not (isinstance(c, torch.Tensor) and c.dtype == torch.bool):
-        raise Skip(f"torch.where over the attention scores selects by {describe(cond) if isinstance(cond, fx.Node) else cond!r}, "
-                   "not by a bool mask")
+        what = describe(cond) if isinstance(cond, fx.Node) else repr(cond)
+        raise Skip(f"torch.where over the attention scores selects by {what}, not by a bool mask")
     f = _fill_value(fill)
     if f is None or not f <= _MASKING_FILL:
         raise Skip(f"torch.where(mask, scores, fill) fills with {fill!r}, not a masking value (<= {_MASKING_FILL:g})")
