@@ -71,6 +71,13 @@ class UnsupportedModelError(ValueError):
         super().__init__(f"kvcompile.QuantizedCache: {reason}; {fix}")
 
 
+# families whose self-attention is causal only with config.is_decoder=True (their causal-LM heads warn otherwise)
+_ENCODER_UNLESS_DECODER = frozenset({
+    "bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "electra", "ernie", "megatron-bert",
+    "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer", "xlm-roberta", "xlm-roberta-xl", "xmod",
+})
+
+
 def text_config(config) -> Any:
     """The decoder's config (``config.get_text_config(decoder=True)`` for multimodal wrappers)."""
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -188,6 +195,13 @@ def check_config(config) -> None:
             f"{name} attends bidirectionally (is_causal=False / use_bidirectional_attention=True), and the "
             "cache serves causal decoding only",
             "run the model without a cache (it is an encoder)",
+        )
+    if model_type in _ENCODER_UNLESS_DECODER and not _attr(text, "is_decoder", False):
+        raise UnsupportedModelError(
+            f"{name} has is_decoder=False: this family (BERT, RoBERTa, ELECTRA, ...) attends bidirectionally unless "
+            "its config says is_decoder=True, and the cache serves causal decoding only",
+            "build the model from a config with is_decoder=True (transformers asks for it too when a causal-LM "
+            "head runs on its own)",
         )
     if model_type == "moshi" and _attr(text, "sliding_window") is not None:
         raise UnsupportedModelError(

@@ -106,6 +106,8 @@ REFUSED: list[Refused] = [
     Refused("Falcon (alibi=True)", "falcon-rw-1b", _cfg("FalconConfig", alibi=True), "ALiBi"),
     Refused("Gemma 3n", "gemma-3n-E4B", _cfg("Gemma3nTextConfig"), "shares K/V"),
     Refused("Moshi", "moshiko-pytorch-bf16", _cfg("MoshiConfig"), "masks them as full causal"),
+    Refused("BERT / RoBERTa as a causal LM, is_decoder=False", "bert-base-uncased", _cfg("BertConfig"),
+            "attends bidirectionally unless"),
     Refused("Jamba", "Jamba-v0.1", _cfg("JambaConfig"), "recurrent / linear-attention"),
     Refused("Qwen3-Next", "Qwen3-Next-80B-A3B", _cfg("Qwen3NextConfig"), "recurrent / linear-attention"),
     Refused("Falcon-H1", "Falcon-H1-7B", _cfg("FalconH1Config"), "recurrent state"),

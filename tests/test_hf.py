@@ -172,6 +172,27 @@ def test_refusals_of_per_layer_configs(cls, kw, match):
         kvcompile.QuantizedCache(getattr(transformers, cls)(**kw), max_cache_len=16, kv_dtype="fp8_e4m3")
 
 
+def test_bert_family_needs_is_decoder():
+    """BERT-family causal-LM heads attend bidirectionally unless is_decoder=True (the witness: position
+    0's logits move when a later token changes); kvcompile refuses that config and builds the other."""
+    kw = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    ids = torch.randint(3, 96, (1, 6))
+    later = ids.clone()
+    later[0, -1] = (later[0, -1] + 1) % 96
+    for is_decoder in (False, True):
+        cfg = transformers.BertConfig(**kw, is_decoder=is_decoder)
+        torch.manual_seed(0)
+        model = transformers.BertLMHeadModel(cfg).eval()
+        with torch.no_grad():
+            moved = (model(ids).logits[0, 0] - model(later).logits[0, 0]).abs().max()
+        assert (moved > 1e-4) == (not is_decoder)
+        if is_decoder:
+            assert kvcompile.QuantizedCache(cfg, max_cache_len=16, kv_dtype="fp8_e4m3").max_cache_len == 16
+        else:
+            with pytest.raises(hf.UnsupportedModelError, match="is_decoder=False.*bidirectionally.*is_decoder=True"):
+                kvcompile.QuantizedCache(cfg, max_cache_len=16, kv_dtype="fp8_e4m3")
+
+
 def test_cache_kwarg_sees_through_wrappers():
     model = tiny_model("llama")
     want = "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters else "past_key_values"
