@@ -203,6 +203,12 @@ def check_config(config) -> None:
             "build the model from a config with is_decoder=True (transformers asks for it too when a causal-LM "
             "head runs on its own)",
         )
+    last_loop = _attr(text, "recurrent_kv_cache_mode") == "last_loop"
+    if model_type == "dory" and _attr(text, "n_recurrent_layers", 0) and last_loop:
+        raise UnsupportedModelError(
+            f"{name} runs recurrent_kv_cache_mode='last_loop': its earlier loops read the cache layers' keys and "
+            "values tensors directly, which a kvcompile cache holds as 8-bit codes"
+        )
     if model_type == "moshi" and _attr(text, "sliding_window") is not None:
         raise UnsupportedModelError(
             f"{name} gives its layers a sliding_window ({_attr(text, 'sliding_window')}) but masks them as full "

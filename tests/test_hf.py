@@ -164,8 +164,11 @@ def test_key_length_selecting_models_refused_past_their_limit(family):
     ("Dots3NoteConfig", {}, "multi-head latent attention"),
     # its modeling code gives the sliding layers twice the config's kv heads
     ("MiMoV2FlashConfig", dict(v_head_dim=192), r"differ in \(kv heads, head dim\): \[\(4, 192\), \(8, 192\)\]"),
+    # its earlier loops read the cache layers' keys / values tensors (the per-loop mode runs, unrefused)
+    ("DoryConfig", dict(num_hidden_layers=3, n_input_layers=1, n_recurrent_layers=1, n_output_layers=1,
+                        n_recurrent_loops=2, recurrent_kv_cache_mode="last_loop"), "last_loop"),
 ])
-def test_refusals_of_per_layer_configs(cls, kw, match):
+def test_refusals_of_newer_families(cls, kw, match):
     if not hasattr(transformers, cls):
         pytest.skip(f"transformers {transformers.__version__} has no {cls}")
     with pytest.raises(hf.UnsupportedModelError, match=match):
