@@ -341,7 +341,8 @@ class QuantizedCache(Cache):
         if sliding:
             extra = (
                 f", sliding window {'/'.join(map(str, windows))} on {sliding} of {len(self.layers)} layers "
-                f"(each still stores max_cache_len positions)"
+                + ("(each a ring of its window's positions)" if any(layer.ring for layer in self.layers)
+                   else "(each stores max_cache_len positions: ring=False)")
             )
         return (
             f"kvcompile.QuantizedCache({self.layers[0].format_name}, layers={len(self.layers)}, "

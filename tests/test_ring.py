@@ -301,3 +301,13 @@ def test_gpu_ring_decode_in_cuda_graph(kind):
         ref = reference.attention(q1, *lin, n_len, None, False, None, w, 0.0, None, R, None,
                                   compute_dtype=torch.float64)
         assert _rel(out, ref) < TOL, int(n_len)
+
+
+def test_repr_says_how_sliding_layers_store():
+    """The cache's repr names what a sliding layer holds: a ring of the window, or (ring=False) every
+    position."""
+    cfg = tiny_config("mistral", num_hidden_layers=2, sliding_window=4)
+    ring = repr(kvcompile.QuantizedCache(cfg, max_cache_len=16, kv_dtype="fp8_e4m3"))
+    flat = repr(kvcompile.QuantizedCache(cfg, max_cache_len=16, kv_dtype="fp8_e4m3", ring=False))
+    assert "sliding window 4 on 2 of 2 layers" in ring and "a ring of its window" in ring
+    assert "stores max_cache_len positions" in flat and "max_cache_len positions" not in ring
