@@ -49,7 +49,8 @@ _REFUSED_LAYER_TYPES = {
     "linear_attention": "a recurrent / linear-attention (Mamba, GDN, lightning) layer: it keeps a state, not K/V",
     "conv": "a convolution layer: it keeps a conv state, not K/V",
     "hybrid": "an attention layer fused with a recurrent state (Zamba2, Falcon-H1): the cache keeps K/V only",
-    "hybrid_sliding": "an attention layer fused with a recurrent state (Zamba2, Falcon-H1): the cache keeps K/V only",
+    "hybrid_sliding": ("a sliding-window attention layer with a linear-attention state beside its K/V (transformers' "
+                       "LinearAttentionAndSlidingWindowAttentionLayer): the cache keeps K/V only"),
     "dummy": (
         "a layer without a K/V cache of its own (it reuses another layer's K/V, or has no attention); "
         "the cache needs one K/V store per layer"
