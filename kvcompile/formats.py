@@ -100,10 +100,7 @@ class KVFormat:
     granularity: str
 
     def __post_init__(self):
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(
-                f"unknown kv_dtype {self.kv_dtype!r}; kvcompile accepts one of {list(KV_DTYPES)}"
-            )
+        _check_name(self.kv_dtype)
         if self.granularity not in SCALE_GRANULARITIES:
             raise ValueError(
                 f"unknown scale granularity {self.granularity!r}; use one of {list(SCALE_GRANULARITIES)}"
@@ -184,9 +181,17 @@ class KVFormat:
         return 1.0 + g * scale_bytes / head_dim
 
 
+# names people write for a format (torch's, llama.cpp's, another case): the error suggests the format
+_ALIASES = {"fp8": "fp8_e4m3", "e4m3": "fp8_e4m3", "float8": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3",
+            "fp8_e4m3fn": "fp8_e4m3", "q8": "q8_0", "int8_t": "int8"}
+
+
 def _check_name(kv_dtype, what: str = "kv_dtype") -> None:
     if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"unknown {what} {kv_dtype!r}; kvcompile accepts one of {list(KV_DTYPES)}")
+        key = str(kv_dtype).lower().replace("torch.", "")
+        close = key if key in KV_DTYPES else _ALIASES.get(key)
+        hint = f" (did you mean {close!r}?)" if close else ""
+        raise ValueError(f"unknown {what} {kv_dtype!r}{hint}; kvcompile accepts one of {list(KV_DTYPES)}")
 
 
 def get_format(kv_dtype: str, granularity: str | None = None) -> KVFormat:

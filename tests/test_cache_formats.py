@@ -181,7 +181,10 @@ def test_bad_format_choices_are_refused_at_construction():
     cfg = tiny_config("llama")
     for kw, match in (
         (dict(k_dtype="int4"), "unknown k_dtype 'int4'"),
-        (dict(v_dtype="fp16"), "unknown v_dtype 'fp16'"),
+        (dict(v_dtype="fp16"), "unknown v_dtype 'fp16'; kvcompile accepts"),  # no guess where none fits
+        (dict(kv_dtype="fp8"), r"unknown kv_dtype 'fp8' \(did you mean 'fp8_e4m3'\?\)"),
+        (dict(kv_dtype=torch.float8_e4m3fn), r"\(did you mean 'fp8_e4m3'\?\)"),
+        (dict(kv_dtype="Q8_0"), r"\(did you mean 'q8_0'\?\)"),
         (dict(k_dtype="q8_0", v_dtype="int8"), "one scale granularity"),
         (dict(k_dtype="int8", v_dtype="q8_0"), "one scale granularity"),
         (dict(k_dtype="q8_0", v_dtype="fp8_e4m3"), "one scale granularity"),  # fp8 per token
