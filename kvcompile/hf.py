@@ -144,14 +144,15 @@ def layer_types(config) -> list[str]:
 
 def _attr(text, name: str, default: Any = None) -> Any:
     """``text.<name>``; for an attribute a heterogeneous config holds per layer (transformers raises
-    on its global read), the first layer's value that is set (else the first layer's)."""
+    on its global read), the first layer's value other than ``default`` (any layer that departs from
+    it decides a refusal), else ``default``."""
     try:
         return getattr(text, name, default)
     except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError: it varies across layers
         if not hasattr(text, "per_layer_config"):
             raise
-        values = [getattr(c, name, default) for c in text.per_layer_config]
-        return next((v for v in values if v not in (None, False, 0)), values[0] if values else default)
+        values = (getattr(c, name, default) for c in text.per_layer_config)
+        return next((v for v in values if v != default), default)
 
 
 def _truthy_attr(cfg, *names) -> Any:

@@ -169,12 +169,17 @@ def dequantize(codes: Tensor, scale: Tensor, offset: Optional[Tensor], kv_len: T
     return out
 
 
+def _unrotation_fits(head_dim: int, scale: Tensor) -> bool:
+    """The dequantize's un-rotation takes this side: a power-of-two head_dim the 16-wide dots take, one
+    scale per row (token or static: it factors out of the product with the exact codes)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and (scale.dim() == 1 or scale.shape[-1] == 1)
+
+
 def unrotates_in_dequantize(rotation_matrix: Optional[Tensor], scale: Tensor) -> bool:
     """Whether :func:`dequantize_kv` can rotate a side back itself: the shared Sylvester matrix (its
-    entries generated, never read) of a head_dim the 16-wide dots take, one scale per row (token or
-    static: it factors out of the product with the exact codes)."""
-    return (rotation_matrix is not None and rotation_matrix.shape[0] >= 16
-            and rotation.is_shared_sylvester(rotation_matrix) and (scale.dim() == 1 or scale.shape[-1] == 1))
+    entries generated, never read) and a side :func:`_unrotation_fits`."""
+    return (rotation_matrix is not None and rotation.is_shared_sylvester(rotation_matrix)
+            and _unrotation_fits(rotation_matrix.shape[0], scale))
 
 
 def dequantize_kv(k_codes: Tensor, k_scale: Tensor, v_codes: Tensor, v_scale: Tensor, kv_len: Tensor, n: int,
@@ -190,7 +195,7 @@ def dequantize_kv(k_codes: Tensor, k_scale: Tensor, v_codes: Tensor, v_scale: Te
     if not 0 <= n <= L or v_codes.shape != k_codes.shape:
         raise ValueError(f"kvcompile.dequantize_kv: n={n} for codes {tuple(k_codes.shape)} / {tuple(v_codes.shape)}")
     unrotate = k_unrotate or v_unrotate
-    if unrotate and (D & (D - 1) or D < 16 or (k_scale.dim() != 1 and k_scale.shape[-1] != 1)):
+    if unrotate and not _unrotation_fits(D, k_scale):
         raise ValueError(f"kvcompile.dequantize_kv: no un-rotation in the dequantize for head_dim {D} and scales "
                          f"{tuple(k_scale.shape)} (a power of two >= 16 and one scale per token or head)")
     k = torch.empty((B, H, n, D), dtype=dtype, device=k_codes.device)
