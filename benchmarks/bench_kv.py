@@ -203,7 +203,8 @@ def window(args):
     also stores the step's token. A decode step of any layer stores its token, so two more rows time
     that step whole: ``full L=W + store`` (``store_kv`` then the attention, as a full layer runs) and
     ``sdpa-bf16 over W + store`` (``index_copy_`` of the token, then SDPA); the ring's ``vs_full_step``
-    and ``vs_sdpa_step`` compare it with them."""
+    and ``vs_sdpa_step`` compare it with them. ``ring, store launched``: the ring's step with the token
+    stored by a launch of its own instead of inside the attention kernel (``plan.override(store="launch")``)."""
     W, ctx = args.window, args.window_context
     for B in (int(b) for b in args.window_batches.split(",")):
         shape = f"B={B} L={ctx} W={W}"
@@ -253,6 +254,10 @@ def window(args):
                    for q, c in zip(qs * (-(-n // len(qs))), caches)]
             ms = bench(fns, len(fns))
             record("window", shape, f"kvcompile-{name} ring", ms, nb + 4 * B * HQ * D, base_ms=base,
+                   vs_full=times["full L=W"] / ms, vs_full_step=times["full step"] / ms, vs_sdpa_step=base_step / ms)
+            with plan_mod.override(store="launch"):  # the token stored by a launch of its own (A/B)
+                ms = bench(fns, len(fns))
+            record("window", shape, f"kvcompile-{name} ring, store launched", ms, nb + 4 * B * HQ * D, base_ms=base,
                    vs_full=times["full L=W"] / ms, vs_full_step=times["full step"] / ms, vs_sdpa_step=base_step / ms)
             del caches, fns
             torch.cuda.empty_cache()

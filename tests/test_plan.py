@@ -139,3 +139,24 @@ def test_no_module_flag_changes_a_kernel():
         mod = importlib.import_module(f"kvcompile.kernels.{info.name}")
         flags = [n for n, v in vars(mod).items() if n.isupper() and isinstance(v, bool)]
         assert not flags, (info.name, flags)
+
+
+def test_token_store_placement():
+    """A decode that also stores its token (a ring's step) stores it in the attention kernel when one
+    program per split and kv head holds the token's slot and the store's rotation runs in registers;
+    otherwise by a store launch before the kernel. A call that stores nothing has neither."""
+    assert P.plan(_call()).store == ""
+    assert P.plan(_call()).constexprs()["STORE_NEW"] is False
+    p = P.plan(_call(store=True, k_rot=P.ROT_SYLVESTER))
+    assert p.store == "kernel"
+    assert p.constexprs()["STORE_NEW"] and p.constexprs()["STORE_K_HADAMARD"]
+    assert not p.constexprs()["STORE_V_HADAMARD"] and not p.constexprs()["STORE_OFFSET"]
+    assert P.plan(_call(store=True, store_offset=True)).constexprs()["STORE_OFFSET"]
+    assert P.plan(_call(store=True, k_rot=P.ROT_MATRIX)).store == "launch"  # R read from memory
+    assert P.plan(_call(store=True, Tq=2)).store == "launch"  # two queries: not one program's slot
+    assert P.plan(_call(store=True, Hq=8 * 256)).store == "launch"  # 256 query heads per kv head: >1 query block
+    p = P.plan(_call(store=True, scale_kind=P.SCALE_STATIC, scale_bytes=0, k_rot=P.ROT_SYLVESTER))
+    assert p.store == "launch"  # the store's in-register rotation takes token scales
+    with P.override(tile=tiles.Tile(16, 64, 4, 2)):  # a forced tile whose block_m no longer holds the group
+        assert P.plan(_call(store=True, Hq=8 * 32)).store == "launch"
+    assert "token stored by kernel" in P.plan(_call(store=True)).describe()

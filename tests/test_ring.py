@@ -136,13 +136,71 @@ def test_ring_attention_equals_a_linear_cache_with_the_window(backend, kind, rot
                                    compute_dtype=torch.float64)
         moved = max(moved, _rel(full, ref))
         c += T
-        # the ring holds the last W positions, bit for bit, in slot p % W
+        # the ring holds the last W positions in slot p % W, bit for bit; K rotated, as the store rotates
+        # it up to the order of the rotation's fp32 sums (the Triton decode rotates the token in the
+        # attention kernel, the linear store by a launch): a code at most one step and a scale (the
+        # row's amax / 127) a few ulps apart
         pos = torch.arange(max(0, c - W), c, device=DEV)
-        for r, lt in zip(ring, lin):
+        for i, (r, lt) in enumerate(zip(ring, lin)):
             if r.dim() == 1:
                 continue
-            assert torch.equal(_bytes(r)[:, :, pos % W], _bytes(lt)[:, :, pos]), f"slots after {c} positions"
+            got, want = _bytes(r)[:, :, pos % W], _bytes(lt)[:, :, pos]
+            if R is not None and i < 2:
+                step = (got.double() - want.double()).abs().max().item()
+                assert step <= (1 if i == 0 else 1e-6 * want.abs().max().item()), f"K after {c} positions: {step}"
+            else:
+                assert torch.equal(got, want), f"slots after {c} positions"
     assert moved > OFF_MIN, f"without the window the result moved only {moved:.3g}: the test cannot tell"
+
+
+@pytest.mark.skipif(_backends()[-1].values[0] != "triton", reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("kind,rotate,offset", [
+    ("fp8_e4m3", False, True),
+    ("int8", True, False),
+    ("int8", "kv", True),
+    ("q8_0", False, False),
+    ("fp8_static", False, False),
+])
+def test_ring_decode_stores_its_token_in_the_attention_kernel(kind, rotate, offset, monkeypatch):
+    """A ring's decode step stores its token inside the attention kernel (the plan's ``store ==
+    "kernel"``; no store launch): the ring's codes and scales after each step, and the output, are
+    those of the store launched before the kernel (``store="launch"``), bit for bit, through a fill
+    and two wraps; and the step is right (against the float64 reference over a linear cache)."""
+    from kvcompile.kernels import attention_launcher, plan
+
+    monkeypatch.setenv("KVCOMPILE_KERNELS", "triton")
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, rotate, offset)).encode()))
+    fused, launched, lin = _buffers(kind, W), _buffers(kind, W), _buffers(kind, L)
+    if kind == "fp8_static":
+        lin[1], lin[3] = fused[1], fused[3]
+        launched[1], launched[3] = fused[1], fused[3]
+    R = rotation.shared(D, torch.device(DEV)) if rotate else None
+    Rv = R if rotate == "kv" else None
+    off = (torch.randn(HKV, D, generator=gen) * 0.5).to(DEV) if offset else None
+    n_len = torch.zeros((), dtype=torch.long, device=DEV)
+    for step in range(2 * W + 3):
+        k = (torch.randn(B, HKV, 1, D, generator=gen) * 2).to(DEV)
+        v = torch.randn(B, HKV, 1, D, generator=gen).to(DEV)
+        q = (torch.randn(B, HQ, 1, D, generator=gen) * 2).to(DEV)
+        ops.store_kv(*lin, k, v, n_len, off, R, Rv)
+        n_len += 1
+        call = attention_launcher.call_of(q, *fused[:4], k_rotation=R, v_rotation=Rv, new_token=(k, v, off))
+        assert attention_launcher.plan_of(call).store == "kernel"
+        out = ops.attention_ring(q, *fused, n_len, k, v, off, None, None, False, None, 0.0, None, R, Rv)
+        with plan.override(store="launch"):
+            want = ops.attention_ring(q, *launched, n_len, k, v, off, None, None, False, None, 0.0, None, R, Rv)
+        if R is None:
+            assert torch.equal(out, want), f"step {step}"
+            for a, b_ in zip(fused, launched):
+                assert torch.equal(_bytes(a), _bytes(b_)), f"ring after step {step}"
+        else:  # the kernel's rotation and the launch's sum in another order (fp32): a scale a few ulps
+            # apart, a code on a rounding boundary one step; the output within fp32 rounding of that
+            assert _rel(out, want) < 1e-5, f"step {step}"
+            for i, (a, b_) in enumerate(zip(fused, launched)):
+                diff = (a.double() - b_.double()).abs().max().item()
+                assert diff <= (1 if i % 2 == 0 else 1e-6 * b_.abs().max().item()), f"ring after step {step}: {i}"
+        ref = reference.attention(q, *lin, n_len, None, False, None, W, 0.0, None, R, Rv, compute_dtype=torch.float64)
+        assert _rel(out, ref) < TOL, f"step {step}"
 
 
 @pytest.mark.parametrize("backend", _backends())

@@ -29,6 +29,7 @@ def _quantize_rows(
     HADAMARD: tl.constexpr,    # store x @ H_D * rot_scale (one group of D == GROUP_SIZE; BLOCK_T >= 16)
     ROT_EXACT: tl.constexpr,   # the rotation's dots in fp32 FMAs (the interpreter)
     ROT_CHUNK: tl.constexpr,
+    ONE_ROW: tl.constexpr = False,  # with HADAMARD: one token (T == 1), quantized alone after the 16-row rotation
 ):
     # A [BLOCK_T * GROUPS_P2, GROUP_SIZE] tile: row r is token t0 + r // GROUPS_P2, group r % GROUPS_P2.
     rows = tl.arange(0, BLOCK_T * GROUPS_P2)
@@ -42,6 +43,14 @@ def _quantize_rows(
     if HADAMARD:  # the rotation of a cache stored rotated, in registers (no launch of its own)
         x = hadamard_rows(X + b * stride_xb + h * stride_xh + t[:, None] * stride_xt, stride_xd, row_ok[:, None],
                           rot_scale, ROT_EXACT, BLOCK_T, GROUP_SIZE, ROT_CHUNK)
+        if ONE_ROW:  # rows 1.. are the dot's padding: the token's row alone goes on (a 16th of the work)
+            x = tl.sum(tl.where((rows == 0)[:, None], x, 0.0), axis=0)[None, :]
+            rows = tl.arange(0, 1)
+            t = t0 + rows
+            g = rows
+            d = cols[None, :]
+            row_ok = t < T
+            ok = row_ok[:, None] & (d < D)
     else:
         x = tl.load(X + b * stride_xb + h * stride_xh + t[:, None] * stride_xt + d * stride_xd, mask=ok, other=0.0)
         x = x.to(tl.float32)

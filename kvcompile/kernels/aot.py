@@ -166,7 +166,9 @@ def compile_attention(
     v_code = "*i8" if not p.call.v_code.is_floating_point else ("*u8" if v_bits else "*fp8e4nv")
     scale = "*fp32" if fmt.scale_dtype.itemsize == 4 else "*fp16"
     ptrs = {"Q": "*bf16", "K": k_code, "V": v_code, "KS": scale, "VS": scale, "KVLEN": "*i64", "MASK": mask_ptr,
-            "SINKS": "*fp32" if sinks else "*bf16", "O": "*bf16", "OP": "*fp32", "LSE": "*fp32"}
+            "SINKS": "*fp32" if sinks else "*bf16", "O": "*bf16", "OP": "*fp32", "LSE": "*fp32",
+            # no token stored (the plan's store is off here): the launcher passes q for these
+            "KN": "*bf16", "VN": "*bf16", "KW": "*bf16", "VW": "*bf16", "OFF": "*bf16"}
     ones = {"stride_qd", "stride_kd", "stride_vn" if v_keys else "stride_vd", "stride_od", "stride_kvl", "stride_ls"}
     if sinks:
         ones.add("stride_sink")  # a contiguous [Hq] parameter (without sinks the launcher passes 0)

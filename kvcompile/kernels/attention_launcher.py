@@ -27,7 +27,7 @@ from .common import device_cc, interpreting, kv_len_arg, next_pow2, rot_scale, s
 from .plan import (DECODE_MAX_Q, MASK_ADD, MASK_BOOL, MASK_NONE, ROT_CHUNK, ROT_MATRIX, ROT_NONE, ROT_SYLVESTER,
                    SCALE_STATIC, scale_bytes, scale_layout)
 from .rotate import rotate_rows
-from .store import triton_cdiv
+from .store import _as_bits as as_bits, store_kv, triton_cdiv
 
 __all__ = ["attention", "call_of", "plan_of", "v_keys_contiguous", "scale_bytes", "DECODE_MAX_Q"]
 
@@ -77,7 +77,7 @@ def _rot_kind(r: Optional[Tensor]) -> int:
 
 
 def call_of(q, k_q, k_scale, v_q, v_scale, attn_mask=None, is_causal=False, decode=True, window=0, softcap=0.0,
-            sinks=None, k_rotation=None, v_rotation=None) -> plan_mod.Call:
+            sinks=None, k_rotation=None, v_rotation=None, new_token=None) -> plan_mod.Call:
     """The :class:`plan.Call` of a call with these tensors (``window`` > 0 only when it hides keys)."""
     B, Hq, Tq, D = q.shape
     Hkv, L = k_q.shape[1], k_q.shape[2]
@@ -92,6 +92,7 @@ def call_of(q, k_q, k_scale, v_q, v_scale, attn_mask=None, is_causal=False, deco
         is_causal=bool(is_causal), window=int(window) if 0 < window < L else 0, softcap=softcap > 0,
         sinks=sinks is not None, k_rot=_rot_kind(k_rotation), v_rot=_rot_kind(v_rotation),
         v_keys=v_keys_contiguous(v_q), decode=decode,
+        store=new_token is not None, store_offset=new_token is not None and new_token[2] is not None,
     )
 
 
@@ -114,17 +115,17 @@ def _shrink(tile: tiles.Tile):
 
 
 def _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, decode: bool, window=0,
-           softcap=0.0, sinks=None, k_rotation=None, v_rotation=None) -> Tensor:
+           softcap=0.0, sinks=None, k_rotation=None, v_rotation=None, new_token=None) -> Tensor:
     """The fused kernels: plan, then run (with a smaller tile when Triton refuses the planned one)."""
     from triton.runtime.errors import OutOfResources
 
     call = call_of(q, k_q, k_scale, v_q, v_scale, attn_mask, is_causal, decode, window, softcap, sinks,
-                   k_rotation, v_rotation)
+                   k_rotation, v_rotation, new_token)
     while True:
         p = plan_of(call)
         try:
             return _run(p, q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, sm_scale, softcap, sinks,
-                        k_rotation, v_rotation)
+                        k_rotation, v_rotation, new_token)
         except OutOfResources:
             # the shared-memory model in tiles.py is an estimate; Triton has the last word
             smaller = _shrink(p.tile)
@@ -134,12 +135,23 @@ def _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale
 
 
 def _run(p: plan_mod.LaunchPlan, q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, sm_scale, softcap, sinks,
-         k_rotation, v_rotation) -> Tensor:
-    """One launch of the attention kernel as planned (+ the merge when split, + the rotations the plan
-    puts in launches of their own)."""
+         k_rotation, v_rotation, new_token=None) -> Tensor:
+    """One launch of the attention kernel as planned (+ the merge when split, + the rotations and the
+    token's store the plan puts in launches of their own)."""
     c = p.call
     B, Hq, Tq, D = q.shape
     dev = q.device
+    if p.store == "launch":
+        store_kv(k_q, k_scale, v_q, v_scale, *new_token[:2], kv_len, new_token[2], k_rotation, v_rotation, shift=-1,
+                 ring=c.L)
+    if p.store == "kernel":
+        k_new, v_new, k_offset = new_token
+        kw, vw = as_bits(k_q), as_bits(v_q)
+        off = k_offset if k_offset is not None else q
+        store_args = (k_new, *k_new.stride(), v_new, *v_new.stride(), kw, *kw.stride(), vw, *vw.stride(),
+                      off, *((k_offset.stride(0), k_offset.stride(1)) if k_offset is not None else (0, 0)))
+    else:  # unused pointers (q) and strides
+        store_args = (q, 0, 0, 0, 0) * 4 + (q, 0, 0)
     q_dtype = q.dtype
     if p.q_rotation == "launch":  # fp32: the kernel rounds q once, into its dot type
         q = rotate_rows(q, k_rotation, dtype=torch.float32)
@@ -176,6 +188,7 @@ def _run(p: plan_mod.LaunchPlan, q, k_q, k_scale, v_q, v_scale, kv_len, attn_mas
         op, *op_strides,
         lse, *lse_strides,
         c.Hkv, Tq, D, float(sm_scale), p.split_len, int(c.window), float(softcap), rot_scale(D), c.L,
+        *store_args,
         **p.constexprs(), num_warps=t.num_warps, num_stages=t.num_stages, **_FP_FUSION, **_maxnreg(t),
     )
     if splits > 1:
@@ -201,10 +214,22 @@ def attention(
     attn_mask: Optional[Tensor], is_causal: bool, scale: Optional[float],
     sliding_window: int = 0, softcap: float = 0.0, sinks: Optional[Tensor] = None,
     k_rotation: Optional[Tensor] = None, v_rotation: Optional[Tensor] = None,
+    new_token: Optional[tuple[Tensor, Tensor, Optional[Tensor]]] = None,
 ) -> Tensor:
-    """``kvcompile::attention`` on the Triton kernels (arguments and shapes: :func:`kvcompile.ops._attention`)."""
+    """``kvcompile::attention`` on the Triton kernels (arguments and shapes: :func:`kvcompile.ops._attention`).
+
+    ``new_token`` ``(k, v, k_offset)``, k and v ``[B, Hkv, 1, D]``, with one query: store that token
+    first, at position ``kv_len - 1`` (a 0-d tensor) in slot ``(kv_len - 1) % L`` (a sliding layer's
+    ring, :mod:`kvcompile.ring`), as :func:`store.store_kv` does, then attend. The plan puts the store
+    in the attention kernel (no launch of its own) or in a store launch before it."""
     B, Hq, Tq, D = q.shape
     tiles.check_head_dim(D)
+    if new_token is not None and (Tq != 1 or kv_len.dim() != 0 or new_token[0].shape != (B, k_q.shape[1], 1, D)
+                                  or new_token[1].shape != new_token[0].shape):
+        raise ValueError(
+            f"kvcompile.attention (triton): new_token takes one query and one token [B, Hkv, 1, D] stored at a "
+            f"0-d kv_len - 1, got q {tuple(q.shape)}, kv_len {tuple(kv_len.shape)}, "
+            f"k {tuple(new_token[0].shape)}, v {tuple(new_token[1].shape)}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"kvcompile.attention (triton): q must be fp16, bf16 or fp32, got {q.dtype}")
     if Tq == 0 or k_q.shape[2] == 0:
@@ -220,4 +245,4 @@ def attention(
         return dense.attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale,
                                sliding_window, k_rotation, v_rotation)
     return _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, path == "decode",
-                  sliding_window, softcap, sinks, k_rotation, v_rotation)
+                  sliding_window, softcap, sinks, k_rotation, v_rotation, new_token)

@@ -96,6 +96,10 @@ class Call:
     v_rot: int = ROT_NONE
     v_keys: bool = False  # V codes key-contiguous with room for 16-key chunks (launcher.v_keys_contiguous)
     decode: bool = True  # split-K decode kernel (else the fused prefill kernel)
+    # the call also stores the step's token (one query, one new key) at position kv_len - 1 (slot
+    # (kv_len - 1) % L: a sliding layer's ring), K centered by an offset when store_offset
+    store: bool = False
+    store_offset: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +125,9 @@ class LaunchPlan:
     # after); "" where that side is not rotated
     q_rotation: str = ""
     o_rotation: str = ""
+    # where the step's token is stored (Call.store): "kernel" (the attention kernel's program that holds
+    # its slot writes it first: _attention_kernel's STORE_NEW) or "launch" (store.store_kv before)
+    store: str = ""
 
     def _biased(self, code: torch.dtype) -> bool:
         # int8_bias may be forced (override): the bias needs int8 codes, token / static scales, fp16 dots
@@ -158,6 +165,7 @@ class LaunchPlan:
 
         c = self.call
         dt = {torch.float16: tl.float16, torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}[self.dot_dtype]
+        fused = self.store == "kernel"
         return dict(
             GROUP=c.Hq // c.Hkv, GROUP_SIZE=c.group_size, SCALE_KIND=c.scale_kind, MASK_KIND=c.mask_kind,
             IS_CAUSAL=bool(c.is_causal), HAS_WINDOW=c.window > 0, HAS_SOFTCAP=c.softcap, HAS_SINKS=c.sinks,
@@ -166,6 +174,10 @@ class LaunchPlan:
             K_BIAS=self.k_bias, V_BIAS=self.v_bias,
             Q_HADAMARD=self.q_rotation == "kernel", ROT_CHUNK=ROT_CHUNK,
             ROT_EXACT=c.interpret or self.dot_dtype == torch.float32,
+            STORE_NEW=fused, STORE_OFFSET=fused and c.store_offset,
+            STORE_HW_E4M3=fused and not c.interpret and tiles.has_native_fp8(c.cc)
+            and torch.float8_e4m3fn in (c.k_code, c.v_code),
+            STORE_K_HADAMARD=fused and c.k_rot == ROT_SYLVESTER, STORE_V_HADAMARD=fused and c.v_rot == ROT_SYLVESTER,
             BLOCK_M=self.tile.block_m, BLOCK_N=self.tile.block_n, BLOCK_D=_pow2(c.D),
         )
 
@@ -177,7 +189,8 @@ class LaunchPlan:
                 + (f" maxnreg {t.maxnreg}" if t.maxnreg else "") + split + f", {str(self.dot_dtype)[6:]} dots"
                 + (", V pinned" if self.v_pin else "") + (", int8 PTX" if self.int8_ptx else "")
                 + "".join(f", int8 {side} biased" for side, on in (("K", self.k_bias), ("V", self.v_bias)) if on)
-                + (", V key-contiguous" if c.v_keys else "") + "".join(", " + r for r in rot))
+                + (", V key-contiguous" if c.v_keys else "") + "".join(", " + r for r in rot)
+                + (f", token stored by {self.store}" if self.store else ""))
 
 
 def _pow2(n: int) -> int:
@@ -252,7 +265,8 @@ def plan(call: Call, tile: Optional[tiles.Tile] = None) -> LaunchPlan:
             o_rot = _plan(call, tile).o_rotation
         if o_rot == "merge" and p.splits == 1:
             o_rot = "launch"
-        return dataclasses.replace(p, q_rotation=q_rot, o_rotation=o_rot)
+        store = p.store if p.store != "kernel" or _store_fits(call, p.tile) else "launch"  # e.g. a forced tile
+        return dataclasses.replace(p, q_rotation=q_rot, o_rotation=o_rot, store=store)
     return _plan(call, tile)
 
 
@@ -319,9 +333,20 @@ def _plan(call: Call, tile: Optional[tiles.Tile]) -> LaunchPlan:
         q_rot = "kernel" if c.k_rot == ROT_SYLVESTER and c.decode else "launch"
     if c.v_rot != ROT_NONE:
         o_rot = "merge" if splits > 1 else "launch"
+    # The step's token (a ring's decode): stored by the attention kernel itself when one program per
+    # split and kv head reads its slot (one query block) and the store kernel's in-register rotation
+    # applies to each rotated side (the shared Sylvester matrix, token scales); else by a store launch.
+    store = ("kernel" if _store_fits(c, tile) else "launch") if c.store else ""
     return LaunchPlan(call=c, tile=tile, resident=max(1, resident), splits=splits, split_len=split_len,
                       dot_dtype=dot_dtype, k_fp8_bits=k_fp8_bits, v_fp8_bits=v_fp8_bits, v_pin=v_pin,
-                      int8_ptx=int8_ptx, int8_bias=int8_bias, q_rotation=q_rot, o_rotation=o_rot)
+                      int8_ptx=int8_ptx, int8_bias=int8_bias, q_rotation=q_rot, o_rotation=o_rot, store=store)
+
+
+def _store_fits(c: Call, tile: tiles.Tile) -> bool:
+    """Whether the attention kernel can store the step's token itself (:func:`_plan`)."""
+    if not (c.store and c.decode and c.Tq == 1 and c.Hq // c.Hkv <= tile.block_m):
+        return False
+    return all(r == ROT_NONE or (r == ROT_SYLVESTER and c.scale_kind == SCALE_TOKEN) for r in (c.k_rot, c.v_rot))
 
 
 def _span(c: Call, tile: tiles.Tile) -> int:
