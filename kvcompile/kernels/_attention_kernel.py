@@ -325,7 +325,8 @@ def _attention_kernel(
                          KW, stride_kwb, stride_kwh, stride_kwn, stride_kwd,
                          KS, stride_ksb, stride_ksh, stride_ksn, stride_ksg,
                          OFF, stride_offh, stride_offd, b, hk, slot, D, rot_scale,
-                         STORE_OFFSET, SCALE_KIND, STORE_HW_E4M3, STORE_K_HADAMARD, ROT_EXACT, ROT_CHUNK, GROUP_SIZE, BLOCK_D)
+                         STORE_OFFSET, SCALE_KIND, STORE_HW_E4M3, STORE_K_HADAMARD, ROT_EXACT, ROT_CHUNK, GROUP_SIZE,
+                         BLOCK_D)
             _store_token(VN, stride_vnb, stride_vnh, stride_vnt, stride_vnd,
                          VW, stride_vwb, stride_vwh, stride_vwn, stride_vwd,
                          VS, stride_vsb, stride_vsh, stride_vsn, stride_vsg,
