@@ -56,10 +56,11 @@ def _backends():
     return out
 
 
-def _buffers(kind: str, n: int):
+def _buffers(kind: str, n: int, d: int = D):
     code, groups, sdtype, keys = KINDS[kind]
-    kc = torch.zeros(B, HKV, n, D, dtype=code, device=DEV)
-    vc = v_codes_buffer((B, HKV, n, D), code, DEV, keys)
+    groups = d // 32 if kind == "q8_0" else groups
+    kc = torch.zeros(B, HKV, n, d, dtype=code, device=DEV)
+    vc = v_codes_buffer((B, HKV, n, d), code, DEV, keys)
     if groups == 0:  # static per-head scales, shared by both caches
         ks = torch.tensor([0.02, 0.03], device=DEV)
         return [kc, ks, vc, ks.clone() * 0.5]
@@ -154,14 +155,16 @@ def test_ring_attention_equals_a_linear_cache_with_the_window(backend, kind, rot
 
 
 @pytest.mark.skipif(_backends()[-1].values[0] != "triton", reason="needs CUDA or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("kind,rotate,offset", [
-    ("fp8_e4m3", False, True),
-    ("int8", True, False),
-    ("int8", "kv", True),
-    ("q8_0", False, False),
-    ("fp8_static", False, False),
+@pytest.mark.parametrize("kind,rotate,offset,d", [
+    ("fp8_e4m3", False, True, D),
+    ("int8", True, False, D),
+    ("int8", "kv", True, D),
+    ("q8_0", False, False, D),
+    ("fp8_static", False, False, D),
+    ("fp8_e4m3", False, False, 96),  # a head_dim that is not a power of two: masked columns
+    ("q8_0", False, False, 96),  # ... and three scale groups padded to four
 ])
-def test_ring_decode_stores_its_token_in_the_attention_kernel(kind, rotate, offset, monkeypatch):
+def test_ring_decode_stores_its_token_in_the_attention_kernel(kind, rotate, offset, d, monkeypatch):
     """A ring's decode step stores its token inside the attention kernel (the plan's ``store ==
     "kernel"``; no store launch): the ring's codes and scales after each step, and the output, are
     those of the store launched before the kernel (``store="launch"``), bit for bit, through a fill
@@ -169,19 +172,19 @@ def test_ring_decode_stores_its_token_in_the_attention_kernel(kind, rotate, offs
     from kvcompile.kernels import attention_launcher, plan
 
     monkeypatch.setenv("KVCOMPILE_KERNELS", "triton")
-    gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, rotate, offset)).encode()))
-    fused, launched, lin = _buffers(kind, W), _buffers(kind, W), _buffers(kind, L)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, rotate, offset, d)).encode()))
+    fused, launched, lin = _buffers(kind, W, d), _buffers(kind, W, d), _buffers(kind, L, d)
     if kind == "fp8_static":
         lin[1], lin[3] = fused[1], fused[3]
         launched[1], launched[3] = fused[1], fused[3]
-    R = rotation.shared(D, torch.device(DEV)) if rotate else None
+    R = rotation.shared(d, torch.device(DEV)) if rotate else None
     Rv = R if rotate == "kv" else None
-    off = (torch.randn(HKV, D, generator=gen) * 0.5).to(DEV) if offset else None
+    off = (torch.randn(HKV, d, generator=gen) * 0.5).to(DEV) if offset else None
     n_len = torch.zeros((), dtype=torch.long, device=DEV)
     for step in range(2 * W + 3):
-        k = (torch.randn(B, HKV, 1, D, generator=gen) * 2).to(DEV)
-        v = torch.randn(B, HKV, 1, D, generator=gen).to(DEV)
-        q = (torch.randn(B, HQ, 1, D, generator=gen) * 2).to(DEV)
+        k = (torch.randn(B, HKV, 1, d, generator=gen) * 2).to(DEV)
+        v = torch.randn(B, HKV, 1, d, generator=gen).to(DEV)
+        q = (torch.randn(B, HQ, 1, d, generator=gen) * 2).to(DEV)
         ops.store_kv(*lin, k, v, n_len, off, R, Rv)
         n_len += 1
         call = attention_launcher.call_of(q, *fused[:4], k_rotation=R, v_rotation=Rv, new_token=(k, v, off))
