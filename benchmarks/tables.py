@@ -73,6 +73,10 @@ RUNS = {
         "h200_s6_run7_e2e_b32_aecdf70.csv", "aecdf70", H200, "session 6, run 7",
         "python benchmarks/bench_decode_e2e.py --layers 4 --cases 32x8192,32x32768 "
         "--providers hf-static-compiled,kvc-fp8_e4m3-graphs"),
+    "default-decode": Run(
+        "h200_s17_run1_decode_window.csv", "8a31ed1", H200, "session 17, run 1",
+        "python benchmarks/bench_kv.py --subjects decode,window --formats fp8,int8+krot "
+        "--decode-shapes 1x4096,8x4096,4x8192,1x32768,8x32768,32x8192,4x131072 --window-batches 1,8,32"),
     "int8-decode": Run(
         "h200_s7_run1_decode_window_0fb37d1.csv", "0fb37d1", H200, "session 7, run 1",
         "python benchmarks/bench_kv.py --subjects decode,window,prefill --formats fp8,int8 "
@@ -383,6 +387,12 @@ def int8_decode(results: str = RESULTS) -> str:
     return _vs_fp8("int8-decode", (("kvcompile-int8", "int8"),), ("int8",), results)
 
 
+def default_decode(results: str = RESULTS) -> str:
+    """README: the default format (int8, K rotated) beside fp8 token, one run."""
+    return _vs_fp8("default-decode", (("kvcompile-int8+krot", "int8, K rotated (the default)"),), ("int8+krot",),
+                   results)
+
+
 UNROTATED = ("kvcompile-int8", "int8, not rotated")
 
 
@@ -603,6 +613,8 @@ TABLES: dict[str, Callable[[str], str]] = {
     "e2e": e2e,
     "e2e-ms": e2e_ms,
     "e2e-command": command("e2e"),
+    "default-decode": default_decode,
+    "default-decode-command": command("default-decode"),
     "int8-decode": int8_decode,
     "int8-decode-command": command("int8-decode"),
     "window": window,
