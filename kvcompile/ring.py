@@ -154,9 +154,6 @@ def attention(q: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Ten
     W, T, Tq, dev = k_q.shape[2], k.shape[2], q.shape[2], q.device
     cache_len = cache_len.to(device=dev, dtype=torch.long)
     if T == 1 and Tq == 1:  # decode: the token's store, then attention over the ring's slots
-        triton = ops.kernel_backend(dev) == "triton"
-        if not triton:
-            _store_token(k_q, k_scale, v_q, v_scale, k, v, cache_len, -1, k_offset, k_rotation, v_rotation)
         mask = attn_mask
         if (attn_mask is not None and attn_mask.shape[-1] != 1) or kv_len is not None:
             # slot s holds the latest position p <= c (the token's) with p = s (mod W)
@@ -166,10 +163,11 @@ def attention(q: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Ten
             if kv_len is not None:
                 mask = _hide(mask, (pos < kv_len.to(dev).reshape(-1, 1, 1, 1)))
         # the token count as the key bound: past W every slot holds a key (the op reads at most its L = W)
-        if triton:  # the kernels store the token at slot (cache_len - 1) % W themselves (in the attention
-            # kernel where the plan fits it: no store launch)
+        if ops.kernel_backend(dev) == "triton":  # the kernels store the token at slot (cache_len - 1) % W
+            # themselves (in the attention kernel where the plan fits it: no store launch)
             return ops._kernels().attention(q, k_q, k_scale, v_q, v_scale, cache_len, mask, False, scale, 0, softcap,
                                             sinks, k_rotation, v_rotation, new_token=(k, v, k_offset))
+        _store_token(k_q, k_scale, v_q, v_scale, k, v, cache_len, -1, k_offset, k_rotation, v_rotation)
         return ops._attention(q, k_q, k_scale, v_q, v_scale, cache_len, mask, False, scale, 0, softcap, sinks,
                               k_rotation, v_rotation)
     n = W - 1 + T  # the ring's last W - 1 positions, then the chunk

@@ -5,7 +5,7 @@ Entry points, called by :mod:`kvcompile.ops` with the op's exact arguments:
 type, where rotations happen, every constexpr): :mod:`kvcompile.kernels.plan`, from the tile table
 in :mod:`kvcompile.tiles`. ``attention(..., new_token=(k, v, k_offset))`` (a sliding layer's ring
 decode, :mod:`kvcompile.ring`) also stores the step's token, inside ``_attention_kernel`` where the plan
-fits it (``_store_kernel._quantize_rows``, the store kernel's own code).
+fits it (``_store_kernel.store_token``, the store kernel's own row quantizer).
 
 =========================  ======================================  ==========================
 launcher                   kernels                                 file

@@ -28,8 +28,8 @@ head_dim) the kernel rotates q in its prologue (``Q_HADAMARD``), generating H's 
 registers (``_rotation.py``): no launch and no read of R. A rotated V's output goes back through
 R^T in the merge or in a launch after this kernel; any other R for q in a launch before (``plan.py``).
 A decode step that also stores its token (``STORE_NEW``: a sliding layer's ring, ``kvcompile/ring.py``)
-quantizes it in the one program whose split holds its slot, by the store kernel's own row quantizer,
-before that program reads any key: no store launch.
+quantizes it in the one program whose split holds its slot, by the store kernel's own row quantizer
+(``_store_kernel.store_token``), before that program reads any key: no store launch.
 """
 
 import triton
@@ -37,7 +37,7 @@ import triton.language as tl
 
 from ._codes import codes_to, codes_to_f16_pinned, to_store_dtype
 from ._rotation import hadamard_rows
-from ._store_kernel import CODE_FP8, CODE_INT8, CODE_Q8_0, _quantize_rows
+from ._store_kernel import store_token
 
 LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): exp(x) = exp2(x * LOG2E)
 # fp16 P * s_v / max(s_v) is <= 1: times 2^14 (exact) it stays <= 16384 < 65504, and a key whose
@@ -221,25 +221,6 @@ def _attend_tile(
 
 
 @triton.jit
-def _store_token(X, stride_xb, stride_xh, stride_xt, stride_xd, C, stride_cb, stride_ch, stride_cn, stride_cd,
-                 S, stride_sb, stride_sh, stride_sn, stride_sg, OFF, stride_oh, stride_od, b, hk, slot, D, rot_scale,
-                 HAS_OFFSET: tl.constexpr, SCALE_KIND: tl.constexpr, HW_E4M3: tl.constexpr, HADAMARD: tl.constexpr,
-                 ROT_EXACT: tl.constexpr, ROT_CHUNK: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One side of the step's token into ``slot``, exactly as ``_store_kv_kernel`` stores it: the same
-    row quantizer, its format read off the codes (uint8: e4m3 bits; int8 with block scales: q8_0; else
-    int8) and the scales' layout."""
-    CODE: tl.constexpr = (CODE_FP8 if C.dtype.element_ty == tl.uint8
-                          else (CODE_Q8_0 if SCALE_KIND == SCALE_BLOCK else CODE_INT8))
-    GROUPS_P2: tl.constexpr = BLOCK_D // GROUP_SIZE if SCALE_KIND == SCALE_BLOCK else 1
-    STORE_GROUP: tl.constexpr = GROUP_SIZE if SCALE_KIND == SCALE_BLOCK else BLOCK_D
-    BLOCK_T: tl.constexpr = 16 if HADAMARD else 1  # the rotation's dot takes 16 rows (masked past the token)
-    _quantize_rows(X, stride_xb, stride_xh, stride_xt, stride_xd, C, stride_cb, stride_ch, stride_cn, stride_cd,
-                   S, stride_sb, stride_sh, stride_sn, stride_sg, OFF, stride_oh, stride_od,
-                   b, hk, 0, slot, 1, D, rot_scale, HAS_OFFSET, CODE, SCALE_KIND == SCALE_STATIC, HW_E4M3,
-                   GROUPS_P2, STORE_GROUP, BLOCK_T, HADAMARD, ROT_EXACT, ROT_CHUNK, ONE_ROW=HADAMARD)
-
-
-@triton.jit
 def _attention_kernel(
     Q, stride_qb, stride_qh, stride_qm, stride_qd,
     K, stride_kb, stride_kh, stride_kn, stride_kd,
@@ -321,18 +302,15 @@ def _attention_kernel(
         # The barrier orders the program's own writes before its tile loads; no other program reads the slot.
         slot = (kv_len - 1) % n_keys
         if (slot >= n_lo) & (slot < n_lo + split_len):
-            _store_token(KN, stride_knb, stride_knh, stride_knt, stride_knd,
-                         KW, stride_kwb, stride_kwh, stride_kwn, stride_kwd,
-                         KS, stride_ksb, stride_ksh, stride_ksn, stride_ksg,
-                         OFF, stride_offh, stride_offd, b, hk, slot, D, rot_scale,
-                         STORE_OFFSET, SCALE_KIND, STORE_HW_E4M3, STORE_K_HADAMARD, ROT_EXACT, ROT_CHUNK, GROUP_SIZE,
-                         BLOCK_D)
-            _store_token(VN, stride_vnb, stride_vnh, stride_vnt, stride_vnd,
-                         VW, stride_vwb, stride_vwh, stride_vwn, stride_vwd,
-                         VS, stride_vsb, stride_vsh, stride_vsn, stride_vsg,
-                         OFF, stride_offh, stride_offd, b, hk, slot, D, rot_scale,
-                         False, SCALE_KIND, STORE_HW_E4M3, STORE_V_HADAMARD, ROT_EXACT, ROT_CHUNK, GROUP_SIZE,
-                         BLOCK_D)
+            store_token(KN, stride_knb, stride_knh, stride_knt, stride_knd,
+                        VN, stride_vnb, stride_vnh, stride_vnt, stride_vnd,
+                        KW, stride_kwb, stride_kwh, stride_kwn, stride_kwd,
+                        VW, stride_vwb, stride_vwh, stride_vwn, stride_vwd,
+                        KS, stride_ksb, stride_ksh, stride_ksn, stride_ksg,
+                        VS, stride_vsb, stride_vsh, stride_vsn, stride_vsg,
+                        OFF, stride_offh, stride_offd, b, hk, slot, D, rot_scale,
+                        STORE_OFFSET, SCALE_KIND == SCALE_STATIC, SCALE_KIND == SCALE_BLOCK, STORE_HW_E4M3,
+                        STORE_K_HADAMARD, STORE_V_HADAMARD, ROT_EXACT, ROT_CHUNK, GROUP_SIZE, BLOCK_D)
             tl.debug_barrier()
 
     # ---- rows of this program: (query index, query head) pairs of kv head hk ----
