@@ -35,8 +35,11 @@ def _device_lines() -> tuple[list[str], list]:
         lines.append(f"triton {triton.__version__}")
     except ImportError:
         lines.append("triton not installed (the reference ops run)")
+    from . import native
+
+    lines.append(f"CPU: {native.status()}")
     if not torch.cuda.is_available():
-        lines.append("GPU: no CUDA device (the pure-torch reference ops run; KVCOMPILE_KERNELS=reference)")
+        lines.append("GPU: no CUDA device (on the CPU the torch reference ops run, with the C decode path above)")
         return lines, []
     archs = []
     for i in range(torch.cuda.device_count()):

@@ -6,8 +6,11 @@ its fake, right below each other; the implementation's docstring is the op's con
 through one dispatch point, :func:`kernel_backend`, which picks the Triton launchers in
 :mod:`kvcompile.kernels` or the pure-torch reference in :mod:`kvcompile.reference` per call:
 
-``KVCOMPILE_KERNELS=auto`` (default)  Triton on CUDA tensors, reference elsewhere;
+``KVCOMPILE_KERNELS=auto`` (default)  Triton on CUDA tensors, "native" on the CPU where it builds,
+                                      reference elsewhere;
 ``KVCOMPILE_KERNELS=triton``          Triton always (CPU tensors need ``TRITON_INTERPRET=1``);
+``KVCOMPILE_KERNELS=native``          CPU tensors only: the reference, with decode attention in one C
+                                      call where it applies (:mod:`kvcompile.native`);
 ``KVCOMPILE_KERNELS=reference``       the reference always.
 
 Opaque ops (not ``triton_op``) on purpose: Inductor does not look inside, so the same compiled
@@ -38,20 +41,29 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import reference, ring as ring_ops
+from . import native, reference, ring as ring_ops
 
 __all__ = ["store_kv", "dequantize", "attention", "dequantize_ring", "attention_ring", "kernel_backend"]
 
-_BACKENDS = ("auto", "triton", "reference")
+_BACKENDS = ("auto", "triton", "native", "reference")
 
 
 def kernel_backend(device: torch.device) -> str:
-    """"triton" or "reference" for tensors on ``device``, from ``KVCOMPILE_KERNELS`` (read per call)."""
+    """"triton", "native" or "reference" for tensors on ``device``, from ``KVCOMPILE_KERNELS`` (read
+    per call). "native" is the reference with the CPU's C decode attention (:mod:`kvcompile.native`)."""
     choice = os.environ.get("KVCOMPILE_KERNELS", "auto").strip().lower() or "auto"
     if choice not in _BACKENDS:
         raise ValueError(f"KVCOMPILE_KERNELS={choice!r} is not one of {list(_BACKENDS)}")
     if choice == "auto":
-        return "triton" if device.type == "cuda" else "reference"
+        if device.type == "cuda":
+            return "triton"
+        return "native" if device.type == "cpu" and native.available() else "reference"
+    if choice == "native":
+        if device.type != "cpu":
+            raise RuntimeError(f"KVCOMPILE_KERNELS=native runs on CPU tensors only, got {device.type} tensors; "
+                               "use KVCOMPILE_KERNELS=auto")
+        if not native.available():
+            raise RuntimeError(f"KVCOMPILE_KERNELS=native: {native.status()}")
     if choice == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(
             "KVCOMPILE_KERNELS=triton on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
@@ -201,13 +213,16 @@ def _store_kv(
         )
     past_end = "kvcompile.store_kv: writing past max_cache_len; build the cache with a larger max_cache_len"
     if k.device.type == "cpu":  # a host read is free here (and the reference reads start anyway)
-        if int(start) + k.shape[2] > k_cache.shape[2]:
+        s0 = int(start)
+        if s0 + k.shape[2] > k_cache.shape[2]:
             raise RuntimeError(past_end)  # the error type the device assert raises
     else:
         torch._assert_async(start + k.shape[2] <= k_cache.shape[2], past_end)
-    if kernel_backend(k.device) == "triton":
+    backend = kernel_backend(k.device)
+    if backend == "triton":
         _kernels().store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation, v_rotation)
-    else:
+    elif not (backend == "native" and native.store_kv(k_cache, k_scale, v_cache, v_scale, k, v, s0, k_offset,
+                                                      k_rotation, v_rotation)):
         reference.store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation, v_rotation)
 
 
@@ -352,9 +367,19 @@ def _attention(
       rotated space (``q @ R_k`` in float32, the output times ``R_v^T``).
     """
     _check_attention(q, k_q, k_scale, v_q, v_scale, sliding_window, softcap, sinks, k_rotation, v_rotation)
-    if kernel_backend(q.device) == "triton":
+    backend = kernel_backend(q.device)
+    if backend == "triton":
         return _kernels().attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale,
                                     sliding_window, softcap, sinks, k_rotation, v_rotation)
+    if backend == "native":
+        B, Hq, Tq, D = q.shape
+        lens, lo, n = reference.key_range(kv_len, B, k_q.shape[2], Tq, sliding_window)
+        if n > lo:
+            out = native.attention(q, k_q, k_scale, v_q, v_scale, lens, lo, n, attn_mask, is_causal,
+                                   D**-0.5 if scale is None else scale, sliding_window, softcap, sinks, k_rotation,
+                                   v_rotation)
+            if out is not None:
+                return out
     return reference.attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale,
                                sliding_window, softcap, sinks, k_rotation, v_rotation)
 

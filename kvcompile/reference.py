@@ -144,6 +144,17 @@ def _lengths(kv_len: Tensor, batch: int) -> list[int]:
     return lens
 
 
+def key_range(kv_len: Tensor, batch: int, length: int, tq: int, sliding_window: int) -> tuple[list[int], int, int]:
+    """(the B stored lengths, ``lo``, ``n``): keys ``[lo, n)`` are the only ones any of ``tq`` queries
+    can see, ``n`` the longest stored length within the ``length`` positions and ``lo`` the first key
+    a window lets through (0 without one). A host read of ``kv_len``."""
+    lens = _lengths(kv_len, batch)
+    n = min(max(lens), length)  # keys past the longest stored length are never visible
+    # the first key any query can see: query 0 of the shortest row sits at min(lens) - tq
+    lo = min(max(min(lens) - tq - sliding_window + 1, 0), n) if sliding_window > 0 else 0
+    return lens, lo, n
+
+
 def _dequantize_in(codes: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     """:func:`formats.dequantize` (fp32 products, the stored values) in fp32; in float64 the exact
     products codes * scale (an fp32 product of an int8 code and an fp32 scale may round)."""
@@ -189,12 +200,9 @@ def attention(
     compare kernels against (always written out).
     """
     B, Hq, Tq, D = q.shape
-    Hkv, L = k_q.shape[1], k_q.shape[2]
+    Hkv = k_q.shape[1]
     group = Hq // Hkv
-    lens = _lengths(kv_len, B)
-    n = min(max(lens), L)  # keys past the longest stored length are never visible
-    # the first key any query can see: query 0 of the shortest row sits at min(lens) - Tq
-    lo = min(max(min(lens) - Tq - sliding_window + 1, 0), n) if sliding_window > 0 else 0
+    lens, lo, n = key_range(kv_len, B, k_q.shape[2], Tq, sliding_window)
     if n <= lo or Tq == 0:
         return torch.zeros(B, Hq, Tq, D, dtype=q.dtype, device=q.device)
     k = _dequantize_in(_key_slice(k_q, lo, n), _key_slice(k_scale, lo, n), compute_dtype)  # [B, Hkv, n', D]

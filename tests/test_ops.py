@@ -315,7 +315,7 @@ def test_kernel_backend_env(monkeypatch):
     from kvcompile.ops import kernel_backend
 
     monkeypatch.setenv("KVCOMPILE_KERNELS", "auto")
-    assert kernel_backend(torch.device("cpu")) == "reference"
+    assert kernel_backend(torch.device("cpu")) == ("native" if kvcompile.native.available() else "reference")
     assert kernel_backend(torch.device("cuda")) == "triton"
     monkeypatch.setenv("KVCOMPILE_KERNELS", "reference")
     assert kernel_backend(torch.device("cuda")) == "reference"
