@@ -118,12 +118,6 @@ def _quantize_rows(
 
 
 @triton.jit
-def _token_code(C, BLOCK_SCALES: tl.constexpr):
-    """The CODE of a side read off its codes: uint8 (e4m3 bits) fp8, int8 with block scales q8_0, else int8."""
-    return CODE_FP8 if C.dtype.element_ty == tl.uint8 else (CODE_Q8_0 if BLOCK_SCALES else CODE_INT8)
-
-
-@triton.jit
 def store_token(
     K, stride_kb, stride_kh, stride_kt, stride_kd,
     V, stride_vb, stride_vh, stride_vt, stride_vd,
@@ -148,16 +142,20 @@ def store_token(
     ``_store_kv_kernel`` stores it, from inside another kernel (the attention kernel's ``STORE_NEW``):
     each side's format read off its codes (e4m3 as uint8 bits), a rotated side's 16-row product
     quantized as the token's row alone (``ONE_ROW``)."""
+    # each side's CODE, read off its codes at compile time (a @triton.jit helper's return value is not a
+    # constexpr under Triton 3.6: both branches of `if CODE ...` would be compiled, and their codes' types differ)
+    K_CODE: tl.constexpr = CODE_FP8 if KC.dtype.element_ty == tl.uint8 else (CODE_Q8_0 if BLOCK_SCALES else CODE_INT8)
+    V_CODE: tl.constexpr = CODE_FP8 if VC.dtype.element_ty == tl.uint8 else (CODE_Q8_0 if BLOCK_SCALES else CODE_INT8)
     GROUPS_P2: tl.constexpr = BLOCK_D // GROUP_SIZE if BLOCK_SCALES else 1
     STORE_GROUP: tl.constexpr = GROUP_SIZE if BLOCK_SCALES else BLOCK_D
     _quantize_rows(K, stride_kb, stride_kh, stride_kt, stride_kd, KC, stride_kcb, stride_kch, stride_kct, stride_kcd,
                    KS, stride_ksb, stride_ksh, stride_kst, stride_ksg, OFF, stride_oh, stride_od,
-                   b, h, 0, slot, 1, D, rot_scale, HAS_OFFSET, _token_code(KC, BLOCK_SCALES), STATIC_SCALE, HW_E4M3,
+                   b, h, 0, slot, 1, D, rot_scale, HAS_OFFSET, K_CODE, STATIC_SCALE, HW_E4M3,
                    GROUPS_P2, STORE_GROUP, 16 if K_HADAMARD else 1, K_HADAMARD, ROT_EXACT, ROT_CHUNK,
                    ONE_ROW=K_HADAMARD)
     _quantize_rows(V, stride_vb, stride_vh, stride_vt, stride_vd, VC, stride_vcb, stride_vch, stride_vct, stride_vcd,
                    VS, stride_vsb, stride_vsh, stride_vst, stride_vsg, OFF, stride_oh, stride_od,
-                   b, h, 0, slot, 1, D, rot_scale, False, _token_code(VC, BLOCK_SCALES), STATIC_SCALE, HW_E4M3,
+                   b, h, 0, slot, 1, D, rot_scale, False, V_CODE, STATIC_SCALE, HW_E4M3,
                    GROUPS_P2, STORE_GROUP, 16 if V_HADAMARD else 1, V_HADAMARD, ROT_EXACT, ROT_CHUNK,
                    ONE_ROW=V_HADAMARD)
 
