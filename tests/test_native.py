@@ -188,21 +188,31 @@ def special_values(B, H, T, D, seed):
     x[-1, 0, 2, :4] = torch.tensor([float("inf"), -float("inf"), 2.0, -1.0])
     x[-1, -1, 3, 5] = float("nan")
     x[-1, -1, 3, 6] = -float("nan")
+    x[0, -1, 4, 40:] = 1e7  # q8_0: d = amax / 127 past float16's range -> an Inf scale
+    x[-1, 0, 0] *= 1e-2  # and float16 subnormal scales (|x| ~ 1e-5)
     return x
 
 
-@pytest.mark.parametrize("k_dtype,v_dtype", [("int8", "int8"), ("fp8_e4m3", "fp8_e4m3"), ("int8", "fp8_e4m3")])
+STORE_PAIRS = [("int8", "int8", "token"), ("fp8_e4m3", "fp8_e4m3", "token"), ("int8", "fp8_e4m3", "token"),
+               ("q8_0", "q8_0", "block32"), ("fp8_e4m3", "fp8_e4m3", "block32")]
+
+
+@pytest.mark.parametrize("k_dtype,v_dtype,granularity", STORE_PAIRS)
 @pytest.mark.parametrize("offset", [False, True], ids=["", "offset"])
-def test_store_matches_reference_bit_for_bit(k_dtype, v_dtype, offset):
+def test_store_matches_reference_bit_for_bit(k_dtype, v_dtype, granularity, offset):
     """Unrotated, the C store writes the reference's codes and scales exactly, special values included."""
     B, H, L, D, T = 2, 3, 24, 64, 7
     gen = torch.Generator().manual_seed(5)
     off = torch.randn(H, D, generator=gen) if offset else None
+    kf, vf = get_format(k_dtype, granularity), get_format(v_dtype, granularity)
     caches = []
     for _ in range(2):
-        kc = torch.zeros(B, H, L, D, dtype=get_format(k_dtype).code_dtype)
-        vc = torch.zeros(B, H, D, L, dtype=get_format(v_dtype).code_dtype).transpose(2, 3)  # V key-contiguous
-        caches.append((kc, torch.zeros(B, H, L, 1), vc, torch.zeros(B, H, L, 1)))
+        kc = torch.zeros(B, H, L, D, dtype=kf.code_dtype)
+        vc = torch.zeros(B, H, L, D, dtype=vf.code_dtype)
+        if vf.v_keys_contiguous:
+            vc = torch.zeros(B, H, D, L, dtype=vf.code_dtype).transpose(2, 3)
+        caches.append((kc, torch.zeros(kf.scale_shape(B, H, L, D), dtype=kf.scale_dtype), vc,
+                       torch.zeros(vf.scale_shape(B, H, L, D), dtype=vf.scale_dtype)))
     k, v = special_values(B, H, T, D, 1), special_values(B, H, T, D, 2).transpose(1, 2).contiguous().transpose(1, 2)
     assert native.store_kv(*caches[0], k, v, 9, off, None, None)
     reference.store_kv(*caches[1], k, v, torch.tensor(9), off)
@@ -210,7 +220,11 @@ def test_store_matches_reference_bit_for_bit(k_dtype, v_dtype, offset):
         assert bits_equal(got, want)
     written = caches[0][0][:, :, 9:16]
     assert (written != 0).any() and (caches[0][0][:, :, :9] == 0).all() and (caches[0][0][:, :, 16:] == 0).all()
-    assert torch.isnan(caches[0][3][-1, -1, 9 + 3]).item() == (v_dtype == "int8")  # int8: NaN token -> NaN scale
+    assert torch.isnan(caches[0][3][-1, -1, 9 + 3]).any().item() == (v_dtype != "fp8_e4m3")  # int8: NaN -> NaN scale
+    if k_dtype == "q8_0":  # the float16 scale's edges were reached (K's offset moves K's small values)
+        assert torch.isinf(caches[0][1][0, -1, 9 + 4]).any() and torch.isinf(caches[0][3][0, -1, 9 + 4]).any()
+        tiny = caches[0][3][-1, 0, 9]
+        assert ((tiny > 0) & (tiny < 2**-14)).all()  # V: float16 subnormal scales
 
 
 @pytest.mark.parametrize("D", [64, 96])
@@ -235,11 +249,9 @@ def test_rotated_store_within_one_code_step(D):
 
 
 def test_store_declines_other_formats():
-    """q8_0, block32 and static scales and non-float32 inputs keep the torch reference."""
+    """Static scales and non-float32 inputs keep the torch reference."""
     B, H, L, D = 1, 2, 8, 64
     k = torch.randn(B, H, 1, D)
-    q8 = torch.zeros(B, H, L, D, dtype=torch.int8), torch.zeros(B, H, L, 2, dtype=torch.float16)
-    assert not native.store_kv(*q8, *q8, k, k, 0, None, None, None)
     static = torch.zeros(B, H, L, D, dtype=torch.float8_e4m3fn), torch.ones(H)
     assert not native.store_kv(*static, *static, k, k, 0, None, None, None)
     tok = torch.zeros(B, H, L, D, dtype=torch.int8), torch.zeros(B, H, L, 1)
@@ -276,3 +288,20 @@ def test_e4m3_rounding_at_every_step():
     assert native.store_kv(*got, *got, x, x, 0, None, None, None)
     assert (got[1] == 1).all()
     assert bits_equal(got[0], x.to(torch.float8_e4m3fn))
+
+
+def test_q8_0_scales_round_to_float16_as_torch_does():
+    """4096 tokens of magnitudes 1e-9 .. 1e7: their float32 d spans float16's subnormals, normals and
+    overflow, and each stored scale (and every code) equals the reference's bits."""
+    gen = torch.Generator().manual_seed(11)
+    T, D = 4096, 64
+    x = torch.randn(1, 1, T, D, generator=gen) * 10 ** (torch.rand(1, 1, T, 1, generator=gen) * 16 - 9)
+    fmt = get_format("q8_0")
+    got, want = [(torch.zeros(1, 1, T, D, dtype=torch.int8), torch.zeros(fmt.scale_shape(1, 1, T, D), dtype=torch.float16))
+                 for _ in range(2)]
+    for i in range(0, T, 128):  # below MAX_WORK per call
+        assert native.store_kv(*got, *got, x[:, :, i:i + 128], x[:, :, i:i + 128], i, None, None, None)
+    reference.store_kv(*want, *want, x, x, torch.tensor(0), None)
+    assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1])
+    s = got[1].float()
+    assert (s == 0).any() and ((s > 0) & (s < 2**-14)).any() and torch.isinf(s).any()  # every range was reached

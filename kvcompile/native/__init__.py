@@ -7,7 +7,7 @@ SmolLM2-135M's decode on two cores, ~300 us per op call against ~100 for SDPA).
 
 * :func:`store_kv` quantizes and writes the new tokens in one call, bit for bit the reference's
   codes and scales; a rotated side within one code step (the rotation's sums run in C's order).
-  It covers float32 K/V into formats with one float32 scale per token (int8, fp8_e4m3).
+  It covers float32 K/V into every format but static scales.
 * :func:`attention` dequantizes the stored keys of each kv head once (the reference's fp32 values)
   and runs float32 attention for the head's query rows. It covers float32 queries with bool or no
   masks, every format, K/V rotations, windows, softcap and sinks.
@@ -102,9 +102,8 @@ def _build() -> ctypes.CDLL:
                    p, p, i64, i64, i64, i64, i, i64, f32, f32, p, p, p]
     fn.restype = i
     store = lib.kvc_store
-    store.argtypes = [i, i, i, i, i64, p, i64, i64, i64, p, i64, i64, i64,
-                      p, i64, i64, i64, i64, i, p, i64, i64, i64,
-                      p, i64, i64, i64, i64, i, p, i64, i64, i64, p, p, p]
+    store_side = [p, i64, i64, i64, i64, i, p, i64, i64, i64, i64, i]
+    store.argtypes = [i, i, i, i, i64, p, i64, i64, i64, p, i64, i64, i64, *store_side, *store_side, p, p, p]
     store.restype = None
     return fn, store
 
@@ -194,27 +193,36 @@ def _f32_matrix(t: Optional[Tensor]) -> bool:
     return t is None or (t.dtype == torch.float32 and t.is_contiguous())
 
 
+def _store_side(codes: Tensor, scale: Tensor, D: int) -> Optional[list]:
+    """The C store's arguments for one side, or None for static scales (kept by the reference)."""
+    if scale.dim() != 4:
+        return None
+    if codes.dtype == torch.float8_e4m3fn:
+        kind = 1
+    else:
+        kind = 2 if scale.dtype == torch.float16 else 0  # q8_0 / int8 (formats.format_of)
+    if scale.dtype != (torch.float16 if kind == 2 else torch.float32):
+        return None
+    return [codes.data_ptr(), *codes.stride(), kind, scale.data_ptr(), *scale.stride(), D // scale.shape[-1]]
+
+
 def store_kv(k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor, k: Tensor, v: Tensor, start: int,
              k_offset: Optional[Tensor], k_rotation: Optional[Tensor], v_rotation: Optional[Tensor]) -> bool:
     """Quantize and write ``k, v`` at positions ``start + t`` as the reference does, in one C call;
     False (nothing written) where this path does not apply: other than float32 inputs with unit
-    stride along head_dim, a side whose format is not one float32 scale per token (q8_0, fp8
-    with block32 or static scales), or above :data:`MAX_WORK`. Bounds and shapes are checked by the op."""
+    stride along head_dim, static scales, or above :data:`MAX_WORK`. Bounds and shapes are checked
+    by the op."""
     B, H, T, D = k.shape
     rotated = k_rotation is not None or v_rotation is not None
-    if (2 * B * H * T * D * (D if rotated else 1) > MAX_WORK or k.dtype != torch.float32 or v.dtype != torch.float32 or k.stride(3) != 1 or v.stride(3) != 1 or D > 1024
-            or k_scale.dim() != 4 or v_scale.dim() != 4 or k_scale.shape[-1] != 1 or v_scale.shape[-1] != 1
-            or k_scale.dtype != torch.float32 or v_scale.dtype != torch.float32
+    if (2 * B * H * T * D * (D if rotated else 1) > MAX_WORK or k.dtype != torch.float32 or v.dtype != torch.float32
+            or k.stride(3) != 1 or v.stride(3) != 1 or D > 1024
             or not (_f32_matrix(k_offset) and _f32_matrix(k_rotation) and _f32_matrix(v_rotation))):
         return False
+    ks, vs = _store_side(k_cache, k_scale, D), _store_side(v_cache, v_scale, D)
     lib = _load()
-    if lib is None:
+    if ks is None or vs is None or lib is None:
         return False
-    lib[1](B, H, T, D, start, k.data_ptr(), *k.stride()[:3], v.data_ptr(), *v.stride()[:3],
-           k_cache.data_ptr(), *k_cache.stride(), 0 if k_cache.dtype == torch.int8 else 1,
-           k_scale.data_ptr(), *k_scale.stride()[:3],
-           v_cache.data_ptr(), *v_cache.stride(), 0 if v_cache.dtype == torch.int8 else 1,
-           v_scale.data_ptr(), *v_scale.stride()[:3],
+    lib[1](B, H, T, D, start, k.data_ptr(), *k.stride()[:3], v.data_ptr(), *v.stride()[:3], *ks, *vs,
            None if k_offset is None else k_offset.data_ptr(), None if k_rotation is None else k_rotation.data_ptr(),
            None if v_rotation is None else v_rotation.data_ptr())
     return True

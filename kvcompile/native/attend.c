@@ -27,7 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { CODE_INT8 = 0, CODE_E4M3 = 1 };
+enum { CODE_INT8 = 0, CODE_E4M3 = 1, CODE_Q8_0 = 2 }; /* Q8_0: the store's; attention reads it as INT8 */
 enum { SCALE_TOKEN = 0, SCALE_BLOCK32 = 1, SCALE_STATIC = 2 };
 
 static float e4m3_table[256];
@@ -265,19 +265,40 @@ static uint8_t e4m3_encode(float y) {
     return sign | (uint8_t)(((re + 7) << 3) | ((rb >> 20) & 7));
 }
 
-/* quantize one token's D values x (already rotated / centered) into codes at `c` (step cd) and
- * return its scale */
-static float quantize_token(const float *x, int D, int kind, uint8_t *c, int64_t cd) {
+/* float16 bits of f, rounded to nearest even (torch's conversion; NaN keeps its sign, 0x7E00) */
+static uint16_t half_bits(float f) {
+    uint32_t x = f32_bits(f);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+    x &= 0x7FFFFFFFu;
+    if (x > 0x7F800000u) return sign | 0x7E00;   /* NaN */
+    if (x >= 0x477FF000u) return sign | 0x7C00;  /* >= 65520 rounds to Inf (Inf itself too) */
+    if (x < 0x38800000u)                         /* below 2^-14: multiples of 2^-24, exact scaling */
+        return sign | (uint16_t)rintf(fabsf(f) * 0x1p24f);
+    x -= (uint32_t)(127 - 15) << 23;             /* rebias, then round the 13 dropped bits to even */
+    x += 0xFFFu + ((x >> 13) & 1u);
+    return sign | (uint16_t)(x >> 13);
+}
+
+/* C's roundf, as formats._roundf: half away from zero */
+static inline float round_away(float y) {
+    const float a = fabsf(y), f = floorf(a);
+    const float r = f + floorf(2.f * (a - f));
+    return y < 0 ? -r : r;
+}
+
+/* Quantize n values x (already rotated / centered) into codes at `c` (step cd); returns the
+ * group's scale (float32; q8_0's is rounded to float16 by the caller). */
+static float quantize_group(const float *x, int n, int kind, uint8_t *c, int64_t cd) {
     float amax = 0.f;
     int nan = 0;
-    for (int d = 0; d < D; ++d) {
+    for (int d = 0; d < n; ++d) {
         const float a = fabsf(x[d]);
         if (a != a) nan = 1;
         else if (a != INFINITY && a > amax) amax = a;
     }
     if (kind == CODE_INT8) {
         const float s = amax / 127.f, div = s > 0.f ? s : 1.f;
-        for (int d = 0; d < D; ++d) {
+        for (int d = 0; d < n; ++d) {
             float y = x[d];
             if (y != y) y = 0.f;
             else if (isinf(y)) y = y > 0 ? 127.f : -127.f;
@@ -287,8 +308,20 @@ static float quantize_token(const float *x, int D, int kind, uint8_t *c, int64_t
         }
         return nan ? NAN : s;
     }
+    if (kind == CODE_Q8_0) { /* GGUF: d = amax / 127, codes roundf(x * (1 / d)) from the float32 d */
+        const float dq = amax / 127.f, inv = dq > 0.f ? 1.f / dq : 0.f;
+        for (int d = 0; d < n; ++d) {
+            float y = x[d];
+            if (y != y) y = 0.f;
+            else if (isinf(y)) y = y > 0 ? 127.f : -127.f;
+            else y = y * inv;
+            y = y > 127.f ? 127.f : (y < -127.f ? -127.f : y);
+            ((int8_t *)c)[d * cd] = (int8_t)round_away(y);
+        }
+        return nan ? NAN : dq;
+    }
     const float s = amax / 448.f;
-    for (int d = 0; d < D; ++d) {
+    for (int d = 0; d < n; ++d) {
         float y = x[d];
         if (isinf(y)) y = y > 0 ? 448.f : -448.f;
         else if (y == y) y = s > 0.f ? y / s : 0.f;
@@ -298,25 +331,26 @@ static float quantize_token(const float *x, int D, int kind, uint8_t *c, int64_t
     return s;
 }
 
-/* Store T new tokens k, v [B, H, T, D] (float32, unit stride along D) at positions start + t of
- * caches with one float32 scale per token and head; k_offset [H, D] or NULL (in K's rotated
- * space), k_rot / v_rot [D, D] or NULL. */
+/* Store T new tokens k, v [B, H, T, D] (float32, unit stride along D) at positions start + t.
+ * Per side: the code kind (CODE_INT8, CODE_E4M3, CODE_Q8_0) and its scales [B, H, L, G] with
+ * G = D / group (group D or 32), float32, or float16 for q8_0. k_offset [H, D] or NULL (in K's
+ * rotated space), k_rot / v_rot [D, D] or NULL. */
 void kvc_store(int B, int H, int T, int D, int64_t start,
                const float *k, int64_t kb, int64_t kh, int64_t kt, const float *v, int64_t vb, int64_t vh, int64_t vt,
                uint8_t *kc, int64_t kcb, int64_t kch, int64_t kcl, int64_t kcd, int k_kind,
-               float *ks, int64_t ksb, int64_t ksh, int64_t ksl,
+               void *ks, int64_t ksb, int64_t ksh, int64_t ksl, int64_t ksg, int k_group,
                uint8_t *vc, int64_t vcb, int64_t vch, int64_t vcl, int64_t vcd, int v_kind,
-               float *vs, int64_t vsb, int64_t vsh, int64_t vsl,
+               void *vs, int64_t vsb, int64_t vsh, int64_t vsl, int64_t vsg, int v_group,
                const float *k_offset, const float *k_rot, const float *v_rot) {
     float x[1024]; /* D <= 1024, checked by the caller */
     for (int side = 0; side < 2; ++side) {
         const float *src = side ? v : k, *rot = side ? v_rot : k_rot;
         const int64_t sb = side ? vb : kb, sh = side ? vh : kh, st = side ? vt : kt;
         uint8_t *codes = side ? vc : kc;
-        float *scales = side ? vs : ks;
+        void *scales = side ? vs : ks;
         const int64_t cb = side ? vcb : kcb, ch = side ? vch : kch, cl = side ? vcl : kcl, cd = side ? vcd : kcd;
-        const int64_t ssb = side ? vsb : ksb, ssh = side ? vsh : ksh, ssl = side ? vsl : ksl;
-        const int kind = side ? v_kind : k_kind;
+        const int64_t ssb = side ? vsb : ksb, ssh = side ? vsh : ksh, ssl = side ? vsl : ksl, ssg = side ? vsg : ksg;
+        const int kind = side ? v_kind : k_kind, group = side ? v_group : k_group;
         for (int b = 0; b < B; ++b)
             for (int h = 0; h < H; ++h)
                 for (int t = 0; t < T; ++t) {
@@ -334,8 +368,13 @@ void kvc_store(int B, int H, int T, int D, int64_t start,
                     if (!side && k_offset)
                         for (int d = 0; d < D; ++d) x[d] -= k_offset[h * D + d];
                     const int64_t pos = start + t;
-                    scales[b * ssb + h * ssh + pos * ssl] =
-                        quantize_token(x, D, kind, codes + b * cb + h * ch + pos * cl, cd);
+                    uint8_t *c = codes + b * cb + h * ch + pos * cl;
+                    for (int g = 0; g < D / group; ++g) {
+                        const float s = quantize_group(x + g * group, group, kind, c + g * group * cd, cd);
+                        const int64_t i = b * ssb + h * ssh + pos * ssl + g * ssg;
+                        if (kind == CODE_Q8_0) ((uint16_t *)scales)[i] = half_bits(s);
+                        else ((float *)scales)[i] = s;
+                    }
                 }
     }
 }
