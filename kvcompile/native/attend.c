@@ -83,6 +83,20 @@ static inline float dot_f32(const float *x, const float *y, int n) {
     return acc;
 }
 
+/* out = x @ R (R [D, D] row-major, float32 sums over x's entries in order), or a copy of x without R */
+static void rotate_row(const float *x, const float *R, int D, float *out) {
+    if (!R) {
+        memcpy(out, x, sizeof(float) * D);
+        return;
+    }
+    for (int d = 0; d < D; ++d) out[d] = 0.f;
+    for (int e = 0; e < D; ++e) {
+        const float xe = x[e];
+        const float *r = R + (int64_t)e * D;
+        for (int d = 0; d < D; ++d) out[d] += xe * r[d];
+    }
+}
+
 /* The keys [lo, hi) of one (batch row, kv head) as float32 values code * scale, channel-major:
  * dst[d * ld + (j - lo)], ld >= n = hi - lo. `sc` is scratch for n * groups scales. */
 static void dequantize_by_channel(const side_t *x, int64_t b, int64_t h, int64_t lo, int64_t hi, int D, int64_t ld,
@@ -163,16 +177,7 @@ int kvc_attend(int B, int Hq, int Hkv, int Tq, int D, int64_t lo, int64_t hi,
                 for (int t = 0; t < Tq; ++t) {
                     float *o = out + (((int64_t)b * Hq + h) * Tq + t) * D;
                     const float *qrow = q + b * qb + h * qh + t * qt;
-                    if (k_rot) { /* q @ R_k: scores in K's rotated space */
-                        for (int d = 0; d < D; ++d) qr[d] = 0.f;
-                        for (int e = 0; e < D; ++e) {
-                            const float qe = qrow[e];
-                            const float *r = k_rot + (int64_t)e * D;
-                            for (int d = 0; d < D; ++d) qr[d] += qe * r[d];
-                        }
-                    } else {
-                        memcpy(qr, qrow, sizeof(float) * D);
-                    }
+                    rotate_row(qrow, k_rot, D, qr); /* q @ R_k: scores in K's rotated space */
                     /* scores of every key in [lo, hi): sum over channels, each a contiguous run of keys */
                     int64_t j0 = 0;
                     for (; j0 + 4 * LANES <= n; j0 += 4 * LANES) { /* 32 keys' sums stay in registers */
@@ -355,16 +360,7 @@ void kvc_store(int B, int H, int T, int D, int64_t start,
             for (int h = 0; h < H; ++h)
                 for (int t = 0; t < T; ++t) {
                     const float *row = src + b * sb + h * sh + t * st;
-                    if (rot) {
-                        for (int d = 0; d < D; ++d) x[d] = 0.f;
-                        for (int e = 0; e < D; ++e) {
-                            const float xe = row[e];
-                            const float *r = rot + (int64_t)e * D;
-                            for (int d = 0; d < D; ++d) x[d] += xe * r[d];
-                        }
-                    } else {
-                        memcpy(x, row, sizeof(float) * D);
-                    }
+                    rotate_row(row, rot, D, x);
                     if (!side && k_offset)
                         for (int d = 0; d < D; ++d) x[d] -= k_offset[h * D + d];
                     const int64_t pos = start + t;
