@@ -202,6 +202,10 @@ def _store_kv(
     if ring:
         ring_ops.store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation, v_rotation)
         return
+    backend = kernel_backend(k.device)
+    if backend == "native" and native.store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation,
+                                               v_rotation):
+        return  # kvcompile.native takes only inputs it has checked; the checks below name what it declined
     _check_codes_scale("k", k_cache, k_scale)
     _check_codes_scale("v", v_cache, v_scale)
     _check_rotation("k_rotation", k_rotation, k_cache)
@@ -213,16 +217,13 @@ def _store_kv(
         )
     past_end = "kvcompile.store_kv: writing past max_cache_len; build the cache with a larger max_cache_len"
     if k.device.type == "cpu":  # a host read is free here (and the reference reads start anyway)
-        s0 = int(start)
-        if s0 + k.shape[2] > k_cache.shape[2]:
+        if int(start) + k.shape[2] > k_cache.shape[2]:
             raise RuntimeError(past_end)  # the error type the device assert raises
     else:
         torch._assert_async(start + k.shape[2] <= k_cache.shape[2], past_end)
-    backend = kernel_backend(k.device)
     if backend == "triton":
         _kernels().store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation, v_rotation)
-    elif not (backend == "native" and native.store_kv(k_cache, k_scale, v_cache, v_scale, k, v, s0, k_offset,
-                                                      k_rotation, v_rotation)):
+    else:
         reference.store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation, v_rotation)
 
 
@@ -286,6 +287,19 @@ dequantize = _register(
 # ---------------------------------------------------------------------------------------------
 
 
+def _check_window_softcap(sliding_window: int, softcap: float) -> None:
+    if sliding_window < 0:
+        raise ValueError(
+            f"kvcompile.attention: sliding_window must be >= 0 (the number of keys a query sees, 0 = full "
+            f"attention), got {sliding_window}"
+        )
+    if not softcap >= 0 or math.isinf(softcap):
+        raise ValueError(
+            f"kvcompile.attention: softcap must be a finite number >= 0 (Gemma 2's attn_logit_softcapping, "
+            f"0 = none), got {softcap}"
+        )
+
+
 def _check_attention(q: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Tensor,
                      sliding_window: int, softcap: float, sinks: Optional[Tensor],
                      k_rotation: Optional[Tensor] = None, v_rotation: Optional[Tensor] = None) -> None:
@@ -305,16 +319,7 @@ def _check_attention(q: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_sca
         )
     if v_q.shape != k_q.shape:
         raise ValueError(f"kvcompile.attention: v codes {tuple(v_q.shape)} differ from k codes {tuple(k_q.shape)}")
-    if sliding_window < 0:
-        raise ValueError(
-            f"kvcompile.attention: sliding_window must be >= 0 (the number of keys a query sees, 0 = full "
-            f"attention), got {sliding_window}"
-        )
-    if not softcap >= 0 or math.isinf(softcap):
-        raise ValueError(
-            f"kvcompile.attention: softcap must be a finite number >= 0 (Gemma 2's attn_logit_softcapping, "
-            f"0 = none), got {softcap}"
-        )
+    _check_window_softcap(sliding_window, softcap)
     if sinks is not None:
         if not sinks.dtype.is_floating_point or sinks.dim() != 1 or sinks.shape[0] != q.shape[1]:
             raise ValueError(
@@ -366,20 +371,18 @@ def _attention(
       (the cache's rotation); the result is attention over the un-rotated K / V, computed in the
       rotated space (``q @ R_k`` in float32, the output times ``R_v^T``).
     """
-    _check_attention(q, k_q, k_scale, v_q, v_scale, sliding_window, softcap, sinks, k_rotation, v_rotation)
     backend = kernel_backend(q.device)
+    if backend == "native" and q.dim() == 4:  # reads only the stored keys; None where C does not apply
+        _check_window_softcap(sliding_window, softcap)
+        out = native.attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal,
+                               q.shape[-1] ** -0.5 if scale is None else scale, sliding_window, softcap, sinks,
+                               k_rotation, v_rotation)
+        if out is not None:  # kvcompile.native takes only inputs it has checked
+            return out
+    _check_attention(q, k_q, k_scale, v_q, v_scale, sliding_window, softcap, sinks, k_rotation, v_rotation)
     if backend == "triton":
         return _kernels().attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale,
                                     sliding_window, softcap, sinks, k_rotation, v_rotation)
-    if backend == "native":
-        B, Hq, Tq, D = q.shape
-        lens, lo, n = reference.key_range(kv_len, B, k_q.shape[2], Tq, sliding_window)
-        if n > lo:
-            out = native.attention(q, k_q, k_scale, v_q, v_scale, lens, lo, n, attn_mask, is_causal,
-                                   D**-0.5 if scale is None else scale, sliding_window, softcap, sinks, k_rotation,
-                                   v_rotation)
-            if out is not None:
-                return out
     return reference.attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale,
                                sliding_window, softcap, sinks, k_rotation, v_rotation)
 

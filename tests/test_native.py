@@ -45,9 +45,8 @@ def make(kv_dtype, granularity, B, Hkv, L, D, n, v_keys=False, k_rot=None, v_rot
 
 def both(q, cache, kv_len, mask=None, causal=True, window=0, softcap=0.0, sinks=None, k_rot=None, v_rot=None):
     """(the op's result on the CPU, the float64 reference), after checking the C path ran."""
-    B, _, Tq, D = q.shape
-    lens, lo, n = reference.key_range(kv_len, B, cache[0].shape[2], Tq, window)
-    direct = native.attention(q, *cache, lens, lo, n, mask, causal, D**-0.5, window, softcap, sinks, k_rot, v_rot)
+    D = q.shape[3]
+    direct = native.attention(q, *cache, kv_len, mask, causal, D**-0.5, window, softcap, sinks, k_rot, v_rot)
     assert direct is not None, "the C path declined a case it covers"
     got = torch.ops.kvcompile.attention(q, *cache, kv_len, mask, causal, None, window, softcap, sinks, k_rot, v_rot)
     assert torch.equal(got, direct)  # the op runs the C path by default on the CPU
@@ -118,13 +117,30 @@ def test_declines_what_it_does_not_cover():
     """Other query dtypes, additive masks and large work go to the torch reference (same contract)."""
     cache = make("int8", "token", 1, 2, 32, 64, 20)
     q = torch.randn(1, 4, 1, 64)
-    lens, lo, n = [20], 0, 20
-    assert native.attention(q, *cache, lens, lo, n, None, True, 0.125, 0, 0.0, None, None, None) is not None
-    assert native.attention(q.bfloat16(), *cache, lens, lo, n, None, True, 0.125, 0, 0.0, None, None, None) is None
+    n = torch.tensor(20)
+    assert native.attention(q, *cache, n, None, True, 0.125, 0, 0.0, None, None, None) is not None
+    assert native.attention(q.bfloat16(), *cache, n, None, True, 0.125, 0, 0.0, None, None, None) is None
     additive = torch.zeros(1, 1, 1, 32)
-    assert native.attention(q, *cache, lens, lo, n, additive, True, 0.125, 0, 0.0, None, None, None) is None
+    assert native.attention(q, *cache, n, additive, True, 0.125, 0, 0.0, None, None, None) is None
+    short = torch.ones(1, 1, 1, 19, dtype=torch.bool)  # fewer key columns than stored keys: not read past
+    assert native.attention(q, *cache, n, short, True, 0.125, 0, 0.0, None, None, None) is None
+    assert native.attention(q, *cache, n.int(), None, True, 0.125, 0, 0.0, None, None, None) is None
+    assert native.attention(q, *cache, torch.tensor([20, 20]), None, True, 0.125, 0, 0.0, None, None, None) is None
     big = torch.randn(1, 4, native.MAX_WORK // (2 * 4 * 64 * 20) + 1, 64)
-    assert native.attention(big, *cache, lens, lo, n, None, True, 0.125, 0, 0.0, None, None, None) is None
+    assert native.attention(big, *cache, n, None, True, 0.125, 0, 0.0, None, None, None) is None
+
+
+def test_decode_runs_in_c_at_any_length():
+    """Up to MAX_QUERIES queries the C path takes any number of stored keys (its work above MAX_WORK):
+    9000 keys against the float64 reference; a chunk of more queries over them goes to torch."""
+    n = 9000
+    cache = make("int8", "token", 1, 2, n, 64, n, True, seed=2)
+    assert 2 * n * 4 * 64 > native.MAX_WORK
+    q = torch.randn(1, 4, native.MAX_QUERIES, 64)
+    got, want = both(q, cache, torch.tensor(n))
+    assert_close(got, want, atol=ATOL, rtol=RTOL)
+    more = torch.randn(1, 4, native.MAX_QUERIES + 1, 64)
+    assert native.attention(more, *cache, torch.tensor(n), None, True, 0.125, 0, 0.0, None, None, None) is None
 
 
 def test_nan_scale_propagates():
@@ -156,7 +172,7 @@ def test_kernel_choice(monkeypatch):
 
 
 def test_every_e4m3_code_reads_exactly():
-    """The C path reads e4m3 codes through its own table: each finite value as torch converts it (the two
+    """The C path converts e4m3 codes by integer arithmetic: each finite value as torch converts it (the two
     NaN codes are left out: a hidden key's NaN would reach the other rows through a zero weight, as in
     the reference's P @ V)."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
@@ -167,7 +183,7 @@ def test_every_e4m3_code_reads_exactly():
     ones = torch.ones(1, 1, n, 1)
     mask = torch.eye(n, dtype=torch.bool).view(1, 1, n, n)  # query t sees key t alone: weight 1
     q = torch.randn(1, 1, n, D)
-    out = native.attention(q, kc, ones, vc, ones, [n], 0, n, mask, False, 1.0, 0, 0.0, None, None, None)
+    out = native.attention(q, kc, ones, vc, ones, torch.tensor(n), mask, False, 1.0, 0, 0.0, None, None, None)
     assert torch.equal(out[0, 0], codes.float().view(n, 1).expand(n, D))
 
 
@@ -307,16 +323,69 @@ def test_q8_0_scales_round_to_float16_as_torch_does():
     assert (s == 0).any() and ((s > 0) & (s < 2**-14)).any() and torch.isinf(s).any()  # every range was reached
 
 
-def test_attention_reads_only_the_stored_keys(monkeypatch):
-    """The op hands the C path the stored prefix [0, kv_len), whatever max_cache_len: the same keys
-    (and the same result) from a cache of 32 positions and one of 4096."""
-    seen = []
-    real = native.attention
-    monkeypatch.setattr(native, "attention", lambda *a: seen.append(a[6:8]) or real(*a))
-    q = torch.randn(1, 4, 1, 64)
-    outs = []
-    for L in (32, 4096):
-        kc, ks, vc, vs = make("int8", "token", 1, 2, L, 64, 20, True, seed=4)
-        outs.append(torch.ops.kvcompile.attention(q, kc, ks, vc, vs, torch.tensor(20), None, True, None))
-    assert seen == [(0, 20), (0, 20)]
-    assert torch.equal(outs[0], outs[1])
+def test_attention_reads_only_the_stored_keys():
+    """Positions at or past kv_len are never read, whatever max_cache_len: in a cache of 4096 positions
+    whose unstored positions hold NaN scales (any read of them would reach the output: a NaN code
+    times a zero weight is NaN), the result equals a cache of 32 positions with the same 20 tokens."""
+    q = torch.randn(2, 4, 1, 64)
+    small = make("int8", "token", 2, 2, 32, 64, 20, True, seed=4)
+    big = make("int8", "token", 2, 2, 4096, 64, 20, True, seed=4)
+    for scale in (big[1], big[3]):
+        scale[:, :, 20:] = float("nan")
+    kv_len = torch.tensor([20, 13])
+    got, _ = both(q, big, kv_len)
+    want, _ = both(q, small, kv_len)
+    assert torch.isfinite(got).all() and torch.equal(got, want)
+    hidden = big[1].clone()
+    big[1][:, :, 12] = float("nan")  # the control: a NaN in a stored key does reach the output
+    assert torch.isnan(native.attention(q, *big, kv_len, None, True, 0.125, 0, 0.0, None, None, None)).any()
+    big[1].copy_(hidden)
+
+
+def test_plans_follow_the_tensors():
+    """The C calls keep a plan per cache (its pointers and strides); a new tensor in any role (another
+    rotation, another scale tensor) rebuilds it, and a plan dies with its cache."""
+    D = 64
+    R = rotation.hadamard(D)
+    cache = make("int8", "token", 1, 2, 32, D, 20, True, R, R)
+    q = torch.randn(1, 4, 1, D)
+    n = torch.tensor(20)
+    first, want = both(q, cache, n, k_rot=R, v_rot=R)
+    assert_close(first, want, atol=ATOL, rtol=RTOL)
+    # the same codes read as unrotated: the plan must not keep the rotations
+    plain, want_plain = both(q, cache, n)
+    assert_close(plain, want_plain, atol=ATOL, rtol=RTOL)
+    assert (plain - first).abs().max() > 100 * ATOL
+    # another k scale tensor of the same shape (twice the values): twice the logits
+    k_scale2 = cache[1] * 2
+    doubled, want_doubled = both(q, (cache[0], k_scale2, cache[2], cache[3]), n, k_rot=R, v_rot=R)
+    assert_close(doubled, want_doubled, atol=ATOL, rtol=RTOL)
+    assert (doubled - first).abs().max() > 100 * ATOL
+    # a plan leaves with its cache
+    count = len(native._plans)
+    tmp = make("fp8_e4m3", "token", 1, 2, 32, D, 20)
+    both(q, tmp, n)
+    assert len(native._plans) == count + 1
+    del tmp
+    import gc
+
+    gc.collect()
+    assert len(native._plans) == count
+
+
+def test_store_reads_start_from_the_tensor():
+    """The store takes the cache's length tensor as it is (no host read), an int as well; negative or
+    past-the-end starts write nothing and the op names the fix."""
+    B, H, L, D = 1, 2, 8, 64
+    k = torch.randn(B, H, 2, D)
+    for start in (torch.tensor(3), 3):
+        tok = torch.zeros(B, H, L, D, dtype=torch.int8), torch.zeros(B, H, L, 1)
+        assert native.store_kv(*tok, *tok, k, k, start, None, None, None)
+        written = (tok[1][0, 0, :, 0] != 0).nonzero().flatten().tolist()
+        assert written == [3, 4]
+    for start in (7, -1):
+        assert not native.store_kv(*tok, *tok, k, k, torch.tensor(start), None, None, None)
+    with pytest.raises(RuntimeError, match="past max_cache_len"):
+        torch.ops.kvcompile.store_kv(*tok, *tok, k, k, torch.tensor(7), None)
+    bad_offset = torch.randn(H + 1, D)  # not [H, D]: declined (the reference names the shape)
+    assert not native.store_kv(*tok, *tok, k, k, 0, bad_offset, None, None)

@@ -1,22 +1,24 @@
-/* Decode attention over kvcompile's 8-bit cache on the CPU: one call per layer and step.
+/* Decode attention over kvcompile's 8-bit cache on the CPU, and the store: one call per layer and step.
  *
- * The contract is kvcompile.ops._attention's (kvcompile/reference.py is the oracle); this file
- * computes it for float32 queries in one pass over the stored keys, with no temporary tensors:
- * a decode step's attention is a few hundred thousand multiply-adds, less work than the dozen
- * torch calls (dequantize K and V, rotate q, SDPA, rotate back) that compute it in the reference.
+ * The contracts are kvcompile.ops._attention's and _store_kv's (kvcompile/reference.py is the oracle);
+ * this file computes them for float32 inputs in one pass over the stored keys, with no temporary
+ * tensors: a decode step's attention is a few hundred thousand multiply-adds, less work than the
+ * dozen torch calls (dequantize K and V, rotate q, SDPA, rotate back) that compute it in the reference.
  *
- * Layouts (strides in elements; any stride may be 0 where a tensor broadcasts):
+ * A layer's cache arrives as one cache_t, built once per cache by the caller (kvcompile/native):
+ *   codes [B, H, L, D] int8 or e4m3 bytes (K: head_dim-contiguous; V: either way), strides in elements
+ *   scale token [B, H, L, 1] / block32 [B, H, L, D/32] (float32, float16 for q8_0) / static [H]
+ * and per call (strides in elements, 0 where a tensor broadcasts):
  *   q     [B, Hq, Tq, D] float32, unit stride along D
  *   out   [B, Hq, Tq, D] float32, contiguous
- *   codes [B, Hkv, L, D] int8 or e4m3 bytes (K: head_dim-contiguous; V: either way)
- *   scale token [B, Hkv, L, 1] / block32 [B, Hkv, L, D/32] (float32 or float16) / static [Hkv]
  *   mask  [B, Hq, Tq, Lm] bytes (bool, nonzero = attend) or NULL
- *   lens  [B] int64: keys at positions >= lens[b] are not stored
- * Keys [lo, hi) are the only ones read (the caller bounds them by the stored lengths).
+ *   kv_len [] or [B] int64: keys at positions >= kv_len[b] are not stored
  *
- * Per (batch row, kv head): the keys [lo, hi) of K and V are dequantized once into float32 rows
- * (the values formats.dequantize gives: code times scale, one fp32 product), then each query row of
- * the head's group takes its scores (q . k, 8-lane sums), its softmax and its weighted sum of V rows.
+ * Attention, per (batch row, kv head): the head's group x Tq query rows are rotated into K's space
+ * once; each stored key in the range any row can see is converted once (code times scale, the fp32
+ * product formats.dequantize gives) and dotted with every row; each row takes its softmax; each
+ * stored value row (or channel, V stored key-contiguous) is converted once and accumulated into every
+ * row. So the cost tracks the keys stored, not the cache's L, and each cache byte is read once.
  *
  * Built at first use by kvcompile/native/__init__.py with the system C compiler (the one Inductor
  * uses on the CPU) and loaded with ctypes. Single-threaded: the caller sends larger work to torch.
@@ -30,39 +32,43 @@
 enum { CODE_INT8 = 0, CODE_E4M3 = 1, CODE_Q8_0 = 2 }; /* Q8_0: the store's; attention reads it as INT8 */
 enum { SCALE_TOKEN = 0, SCALE_BLOCK32 = 1, SCALE_STATIC = 2 };
 
-static float e4m3_table[256];
-static int e4m3_ready = 0;
-
-/* float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, S.1111.111 is NaN.
- * Every value is exact in float32. */
-static void init_e4m3(void) {
-    for (int b = 0; b < 256; ++b) {
-        int e = (b >> 3) & 15, m = b & 7;
-        float v;
-        if (e == 15 && m == 7) v = NAN;
-        else if (e == 0) v = ldexpf((float)m, -9);          /* subnormal: m/8 * 2^-6 */
-        else v = ldexpf((float)(8 + m), e - 10);            /* (1 + m/8) * 2^(e-7) */
-        e4m3_table[b] = (b & 128) ? -v : v;
+/* float16 bits to float32, exactly: a normal value's fields move into float32's with the exponent
+ * bias raised by 112, a subnormal m is m * 2^-24, Inf and NaN keep their kind */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023;
+    uint32_t bits;
+    if (e == 0) {
+        const float sub = (float)m * 0x1p-24f;
+        memcpy(&bits, &sub, 4);
+    } else if (e == 31) {
+        bits = 0x7F800000u | (m << 13);
+    } else {
+        bits = ((e + 112) << 23) | (m << 13);
     }
-    e4m3_ready = 1;
+    bits |= sign;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
 }
 
-static float half_to_float(uint16_t h) {
-    int s = h >> 15, e = (h >> 10) & 31, m = h & 1023;
-    float v;
-    if (e == 0) v = ldexpf((float)m, -24);
-    else if (e == 31) v = m ? NAN : INFINITY;
-    else v = ldexpf((float)(1024 + m), e - 25);
-    return s ? -v : v;
-}
-
+/* One side (K or V) of a layer's cache: codes [B, H, L, D] and scales, strides in elements. */
 typedef struct {
-    const uint8_t *codes; /* int8 or e4m3 bytes */
+    uint8_t *codes; /* int8 or e4m3 bytes */
     int64_t cb, ch, cl, cd;
-    const void *scale;
+    void *scale;
     int64_t sb, sh, sl, sg;
-    int code_kind, scale_kind, scale_f16;
+    int32_t code_kind;  /* CODE_INT8, CODE_E4M3 (attention reads CODE_Q8_0 as CODE_INT8) */
+    int32_t scale_kind; /* SCALE_TOKEN, SCALE_BLOCK32, SCALE_STATIC */
+    int32_t scale_f16;  /* the scales are float16 (q8_0) */
+    int32_t group;      /* elements per scale along D: D or 32 */
 } side_t;
+
+/* A layer's cache as the two calls read it, built once per cache by the caller (kvcompile/native). */
+typedef struct {
+    side_t k, v;
+    const float *k_rot, *v_rot; /* [D, D] row-major or NULL: the codes hold x @ R */
+    int64_t B, H, L, D;
+} cache_t;
 
 static inline float scale_at(const side_t *s, int64_t b, int64_t h, int64_t l, int64_t g) {
     int64_t i = s->scale_kind == SCALE_STATIC ? h * s->sh : b * s->sb + h * s->sh + l * s->sl + g * s->sg;
@@ -73,9 +79,9 @@ static inline float scale_at(const side_t *s, int64_t b, int64_t h, int64_t l, i
  * lanes' sum into a few shuffles (an `omp simd` reduction spills its lanes to the stack per call). */
 #define LANES 8
 
-static inline float dot_f32(const float *x, const float *y, int n) {
+static inline float dot_f32(const float *x, const float *y, int64_t n) {
     float lane[LANES] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    int e = 0;
+    int64_t e = 0;
     for (; e + LANES <= n; e += LANES)
         for (int l = 0; l < LANES; ++l) lane[l] += x[e + l] * y[e + l];
     float acc = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
@@ -97,39 +103,45 @@ static void rotate_row(const float *x, const float *R, int D, float *out) {
     }
 }
 
-/* The keys [lo, hi) of one (batch row, kv head) as float32 values code * scale, channel-major:
- * dst[d * ld + (j - lo)], ld >= n = hi - lo. `sc` is scratch for n * groups scales. */
-static void dequantize_by_channel(const side_t *x, int64_t b, int64_t h, int64_t lo, int64_t hi, int D, int64_t ld,
-                                  float *dst, float *sc) {
-    const uint8_t *base = x->codes + b * x->cb + h * x->ch;
-    const int64_t n = hi - lo;
-    const int groups = x->scale_kind == SCALE_BLOCK32 ? D / 32 : 1, width = D / groups;
-    for (int64_t j = 0; j < n; ++j)
-        for (int g = 0; g < groups; ++g) sc[j * groups + g] = scale_at(x, b, h, lo + j, g);
-    if (x->cl == 1) { /* stored key-contiguous (V by default): each channel is a contiguous run of keys */
-        for (int d = 0; d < D; ++d) {
-            const uint8_t *c = base + d * x->cd + lo;
-            const float *s = sc + d / width;
-            float *r = dst + d * ld;
-            if (x->code_kind == CODE_INT8) {
-                const int8_t *ci = (const int8_t *)c;
-                for (int64_t j = 0; j < n; ++j) r[j] = (float)ci[j] * s[j * groups];
-            } else {
-                for (int64_t j = 0; j < n; ++j) r[j] = e4m3_table[c[j]] * s[j * groups];
-            }
-        }
+static inline uint32_t f32_bits_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float f32_from_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* n codes at unit stride times one scale each: out[i] = value(c[i]) * s, the fp32 product
+ * formats.dequantize gives. e4m3 by integer arithmetic the compiler vectorizes (no table gather, no
+ * subnormal float): a normal code's exponent and mantissa bits move into float32's fields with the
+ * bias raised by 120, a subnormal code m is m * 2^-9, 0x7F / 0xFF are NaN; every value is exact. */
+static inline void codes_to_f32(const uint8_t *c, int kind, float s, float *out, int64_t n) {
+    if (kind != CODE_E4M3) { /* int8 and q8_0 */
+        const int8_t *ci = (const int8_t *)c;
+        for (int64_t i = 0; i < n; ++i) out[i] = (float)ci[i] * s;
         return;
     }
-    for (int64_t j = 0; j < n; ++j) { /* stored head_dim-contiguous: a transpose */
-        const uint8_t *c = base + (lo + j) * x->cl;
-        for (int g = 0; g < groups; ++g) {
-            const float s = sc[j * groups + g];
-            for (int d = g * width; d < (g + 1) * width; ++d) {
-                const uint8_t *cd = c + d * x->cd;
-                dst[d * ld + j] = (x->code_kind == CODE_INT8 ? (float)*(const int8_t *)cd : e4m3_table[*cd]) * s;
-            }
-        }
+    for (int64_t i = 0; i < n; ++i) { /* selects by masks: no branch, so the loop vectorizes */
+        const uint32_t b = c[i], mag = b & 0x7F;
+        const uint32_t normal = (mag << 20) + (120u << 23);
+        const uint32_t sub = f32_bits_of((float)(int32_t)(mag & 7) * 0x1p-9f);
+        const uint32_t is_sub = 0u - (uint32_t)(mag < 8), is_nan = 0u - (uint32_t)(mag == 0x7F);
+        uint32_t bits = (sub & is_sub) | (normal & ~is_sub);
+        bits = (0x7FC00000u & is_nan) | (bits & ~is_nan);
+        out[i] = f32_from_bits(bits | ((b & 0x80) << 24)) * s;
     }
+}
+
+/* Row j's D values (code times its scale, the reference's fp32 value) of a head_dim-contiguous side */
+static inline void row_values(const side_t *x, int64_t b, int64_t h, int64_t j, int D, float *out) {
+    const uint8_t *c = x->codes + b * x->cb + h * x->ch + j * x->cl;
+    const int groups = D / x->group;
+    for (int g = 0; g < groups; ++g)
+        codes_to_f32(c + g * x->group, x->code_kind, scale_at(x, b, h, j, g), out + g * x->group, x->group);
 }
 
 /* A per-thread buffer that only grows: a malloc per call of a few hundred KB would be an mmap and
@@ -146,90 +158,119 @@ static float *scratch(size_t bytes) {
     return buf;
 }
 
-/* Returns 0, or -1 when out of memory (the caller falls back to torch). */
-int kvc_attend(int B, int Hq, int Hkv, int Tq, int D, int64_t lo, int64_t hi,
-               const float *q, int64_t qb, int64_t qh, int64_t qt, float *out,
-               const uint8_t *kc, int64_t kcb, int64_t kch, int64_t kcl, int64_t kcd, int k_kind,
-               const void *ks, int64_t ksb, int64_t ksh, int64_t ksl, int64_t ksg, int k_scale_kind, int k_f16,
-               const uint8_t *vc, int64_t vcb, int64_t vch, int64_t vcl, int64_t vcd, int v_kind,
-               const void *vs, int64_t vsb, int64_t vsh, int64_t vsl, int64_t vsg, int v_scale_kind, int v_f16,
-               const int64_t *lens, const uint8_t *mask, int64_t mb, int64_t mh, int64_t mt, int64_t ml,
-               int is_causal, int64_t window, float sm_scale, float softcap, const float *sinks,
-               const float *k_rot, const float *v_rot) {
-    if (!e4m3_ready) init_e4m3();
-    if (hi <= lo) return 0; /* the caller handles an empty range */
-    const side_t k = {kc, kcb, kch, kcl, kcd, ks, ksb, ksh, ksl, ksg, k_kind, k_scale_kind, k_f16};
-    const side_t v = {vc, vcb, vch, vcl, vcd, vs, vsb, vsh, vsl, vsg, v_kind, v_scale_kind, v_f16};
-    const int group = Hq / Hkv;
-    const int64_t n = hi - lo;
-    /* K and V channel-major [D, n], scale scratch [n, D/32 or 1], the scores [n], q and the output [D] */
-    /* channel rows of ld floats: a multiple of 16 plus 16, never a multiple of a 4 KiB page (64
-     * channels at a page's stride share the L1's sets: 4x slower at n = 1024) */
-    const int64_t ld = ((n + 15) & ~(int64_t)15) + 16;
-    float *kt = scratch(sizeof(float) * ((size_t)(2 * ld + n + 3) * D + (size_t)n));
-    if (!kt) return -1;
-    float *vt = kt + ld * D, *sc = vt + ld * D, *p = sc + n * D, *qr = p + n, *acc = qr + D, *tmp = acc + D;
+/* Attention of q [B, Hq, Tq, D] (float32, unit stride along D) over the cache's stored keys.
+ * kv_len: int64, n_len = 1 (shared) or B values; keys at positions >= kv_len[b] are not stored (a
+ * length above L makes all L visible). Only keys [lo, hi) are read: hi the longest stored length
+ * (at most L), lo the first key a window lets any query see. mask: bool bytes [B, Hq, Tq, mask_len]
+ * at strides mb, mh, mt, ml (0 where it broadcasts), or NULL.
+ * Returns 0; 1 where the work is above max_work multiply-adds with more than max_queries queries,
+ * or the mask is shorter than the keys read (nothing written: the caller runs torch); -1 out of memory. */
+int kvc_attend(const cache_t *c, int B, int Hq, int Tq, const float *q, int64_t qb, int64_t qh, int64_t qt,
+               float *out, const int64_t *kv_len, int n_len, const uint8_t *mask, int64_t mb, int64_t mh,
+               int64_t mt, int64_t ml, int64_t mask_len, int is_causal, int64_t window, float sm_scale,
+               float softcap, const float *sinks, int64_t max_work, int max_queries) {
+    const int D = (int)c->D, Hkv = (int)c->H, group = Hq / Hkv, rows = group * Tq;
+    const side_t *k = &c->k, *v = &c->v;
+    int64_t hi = 0, lmin = INT64_MAX;
     for (int b = 0; b < B; ++b) {
+        const int64_t len = kv_len[n_len == 1 ? 0 : b];
+        if (len > hi) hi = len;
+        if (len < lmin) lmin = len;
+    }
+    if (hi > c->L) hi = c->L;
+    int64_t lo = 0; /* the first key any query can see: query 0 of the shortest row sits at lmin - Tq */
+    if (window > 0) {
+        lo = lmin - Tq - window + 1;
+        lo = lo < 0 ? 0 : (lo > hi ? hi : lo);
+    }
+    const int64_t n = hi - lo;
+    if ((Tq > max_queries && 2 * n * Hq * Tq * D > max_work) || (mask && ml && mask_len < hi)) return 1;
+    /* per kv head: the group's rotated queries [rows, D], scores [rows, n], output sums [rows, D],
+     * one key's or value's D values, a channel's n values (V stored key-contiguous), one output row */
+    const int64_t nn = n > D ? n : D;
+    float *qr = scratch(sizeof(float) * ((size_t)rows * (2 * D + n + 1) + 2 * nn + D));
+    if (!qr) return -1;
+    float *p = qr + (size_t)rows * D, *acc = p + (size_t)rows * n, *inv = acc + (size_t)rows * D;
+    float *kv = inv + rows, *sv = kv + nn, *tmp = sv + nn;
+    const int v_keys = v->cl == 1 && v->cd != 1; /* V stored key-contiguous: a channel's keys are a run */
+    for (int b = 0; b < B; ++b) {
+        const int64_t len = kv_len[n_len == 1 ? 0 : b];
         for (int hk = 0; hk < Hkv; ++hk) {
-            dequantize_by_channel(&k, b, hk, lo, hi, D, ld, kt, sc);
-            dequantize_by_channel(&v, b, hk, lo, hi, D, ld, vt, sc);
-            for (int h = hk * group; h < (hk + 1) * group; ++h) {
-                for (int t = 0; t < Tq; ++t) {
-                    float *o = out + (((int64_t)b * Hq + h) * Tq + t) * D;
-                    const float *qrow = q + b * qb + h * qh + t * qt;
-                    rotate_row(qrow, k_rot, D, qr); /* q @ R_k: scores in K's rotated space */
-                    /* scores of every key in [lo, hi): sum over channels, each a contiguous run of keys */
-                    int64_t j0 = 0;
-                    for (; j0 + 4 * LANES <= n; j0 += 4 * LANES) { /* 32 keys' sums stay in registers */
-                        float blk[4 * LANES] = {0.f};
-                        for (int d = 0; d < D; ++d) {
-                            const float qd = qr[d];
-                            const float *kd = kt + d * ld + j0;
-                            for (int l = 0; l < 4 * LANES; ++l) blk[l] += qd * kd[l];
-                        }
-                        memcpy(p + j0, blk, sizeof(blk));
+            for (int r = 0; r < rows; ++r) { /* row r: query head hk * group + r / Tq, query r % Tq */
+                const int h = hk * group + r / Tq, t = r % Tq;
+                rotate_row(q + b * qb + h * qh + t * qt, c->k_rot, D, qr + (size_t)r * D); /* q @ R_k */
+            }
+            /* scores: each stored key's values once, dotted with the group's rows */
+            for (int64_t j = 0; j < n; ++j) {
+                row_values(k, b, hk, lo + j, D, kv);
+                for (int r = 0; r < rows; ++r) p[(size_t)r * n + j] = dot_f32(qr + (size_t)r * D, kv, D);
+            }
+            /* the keys each row sees (its row's length, the causal bound, the window, the mask), softmax */
+            for (int r = 0; r < rows; ++r) {
+                const int h = hk * group + r / Tq, t = r % Tq;
+                const int64_t qpos = len - Tq + t;
+                int64_t end = hi < len ? hi : len, start = lo;
+                if (is_causal && qpos + 1 < end) end = qpos + 1;
+                if (window > 0 && qpos - window + 1 > start) start = qpos - window + 1;
+                const uint8_t *mrow = mask ? mask + b * mb + h * mh + t * mt : NULL;
+                float *pr = p + (size_t)r * n, mx = -INFINITY;
+                for (int64_t j = 0; j < n; ++j) {
+                    const int64_t pos = lo + j;
+                    float s = -INFINITY;
+                    if (pos >= start && pos < end && (!mrow || mrow[pos * ml])) {
+                        s = pr[j] * sm_scale;
+                        if (softcap > 0.f) s = softcap * tanhf(s / softcap);
                     }
-                    for (int64_t j = j0; j < n; ++j) {
-                        float s = 0.f;
-                        for (int d = 0; d < D; ++d) s += qr[d] * kt[d * ld + j];
-                        p[j] = s;
+                    pr[j] = s;
+                    if (s > mx) mx = s;
+                }
+                if (mx == -INFINITY) { /* no visible key: zeros (with sinks too) */
+                    for (int64_t j = 0; j < n; ++j) pr[j] = 0.f;
+                    inv[r] = 0.f;
+                    continue;
+                }
+                float sink = 0.f;
+                if (sinks) {
+                    sink = sinks[h];
+                    if (sink > mx) mx = sink;
+                }
+                float denom = 0.f;
+                for (int64_t j = 0; j < n; ++j) { /* a hidden key weighs exactly 0 */
+                    pr[j] = pr[j] == -INFINITY ? 0.f : expf(pr[j] - mx);
+                    denom += pr[j];
+                }
+                if (sinks) denom += expf(sink - mx);
+                inv[r] = 1.f / denom;
+            }
+            /* P @ V: each stored value row (or channel) once, for the group's rows */
+            memset(acc, 0, sizeof(float) * (size_t)rows * D);
+            if (v_keys) { /* token or static scales (block32 V is stored head_dim-contiguous) */
+                for (int64_t j = 0; j < n; ++j) sv[j] = scale_at(v, b, hk, lo + j, 0);
+                for (int d = 0; d < D; ++d) {
+                    /* the channel's values, code * scale as formats.dequantize (code * 1 is exact) */
+                    codes_to_f32(v->codes + b * v->cb + hk * v->ch + d * v->cd + lo, v->code_kind, 1.f, kv, n);
+                    for (int64_t j = 0; j < n; ++j) kv[j] *= sv[j];
+                    for (int r = 0; r < rows; ++r) acc[(size_t)r * D + d] = dot_f32(p + (size_t)r * n, kv, n);
+                }
+            } else {
+                for (int64_t j = 0; j < n; ++j) {
+                    row_values(v, b, hk, lo + j, D, kv);
+                    for (int r = 0; r < rows; ++r) {
+                        const float w = p[(size_t)r * n + j];
+                        float *a = acc + (size_t)r * D;
+                        for (int d = 0; d < D; ++d) a[d] += w * kv[d];
                     }
-                    /* the keys this query sees: its row's length, the causal bound, the window, the mask */
-                    const int64_t len = lens[b], qpos = len - Tq + t;
-                    int64_t end = hi < len ? hi : len, start = lo;
-                    if (is_causal && qpos + 1 < end) end = qpos + 1;
-                    if (window > 0 && qpos - window + 1 > start) start = qpos - window + 1;
-                    const uint8_t *mrow = mask ? mask + b * mb + h * mh + t * mt : NULL;
-                    float mx = -INFINITY;
-                    for (int64_t j = lo; j < hi; ++j) {
-                        float s = -INFINITY;
-                        if (j >= start && j < end && (!mrow || mrow[j * ml])) {
-                            s = p[j - lo] * sm_scale;
-                            if (softcap > 0.f) s = softcap * tanhf(s / softcap);
-                        }
-                        p[j - lo] = s;
-                        if (s > mx) mx = s;
-                    }
-                    if (mx == -INFINITY) { /* no visible key: zeros (with sinks too) */
-                        memset(o, 0, sizeof(float) * D);
-                        continue;
-                    }
-                    float sink = 0.f;
-                    if (sinks) {
-                        sink = sinks[h];
-                        if (sink > mx) mx = sink;
-                    }
-                    float denom = 0.f;
-                    for (int64_t j = 0; j < n; ++j) { /* a hidden key weighs exactly 0 */
-                        p[j] = p[j] == -INFINITY ? 0.f : expf(p[j] - mx);
-                        denom += p[j];
-                    }
-                    if (sinks) denom += expf(sink - mx);
-                    const float inv = 1.f / denom;
-                    float *dst = v_rot ? tmp : o;
-                    for (int d = 0; d < D; ++d) dst[d] = dot_f32(p, vt + d * ld, (int)n) * inv;
-                    if (v_rot) /* back from V's rotated space: o @ R_v^T */
-                        for (int d = 0; d < D; ++d) o[d] = dot_f32(tmp, v_rot + (int64_t)d * D, D);
+                }
+            }
+            for (int r = 0; r < rows; ++r) {
+                const int h = hk * group + r / Tq, t = r % Tq;
+                float *o = out + (((int64_t)b * Hq + h) * Tq + t) * D;
+                const float *a = acc + (size_t)r * D;
+                if (c->v_rot) { /* back from V's rotated space: o @ R_v^T */
+                    for (int d = 0; d < D; ++d) tmp[d] = a[d] * inv[r];
+                    for (int d = 0; d < D; ++d) o[d] = dot_f32(tmp, c->v_rot + (int64_t)d * D, D);
+                } else {
+                    for (int d = 0; d < D; ++d) o[d] = a[d] * inv[r];
                 }
             }
         }
@@ -336,41 +377,38 @@ static float quantize_group(const float *x, int n, int kind, uint8_t *c, int64_t
     return s;
 }
 
-/* Store T new tokens k, v [B, H, T, D] (float32, unit stride along D) at positions start + t.
- * Per side: the code kind (CODE_INT8, CODE_E4M3, CODE_Q8_0) and its scales [B, H, L, G] with
- * G = D / group (group D or 32), float32, or float16 for q8_0. k_offset [H, D] or NULL (in K's
- * rotated space), k_rot / v_rot [D, D] or NULL. */
-void kvc_store(int B, int H, int T, int D, int64_t start,
-               const float *k, int64_t kb, int64_t kh, int64_t kt, const float *v, int64_t vb, int64_t vh, int64_t vt,
-               uint8_t *kc, int64_t kcb, int64_t kch, int64_t kcl, int64_t kcd, int k_kind,
-               void *ks, int64_t ksb, int64_t ksh, int64_t ksl, int64_t ksg, int k_group,
-               uint8_t *vc, int64_t vcb, int64_t vch, int64_t vcl, int64_t vcd, int v_kind,
-               void *vs, int64_t vsb, int64_t vsh, int64_t vsl, int64_t vsg, int v_group,
-               const float *k_offset, const float *k_rot, const float *v_rot) {
+/* Store T new tokens k, v [B, H, T, D] (float32, unit stride along D) at positions start_at[0] + t
+ * of the cache: per side the code kind (CODE_INT8, CODE_E4M3, CODE_Q8_0) and its scales
+ * [B, H, L, D / group] (float32, or float16 for q8_0). The cache's rotations apply, then K's offset
+ * k_offset [H, D] (or NULL) is subtracted. Returns 0; 1 (nothing written) when the tokens would pass
+ * the cache's L positions, 2 (nothing written) for a negative start. */
+int kvc_store(const cache_t *c, int B, int T, const float *k, int64_t kb, int64_t kh, int64_t kt,
+              const float *v, int64_t vb, int64_t vh, int64_t vt, const int64_t *start_at, const float *k_offset) {
+    const int H = (int)c->H, D = (int)c->D;
+    const int64_t start = *start_at;
+    if (start + T > c->L) return 1;
+    if (start < 0) return 2;
     float x[1024]; /* D <= 1024, checked by the caller */
     for (int side = 0; side < 2; ++side) {
-        const float *src = side ? v : k, *rot = side ? v_rot : k_rot;
+        const side_t *s = side ? &c->v : &c->k;
+        const float *src = side ? v : k, *rot = side ? c->v_rot : c->k_rot;
         const int64_t sb = side ? vb : kb, sh = side ? vh : kh, st = side ? vt : kt;
-        uint8_t *codes = side ? vc : kc;
-        void *scales = side ? vs : ks;
-        const int64_t cb = side ? vcb : kcb, ch = side ? vch : kch, cl = side ? vcl : kcl, cd = side ? vcd : kcd;
-        const int64_t ssb = side ? vsb : ksb, ssh = side ? vsh : ksh, ssl = side ? vsl : ksl, ssg = side ? vsg : ksg;
-        const int kind = side ? v_kind : k_kind, group = side ? v_group : k_group;
         for (int b = 0; b < B; ++b)
             for (int h = 0; h < H; ++h)
                 for (int t = 0; t < T; ++t) {
-                    const float *row = src + b * sb + h * sh + t * st;
-                    rotate_row(row, rot, D, x);
+                    rotate_row(src + b * sb + h * sh + t * st, rot, D, x);
                     if (!side && k_offset)
                         for (int d = 0; d < D; ++d) x[d] -= k_offset[h * D + d];
                     const int64_t pos = start + t;
-                    uint8_t *c = codes + b * cb + h * ch + pos * cl;
-                    for (int g = 0; g < D / group; ++g) {
-                        const float s = quantize_group(x + g * group, group, kind, c + g * group * cd, cd);
-                        const int64_t i = b * ssb + h * ssh + pos * ssl + g * ssg;
-                        if (kind == CODE_Q8_0) ((uint16_t *)scales)[i] = half_bits(s);
-                        else ((float *)scales)[i] = s;
+                    uint8_t *codes = s->codes + b * s->cb + h * s->ch + pos * s->cl;
+                    for (int g = 0; g < D / s->group; ++g) {
+                        const float sc = quantize_group(x + g * s->group, s->group, s->code_kind,
+                                                        codes + g * s->group * s->cd, s->cd);
+                        const int64_t i = b * s->sb + h * s->sh + pos * s->sl + g * s->sg;
+                        if (s->code_kind == CODE_Q8_0) ((uint16_t *)s->scale)[i] = half_bits(sc);
+                        else ((float *)s->scale)[i] = sc;
                     }
                 }
     }
+    return 0;
 }
