@@ -178,7 +178,7 @@ class _Plan:
     """A layer's :class:`_Cache` and what the C calls can do with it. Valid while the same tensor
     objects (weak references: a plan keeps no cache alive) hold the same memory."""
 
-    __slots__ = ("refs", "ptrs", "cache", "addr", "B", "H", "L", "D", "attend", "store", "__weakref__")
+    __slots__ = ("refs", "ptrs", "cache", "addr", "B", "H", "D", "attend", "store", "__weakref__")
 
     def matches(self, tensors: tuple) -> bool:
         refs = self.refs
@@ -219,7 +219,7 @@ def _new_plan(k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Tensor, k_rota
               and all(s.dim() == 1 and s.shape[0] == H or s.dim() == 4 and s.shape[:3] == (B, H, L)
                       and s.shape[3] > 0 and D % s.shape[3] == 0 for s in (k_scale, v_scale)))
     if usable:
-        plan.B, plan.H, plan.L, plan.D = B, H, L, D
+        plan.B, plan.H, plan.D = B, H, D
         ks, k_read, k_write = _side(k_q, k_scale, D)
         vs, v_read, v_write = _side(v_q, v_scale, D)
         plan.cache = _Cache(ks, vs, None if k_rotation is None else k_rotation.data_ptr(),

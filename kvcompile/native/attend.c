@@ -32,23 +32,27 @@
 enum { CODE_INT8 = 0, CODE_E4M3 = 1, CODE_Q8_0 = 2 }; /* Q8_0: the store's; attention reads it as INT8 */
 enum { SCALE_TOKEN = 0, SCALE_BLOCK32 = 1, SCALE_STATIC = 2 };
 
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float f32_from_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 /* float16 bits to float32, exactly: a normal value's fields move into float32's with the exponent
  * bias raised by 112, a subnormal m is m * 2^-24, Inf and NaN keep their kind */
 static inline float half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023;
     uint32_t bits;
-    if (e == 0) {
-        const float sub = (float)m * 0x1p-24f;
-        memcpy(&bits, &sub, 4);
-    } else if (e == 31) {
-        bits = 0x7F800000u | (m << 13);
-    } else {
-        bits = ((e + 112) << 23) | (m << 13);
-    }
-    bits |= sign;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
+    if (e == 0) bits = f32_bits((float)m * 0x1p-24f);
+    else if (e == 31) bits = 0x7F800000u | (m << 13);
+    else bits = ((e + 112) << 23) | (m << 13);
+    return f32_from_bits(bits | sign);
 }
 
 /* One side (K or V) of a layer's cache: codes [B, H, L, D] and scales, strides in elements. */
@@ -103,18 +107,6 @@ static void rotate_row(const float *x, const float *R, int D, float *out) {
     }
 }
 
-static inline uint32_t f32_bits_of(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-
-static inline float f32_from_bits(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* n codes at unit stride times one scale each: out[i] = value(c[i]) * s, the fp32 product
  * formats.dequantize gives. e4m3 by integer arithmetic the compiler vectorizes (no table gather, no
  * subnormal float): a normal code's exponent and mantissa bits move into float32's fields with the
@@ -128,7 +120,7 @@ static inline void codes_to_f32(const uint8_t *c, int kind, float s, float *out,
     for (int64_t i = 0; i < n; ++i) { /* selects by masks: no branch, so the loop vectorizes */
         const uint32_t b = c[i], mag = b & 0x7F;
         const uint32_t normal = (mag << 20) + (120u << 23);
-        const uint32_t sub = f32_bits_of((float)(int32_t)(mag & 7) * 0x1p-9f);
+        const uint32_t sub = f32_bits((float)(int32_t)(mag & 7) * 0x1p-9f);
         const uint32_t is_sub = 0u - (uint32_t)(mag < 8), is_nan = 0u - (uint32_t)(mag == 0x7F);
         uint32_t bits = (sub & is_sub) | (normal & ~is_sub);
         bits = (0x7FC00000u & is_nan) | (bits & ~is_nan);
@@ -287,12 +279,6 @@ int kvc_attend(const cache_t *c, int B, int Hq, int Tq, const float *q, int64_t 
  * the rotation's sums run in this file's order, so a rotated side can differ from torch's matmul by
  * the last bit of a value, at most one code step.
  * ------------------------------------------------------------------------------------------------ */
-
-static inline uint32_t f32_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
 
 /* float8_e4m3fn of y, |y| <= 448 or NaN, rounded to nearest even (torch's conversion) */
 static uint8_t e4m3_encode(float y) {
