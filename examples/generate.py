@@ -102,6 +102,69 @@ class StepTimer(BaseStreamer):
             return float("nan"), 0, 0.0
         return self.times[1] - self.times[0], len(self.times) - 2, self.times[-1] - self.times[1]
 
+    def step_seconds(self) -> list[float]:
+        """Each decode step's seconds (token to token, after the first new token)."""
+        return [b - a for a, b in zip(self.times[1:], self.times[2:])]
+
+
+class Session:
+    """What :func:`run` builds before it generates: the prompt's ids, the cache, and the model's
+    forward compiled with ``kvcompile.backend`` (the same format). :meth:`warm_up` compiles the
+    prefill and decode graphs; each :meth:`generate` resets the cache and generates once, timing
+    every token. ``benchmarks/bench_cpu.py`` keeps several sessions of one model alive and
+    interleaves their :meth:`generate` calls."""
+
+    def __init__(self, model, tok, *, prompt=DEFAULT_PROMPT, max_new_tokens=48, kv_dtype=None, granularity=None,
+                 calibration=None, compile=True, chat=True, device=None, max_cache_len=None, ignore_eos=False,
+                 k_dtype=None, v_dtype=None):
+        self.model, self.tok = model, tok
+        self.device = device or str(next(model.parameters()).device)
+        self.ids = _prompt_ids(tok, prompt, chat).to(self.device)
+        T = self.ids.shape[1]
+        self.cache = kvcompile.QuantizedCache(model.config, max_batch_size=1,
+                                              max_cache_len=max_cache_len or T + max_new_tokens, kv_dtype=kv_dtype,
+                                              device=self.device, k_dtype=k_dtype, v_dtype=v_dtype,
+                                              granularity=granularity, calibration=calibration)
+        self.backend = None
+        self.forward = model.forward
+        if compile:
+            self.backend = kvcompile.backend(kv_dtype=kv_dtype, k_dtype=k_dtype, v_dtype=v_dtype)
+            self.forward = torch.compile(model.forward, backend=self.backend)
+        self.kwarg = _common.cache_kwarg(model)
+        self.gen_kw = dict(max_new_tokens=max_new_tokens, do_sample=False, disable_compile=True,
+                           pad_token_id=getattr(tok, "eos_token_id", None) or 0)
+        if getattr(tok, "eos_token_id", None) is None:
+            self.gen_kw["eos_token_id"] = None
+        if ignore_eos:
+            self.gen_kw["min_new_tokens"] = max_new_tokens
+        self.warmup_s = None
+
+    def _generate(self, **gen_kw) -> torch.Tensor:
+        orig = self.model.forward
+        self.model.forward = self.forward
+        try:
+            self.cache.reset()
+            with torch.no_grad():
+                return self.model.generate(self.ids, **{self.kwarg: self.cache}, **gen_kw)
+        finally:
+            self.model.forward = orig
+
+    def warm_up(self) -> float:
+        """Compile the prefill and decode graphs (a 2-token generate); the seconds it took."""
+        t0 = time.perf_counter()
+        warm_kw = dict(self.gen_kw, max_new_tokens=2)
+        warm_kw.pop("min_new_tokens", None)
+        self._generate(**warm_kw)
+        self.warmup_s = time.perf_counter() - t0
+        return self.warmup_s
+
+    def generate(self) -> tuple[torch.Tensor, "StepTimer", float]:
+        """(the output ids, each token's arrival time, the whole call's seconds)."""
+        steps = StepTimer()
+        with _common.Timer(self.device) as timer:
+            out_ids = self._generate(**self.gen_kw, streamer=steps)
+        return out_ids, steps, timer.seconds
+
 
 def run(model, tok, *, prompt=DEFAULT_PROMPT, max_new_tokens=48, kv_dtype=None, granularity=None,
         calibration=None, compile=True, chat=True, device=None, max_cache_len=None, ignore_eos=False,
@@ -109,39 +172,18 @@ def run(model, tok, *, prompt=DEFAULT_PROMPT, max_new_tokens=48, kv_dtype=None, 
     """Generate once (after a warm-up when compiling); returns what it printed, as a dict.
 
     ``ignore_eos``: generate exactly ``max_new_tokens`` (benchmarks)."""
-    device = device or str(next(model.parameters()).device)
-    ids = _prompt_ids(tok, prompt, chat).to(device)
-    T = ids.shape[1]
-    cache = kvcompile.QuantizedCache(model.config, max_batch_size=1, max_cache_len=max_cache_len or T + max_new_tokens,
-                                     kv_dtype=kv_dtype, device=device, k_dtype=k_dtype, v_dtype=v_dtype,
-                                     granularity=granularity, calibration=calibration)
-    backend = None
-    orig_forward = model.forward
-    if compile:
-        backend = kvcompile.backend(kv_dtype=kv_dtype, k_dtype=k_dtype, v_dtype=v_dtype)
-        model.forward = torch.compile(model.forward, backend=backend)
-    kwarg = _common.cache_kwarg(model)
-    gen_kw = dict(max_new_tokens=max_new_tokens, do_sample=False, disable_compile=True,
-                  pad_token_id=getattr(tok, "eos_token_id", None) or 0)
-    if getattr(tok, "eos_token_id", None) is None:
-        gen_kw["eos_token_id"] = None
-    if ignore_eos:
-        gen_kw["min_new_tokens"] = max_new_tokens
-    try:
-        warmup_s = None
-        if compile:  # compile the prefill and decode graphs before timing
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                warm_kw = dict(gen_kw, max_new_tokens=2)
-                warm_kw.pop("min_new_tokens", None)
-                model.generate(ids, **{kwarg: cache}, **warm_kw)
-            warmup_s = time.perf_counter() - t0
-            cache.reset()
-        steps = StepTimer()
-        with torch.no_grad(), _common.Timer(device) as timer:
-            out_ids = model.generate(ids, **{kwarg: cache}, **gen_kw, streamer=steps)
-    finally:
-        model.forward = orig_forward
+    session = Session(model, tok, prompt=prompt, max_new_tokens=max_new_tokens, kv_dtype=kv_dtype,
+                      granularity=granularity, calibration=calibration, compile=compile, chat=chat, device=device,
+                      max_cache_len=max_cache_len, ignore_eos=ignore_eos, k_dtype=k_dtype, v_dtype=v_dtype)
+    if compile:  # compile the prefill and decode graphs before timing
+        session.warm_up()
+    out_ids, steps, seconds = session.generate()
+    return _result(session, out_ids, steps, seconds, prompt, out)
+
+
+def _result(session: Session, out_ids: torch.Tensor, steps: "StepTimer", seconds: float, prompt: str, out) -> dict:
+    model, tok, cache, backend = session.model, session.tok, session.cache, session.backend
+    device, T, warmup_s = session.device, session.ids.shape[1], session.warmup_s
     new = out_ids[0, T:]
     text = tok.decode(new.tolist(), skip_special_tokens=True)
     n_new = int(new.numel())
@@ -151,8 +193,8 @@ def run(model, tok, *, prompt=DEFAULT_PROMPT, max_new_tokens=48, kv_dtype=None, 
         "text": text,
         "prompt_tokens": T,
         "new_tokens": n_new,
-        "seconds": timer.seconds,
-        "tokens_per_s": n_new / timer.seconds,
+        "seconds": seconds,
+        "tokens_per_s": n_new / seconds,
         "prefill_s": prefill_s,
         "decode_tokens": decode_steps,
         "decode_s": decode_s,
@@ -164,7 +206,7 @@ def run(model, tok, *, prompt=DEFAULT_PROMPT, max_new_tokens=48, kv_dtype=None, 
         "cache": repr(cache),
     }
     out(f"model: {getattr(model.config, '_name_or_path', '') or type(model).__name__}  device: {device}  "
-        f"weights: {next(model.parameters()).dtype}  compile: {compile}")
+        f"weights: {next(model.parameters()).dtype}  compile: {backend is not None}")
     centered = cache.layers[0].k_offset is not None if cache.layers else False
     out(f"cache: {result['cache']}  K centering: {'calibrated offsets' if centered else 'off'}")
     out(f"prompt: {prompt!r} ({T} tokens)")

@@ -1,5 +1,6 @@
-"""benchmarks/bench_cpu.py --smoke: every provider runs end to end on the tiny random model, and the
-kvcompile rows really went through the attention pass (timings are not asserted)."""
+"""benchmarks/bench_cpu.py --smoke: every provider runs end to end on the tiny random model, the
+kvcompile rows really went through the attention pass, and the second round reuses each provider's
+compiled graphs in a rotated order (timings are not asserted)."""
 
 from __future__ import annotations
 
@@ -18,17 +19,30 @@ def test_bench_cpu_smoke(tmp_path, capsys):
     finally:
         sys.path.pop(0)
     path = tmp_path / "rows.csv"
-    rows = bench_cpu.main(["--smoke", "--csv", str(path)])
-    assert [(r["provider"], r["max_cache_len"]) for r in rows] == [
-        ("hf-dynamic", "-"), ("hf-static", 48), ("kvcompile-int8", 48), ("kvcompile-fp8_e4m3", 48),
-        ("kvcompile-q8_0", 48)]
+    rows = bench_cpu.main(["--smoke", "--repeats", "2", "--csv", str(path)])
+    first = [("hf-dynamic", "-"), ("hf-static", 48), ("kvcompile-int8", 48), ("kvcompile-fp8_e4m3", 48),
+             ("kvcompile-q8_0", 48)]
+    assert [(r["provider"], r["max_cache_len"]) for r in rows] == first + first[1:] + first[:1]
+    assert [r["repeat"] for r in rows] == [0] * 5 + [1] * 5
     for r in rows:
         assert r["new_tokens"] == 8 and r["prompt_tokens"] == len(bench_cpu.SMOKE_PROMPT)  # byte tokenizer
         assert r["prefill_ms"] > 0 and math.isfinite(r["decode_tok_s"]) and r["decode_tok_s"] > 0, r
-    for r in rows[2:]:  # both layers' attention, prefill and decode graphs, rewritten by the pass
-        assert r["sites_found"] >= 2 * 2 and r["sites_rewritten"] == r["sites_found"], r
+        assert math.isfinite(r["step_ms"]) and r["step_ms"] > 0, r
+    compiled = [r for r in rows if r["provider"] != "hf-dynamic"]
+    for r in compiled:
         assert r["warmup_s"] > 0
+    # one warm-up per provider, shared by both rounds, and no graph compiled by a timed row
+    by_provider = {}
+    for r in compiled:
+        by_provider.setdefault(r["provider"], set()).add(r["warmup_s"])
+    assert all(len(w) == 1 for w in by_provider.values()), by_provider
+    assert len({r["graphs_compiled"] for r in rows}) == 1, [r["graphs_compiled"] for r in rows]
+    for r in rows:
+        if r["provider"].startswith("kvcompile"):  # both layers' attention, prefill and decode graphs
+            assert r["sites_found"] >= 2 * 2 and r["sites_rewritten"] == r["sites_found"], r
     with open(path) as f:
         assert [row["provider"] for row in csv.DictReader(f)] == [r["provider"] for r in rows]
+    summary = {(s["provider"], s["max_cache_len"]): s for s in bench_cpu.summarize(rows)}
+    assert summary[("hf-static", 48)]["vs_hf_static"] == 1.0 and summary[("kvcompile-q8_0", 48)]["runs"] == 2
     out = capsys.readouterr().out
-    assert "| kvcompile-q8_0" in out and "decode tok/s" in out
+    assert "| kvcompile-q8_0" in out and "decode tok/s" in out and "median step" in out
