@@ -85,12 +85,13 @@ def _checked_device(device):
     return dev
 
 
-def _layer_nbytes(layer: "QuantizedLayer") -> int:
-    """Bytes ``layer`` holds once allocated, measured by allocating a copy on the meta device (no memory)."""
+def _layer_nbytes(layer: "QuantizedLayer", device=None) -> int:
+    """Bytes ``layer`` holds once allocated on ``device``, measured by allocating a copy on the meta
+    device (no memory)."""
     if layer.is_initialized:
         return layer.nbytes
     ghost = copy.copy(layer)
-    ghost.allocate(torch.device("meta"))
+    ghost.allocate(torch.device("meta"), layout_device=device)
     return ghost.nbytes
 
 
@@ -144,9 +145,11 @@ class QuantizedCache(Cache):
             ``granularity="static"``) and/or ``k_offset`` ``[layers, Hkv, D]`` (K centering, usable
             with every format; measured on unrotated K, and rotated by the cache when K is rotated,
             so a layer's ``k_offset`` lives in K's rotated space).
-        v_layout: how V codes are laid out in memory: ``"auto"`` (default: key-contiguous for
+        v_layout: how V codes are laid out in memory: ``"auto"`` (default: on a GPU key-contiguous for
             token and static scales, head_dim-contiguous otherwise, the faster layout of each on the H200, see
-            BENCHMARKS.md), ``"keys"`` or ``"head_dim"``. ``v_codes`` is ``[B, Hkv, L, D]`` either way.
+            BENCHMARKS.md; on the CPU head_dim-contiguous, whose stored prefix is one run of memory
+            at any ``max_cache_len``), ``"keys"`` or ``"head_dim"``. ``v_codes`` is
+            ``[B, Hkv, L, D]`` either way.
         tp_size: under tensor parallelism (``from_pretrained(..., tp_plan="auto")``), ``model.tp_size``:
             each rank stores its ``Hkv / tp_size`` kv heads and its slice of ``calibration``, and heads
             that do not divide are refused here. ``None``: the first update's head count decides, as in
@@ -304,10 +307,13 @@ class QuantizedCache(Cache):
         D = self.layers[0].head_dim
         return (self.k_fmt.bytes_per_element(D) + self.v_fmt.bytes_per_element(D)) / 2
 
-    def planned_nbytes(self, per_layer: bool = False) -> int | list[int]:
+    def planned_nbytes(self, per_layer: bool = False, device: torch.device | str | None = None) -> int | list[int]:
         """Bytes the cache holds once allocated (``nbytes`` of every layer), without allocating:
-        each layer not yet allocated is measured on the meta device. ``per_layer=True``: a list."""
-        sizes = [_layer_nbytes(layer) for layer in self.layers]
+        each layer not yet allocated is measured on the meta device. ``per_layer=True``: a list.
+        ``device``: where the layers will be allocated, which decides V's layout under
+        ``v_layout="auto"`` (key-contiguous V pads each head's positions to a multiple of 16);
+        default: a GPU's layout."""
+        sizes = [_layer_nbytes(layer, device) for layer in self.layers]
         return sizes if per_layer else sum(sizes)
 
     def bf16_nbytes(self) -> int:

@@ -420,11 +420,13 @@ def test_unreadable_calibration_file_raises(tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kv_dtype,granularity", [("fp8_e4m3", "token"), ("fp8_e4m3", "block32"), ("q8_0", None)])
-def test_nbytes_matches_bytes_per_element(kv_dtype, granularity):
+@pytest.mark.parametrize("kv_dtype,granularity,v_layout", [
+    ("fp8_e4m3", "token", "auto"), ("fp8_e4m3", "token", "keys"), ("fp8_e4m3", "block32", "auto"),
+    ("q8_0", None, "auto")])
+def test_nbytes_matches_bytes_per_element(kv_dtype, granularity, v_layout):
     B, L, layers, H, D = 3, 24, 2, 2, 32
     cache = QuantizedCache(tiny_config("llama"), max_batch_size=B, max_cache_len=L, kv_dtype=kv_dtype,
-                           granularity=granularity)
+                           granularity=granularity, v_layout=v_layout)
     assert cache.nbytes == 0  # lazy: nothing allocated yet
     cache.update(_kv(B=B), _kv(B=B), 0)
     cache.update(_kv(B=B), _kv(B=B), 1)
@@ -432,19 +434,21 @@ def test_nbytes_matches_bytes_per_element(kv_dtype, granularity):
     per_elem = fmt.bytes_per_element(D)
     elements = 2 * layers * B * H * L * D  # K and V
     lengths = layers * 8  # one int64 cumulative_length per layer
-    # key-contiguous V rows are padded to a multiple of 16 keys (24 -> 32)
-    v_pad = layers * B * H * D * (32 - L) if fmt.v_keys_contiguous else 0
-    assert cache.layers[0].v_keys == fmt.v_keys_contiguous
+    # key-contiguous V rows are padded to a multiple of 16 keys (24 -> 32); "auto" on the CPU is head_dim-contiguous
+    v_pad = layers * B * H * D * (32 - L) if v_layout == "keys" else 0
+    assert cache.layers[0].v_keys == (v_layout == "keys")
     assert cache.nbytes == round(per_elem * elements) + lengths + v_pad
     assert cache.nbytes - v_pad < 0.6 * cache.bf16_nbytes()
 
 
-@pytest.mark.parametrize("kv_dtype", ["q8_0", "fp8_e4m3"], ids=["q8_0-v-head_dim", "fp8-v-keys"])
-def test_reset_crop_reorder(kv_dtype):
+@pytest.mark.parametrize("kv_dtype,v_layout", [("q8_0", "auto"), ("fp8_e4m3", "keys")],
+                         ids=["q8_0-v-head_dim", "fp8-v-keys"])
+def test_reset_crop_reorder(kv_dtype, v_layout):
     model = tiny_model("llama")
     ids, am = left_padded_batch(pads=(0, 0))
     toks = greedy_tokens(model, ids, am, 3)
-    cache = QuantizedCache(model.config, max_batch_size=2, max_cache_len=MAX_LEN, kv_dtype=kv_dtype)
+    cache = QuantizedCache(model.config, max_batch_size=2, max_cache_len=MAX_LEN, kv_dtype=kv_dtype,
+                           v_layout=v_layout)
     first = run_steps(model, cache, ids, am, toks)
     # reset: an empty cache gives the same logits again, bit for bit
     cache.reset()
@@ -470,7 +474,8 @@ def test_reset_crop_reorder(kv_dtype):
 @pytest.mark.parametrize("kv_dtype,granularity", [("fp8_e4m3", "token"), ("q8_0", None)])
 def test_v_layouts_store_the_same_values(kv_dtype, granularity):
     """v_layout only changes where V codes live: update() returns the same K/V bit for bit, and
-    "auto" picks key-contiguous for token scales (kvcompile.formats.KVFormat.v_keys_contiguous)."""
+    "auto" picks head_dim-contiguous on the CPU and, elsewhere, the format's layout (key-contiguous
+    for token scales: kvcompile.formats.KVFormat.v_keys_contiguous)."""
     B, L = 2, 21
     k, v = _kv(B=B, T=9), _kv(B=B, T=9)
     got = {}
@@ -481,7 +486,10 @@ def test_v_layouts_store_the_same_values(kv_dtype, granularity):
         assert layer.v_codes.shape == layer.k_codes.shape
         assert (layer.v_codes.stride(2) == 1) == layer.v_keys
         got[layout] = (cache.update(k, v, 0), layer.v_keys)
-    assert got["auto"][1] == get_format(kv_dtype, granularity).v_keys_contiguous
+    assert not got["auto"][1]  # the CPU
+    meta = QuantizedCache(tiny_config("llama"), max_batch_size=B, max_cache_len=L, kv_dtype=kv_dtype,
+                          granularity=granularity, device="meta")
+    assert meta.layers[0].v_keys == get_format(kv_dtype, granularity).v_keys_contiguous
     assert got["keys"][1] and not got["head_dim"][1]
     for layout in ("auto", "keys"):
         for a, b in zip(got[layout][0], got["head_dim"][0]):

@@ -232,8 +232,11 @@ def test_given_max_cache_len_does_not_warn():
                          ids=["fp8", "q8_0", "block32", "fp8-head_dim"])
 def test_planned_nbytes_is_what_allocation_holds(kw):
     cache = QuantizedCache(config(), max_batch_size=3, max_cache_len=37, **kw)
-    planned = cache.planned_nbytes(per_layer=True)
+    planned = cache.planned_nbytes(per_layer=True, device="cpu")
     assert cache.nbytes == 0 and len(planned) == 2
+    # on a GPU, "auto" stores token-scale V key-contiguous, padded to 48 positions; on the CPU head_dim-contiguous
+    pad = 2 * 3 * 2 * 32 * (48 - 37) if kw == dict(kv_dtype="fp8_e4m3") else 0
+    assert cache.planned_nbytes(device="cuda") == sum(planned) + pad
     cache.early_initialization(3, 2, 32, torch.float32, "cpu")
     assert [layer.nbytes for layer in cache.layers] == planned
 
