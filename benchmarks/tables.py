@@ -147,8 +147,8 @@ RUNS = {
         "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024 "
         "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs,kvc-int8+rot-graphs"),
     "cpu": Run(
-        "cpu_s18_bench_cpu_r3.csv", "a9e2434", CPU2, "session 18",
-        "python benchmarks/bench_cpu.py --repeats 3"),
+        "cpu_s21_bench_cpu_r5.csv", "8b183a7", CPU2, "session 21",
+        "python benchmarks/bench_cpu.py --repeats 5"),
     "rot-e2e": Run(
         "h200_s8_run3_e2e.csv", "b138f24", H200, "session 8, run 3",
         "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024 "
@@ -572,23 +572,34 @@ def rot_e2e(results: str = RESULTS) -> str:
 
 def cpu(results: str = RESULTS) -> str:
     """BENCHMARKS: greedy decode of the embedded model on the CPU, kvcompile against HF's compiled StaticCache.
-    A run of ``--repeats N`` gives each row's median over its repeats (the warm-up: the first, cold one)."""
+    As bench_cpu.summarize: per row the rate at the median step (1 / the median over rounds of each
+    round's median step; the ratios use it) and the median over rounds of the mean rate; hf-dynamic
+    runs in each length's rounds and measures the machine's drift between them."""
     run = RUNS["cpu"]
     groups: dict = {}
     for r in read(run, results):
-        groups.setdefault((r["provider"], r["max_cache_len"]), []).append(r)
-    med = {k: statistics.median(float(r["decode_tok_s"]) for r in rs) for k, rs in groups.items()}
+        groups.setdefault((r["provider"], r["max_cache_len"], int(r["phase"])), []).append(r)
+    rate = {k: 1e3 / statistics.median(float(r["step_ms"]) for r in rs) for k, rs in groups.items()}
     runs = max(len(rs) for rs in groups.values())
-    what = f"median of {runs} interleaved rounds" if runs > 1 else "one round"
-    lines = [f"SmolLM2-135M-Instruct (fp32), greedy 64 tokens, {what}. {run.caption()}", "",
-             "| provider | max_cache_len | prefill ms | decode tok/s | vs HF static compiled | compile warm-up s |",
-             "|---|---:|---:|---:|---:|---:|"]
-    for (prov, L), rs in groups.items():
-        base = med.get(("hf-static", L))
-        warm = f"{float(rs[0]['warmup_s']):.0f}" if rs[0]["warmup_s"] not in ("", "None") else "—"
+    first = min(phase for (_, _, phase) in groups)
+    lines = [f"SmolLM2-135M-Instruct (fp32), greedy 64 tokens, {runs} rounds per length, the providers interleaved "
+             f"in one process (each compiled once); HF's eager DynamicCache runs in each length's rounds. "
+             f"{run.caption()}", "",
+             "| provider | max_cache_len | prefill ms | decode tok/s at the median step | vs HF static compiled | "
+             "vs HF eager, same rounds | vs its own at 128, against HF eager's drift | mean decode tok/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for (prov, L, phase), rs in groups.items():
+        m = rate[(prov, L, phase)]
+        base = rate.get(("hf-static", L, phase))
+        eager = rate[("hf-dynamic", "-", phase)]
+        own = rate.get((prov, str(first), first))
+        drift = (f"{m / own * rate[('hf-dynamic', '-', first)] / eager:.2f}"
+                 if own and L != "-" and phase != first else "—")
+        label = f"- (rounds of {phase})" if L == "-" else L
         prefill = statistics.median(float(r["prefill_ms"]) for r in rs)
-        lines.append(f"| {prov} | {L} | {prefill:.0f} | {med[(prov, L)]:.2f} | "
-                     f"{_x(med[(prov, L)] / base) if base else '—'} | {warm} |")
+        mean = statistics.median(float(r["decode_tok_s"]) for r in rs)
+        lines.append(f"| {prov} | {label} | {prefill:.0f} | {m:.2f} | {_x(m / base) if base else '—'} | "
+                     f"{_x(m / eager)} | {drift} | {mean:.2f} |")
     return "\n".join(lines)
 
 

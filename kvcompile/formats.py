@@ -141,8 +141,9 @@ class KVFormat:
 
     @property
     def v_keys_contiguous(self) -> bool:
-        """Whether a cache of this format stores V key-contiguous by default (``[B, Hkv, D, L]`` in
-        memory, seen as ``[B, Hkv, L, D]``).
+        """Whether a cache of this format on a GPU stores V key-contiguous by default (``[B, Hkv, D, L]``
+        in memory, seen as ``[B, Hkv, L, D]``). A cache on the CPU stores V head_dim-contiguous
+        (``cache_layer.QuantizedLayer``'s ``v_layout``).
 
         The attention kernels reduce V over keys (``P @ V``): stored key-contiguous, an 8-bit V tile
         feeds the dot like K does, with no transpose, and the decode tile fits three programs per
