@@ -35,7 +35,7 @@ def test_int8_layer_buffers_and_default_rotation():
     for layer in cache.layers:
         assert layer.k_codes.dtype == layer.v_codes.dtype == torch.int8
         assert layer.k_scales.dtype == torch.float32 and layer.k_scales.shape == (2, 2, 8, 1)
-        assert layer.v_codes.stride(2) == 1  # per-token scales: V key-contiguous, as fp8
+        assert layer.v_codes.stride(3) == 1  # on the CPU V is head_dim-contiguous (the C path reads one run)
         assert layer.v_rotation is None
         assert torch.equal(layer.k_rotation, rotation.hadamard(32))
         assert layer.sliding_window == 0
@@ -44,6 +44,9 @@ def test_int8_layer_buffers_and_default_rotation():
         for t in bufs:
             assert getattr(t, "_dynamo_static_input_type", None) is not None, "buffer not mark_static_address-ed"
     assert "K int8+rot/V int8" in repr(cache)
+    # per-token scales on a GPU: V key-contiguous, as fp8 (the layout is the device's; meta stands in here)
+    gpu = QuantizedCache(tiny_config("llama"), max_batch_size=2, max_cache_len=8, kv_dtype="int8", device="meta")
+    assert gpu.layers[0].v_codes.stride(2) == 1 and gpu.layers[0].v_keys
     both = QuantizedCache(tiny_config("llama"), max_batch_size=1, max_cache_len=8, kv_dtype="int8", rotate=True,
                           device="cpu")
     assert both.v_rotate and both.layers[0].k_rotation is both.layers[0].v_rotation  # the shared matrix
