@@ -42,15 +42,16 @@ import csv
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch._dynamo.utils
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import _common  # noqa: E402
 import generate  # noqa: E402
+import tables  # noqa: E402
 
 FIELDS = ["phase", "repeat", "provider", "max_cache_len", "prompt_tokens", "new_tokens", "prefill_ms", "decode_tok_s", "step_ms",
           "warmup_s", "sites_rewritten", "sites_found", "graphs_compiled"]
@@ -71,41 +72,18 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-class _HFSession:
+class _HFSession(generate.Session):
     """transformers' own cache, timed as ``generate.Session`` times kvcompile's: a fresh cache per
     generate, the forward compiled by Inductor (``compile``) or eager."""
 
     def __init__(self, model, tok, prompt: str, chat: bool, new_tokens: int, cache_factory, compile: bool):
-        self.model, self.cache_factory = model, cache_factory
-        self.ids = generate._prompt_ids(tok, prompt, chat)
-        self.kwarg = _common.cache_kwarg(model)
-        self.gen_kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                           disable_compile=True, pad_token_id=getattr(tok, "eos_token_id", None) or 0)
-        if getattr(tok, "eos_token_id", None) is None:
-            self.gen_kw["eos_token_id"] = None
+        self._prepare(model, tok, prompt, chat, new_tokens, ignore_eos=True, device="cpu")
+        self.cache_factory = cache_factory
+        self.compiled, self.backend = compile, None
         self.forward = torch.compile(model.forward) if compile else model.forward
-        self.compiled, self.warmup_s, self.backend = compile, None, None
 
-    def _generate(self, **gen_kw):
-        orig = self.model.forward
-        self.model.forward = self.forward
-        try:
-            with torch.no_grad():
-                return self.model.generate(self.ids, **{self.kwarg: self.cache_factory(self.ids.shape[1])}, **gen_kw)
-        finally:
-            self.model.forward = orig
-
-    def warm_up(self) -> float:
-        t0 = time.perf_counter()
-        self._generate(**dict(self.gen_kw, max_new_tokens=2, min_new_tokens=0))
-        self.warmup_s = time.perf_counter() - t0
-        return self.warmup_s
-
-    def generate(self):
-        steps = generate.StepTimer()
-        t0 = time.perf_counter()
-        out = self._generate(**self.gen_kw, streamer=steps)
-        return out, steps, time.perf_counter() - t0
+    def _cache(self):
+        return self.cache_factory()
 
 
 def _sessions(model, tok, *, prompt, chat, new_tokens, L, providers, calibration) -> list:
@@ -115,10 +93,10 @@ def _sessions(model, tok, *, prompt, chat, new_tokens, L, providers, calibration
     out = []
     if "hf-dynamic" in providers:
         out.append(("hf-dynamic", "-", _HFSession(model, tok, prompt, chat, new_tokens,
-                                                  lambda T: DynamicCache(config=model.config), compile=False)))
+                                                  lambda: DynamicCache(config=model.config), compile=False)))
     if "hf-static" in providers:
         out.append(("hf-static", L, _HFSession(model, tok, prompt, chat, new_tokens,
-                                               lambda T: StaticCache(config=model.config, max_cache_len=L),
+                                               lambda: StaticCache(config=model.config, max_cache_len=L),
                                                compile=True)))
     for kv_dtype in ("int8", "fp8_e4m3", "q8_0"):
         if f"kvcompile-{kv_dtype}" in providers:
@@ -137,12 +115,12 @@ def run(model, tok, *, prompt: str, chat: bool, new_tokens: int, lengths, provid
     limit = torch._dynamo.config.recompile_limit
     torch._dynamo.config.recompile_limit = max(limit, 64)  # every provider's graphs of one forward live at once
     try:
-        for i, L in enumerate(lengths):
+        for L in lengths:
             torch._dynamo.reset()
             sessions = _sessions(model, tok, prompt=prompt, chat=chat, new_tokens=new_tokens, L=L,
                                  providers=providers, calibration=calibration)
             for _, _, session in sessions:
-                if session.backend is not None or getattr(session, "compiled", False):
+                if session.compiled:
                     session.warm_up()
             for rep in range(repeats):
                 k = rep % len(sessions)
@@ -173,34 +151,9 @@ def _timed_row(provider: str, length, session, repeat: int, phase: int) -> dict:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per (provider, length; hf-dynamic per phase, the rounds of one length): the decode rate at the
-    median step (1 / the median over rounds of each row's median step), the median over rounds of
-    the mean rate, and the first's ratios to hf-static at the same length, to hf-dynamic in the same
-    rounds, and to the provider's own rate at its shortest length: as measured, and against the
-    machine's drift between the two phases, which hf-dynamic (whose work does not depend on the
-    length) measures: (rate / hf-dynamic's in its phase) / (own / hf-dynamic's in that one's)."""
-    groups: dict = {}
-    for r in rows:
-        L = r["max_cache_len"] if r["provider"] != "hf-dynamic" else "-"
-        groups.setdefault((r["provider"], L, r["phase"]), []).append(r)
-    rate = {k: 1e3 / statistics.median(r["step_ms"] for r in v) for k, v in groups.items()}
-    shortest = {}
-    for (prov, L, _) in rate:
-        if L != "-" and (prov not in shortest or L < shortest[prov]):
-            shortest[prov] = L
-    out = []
-    for (prov, L, phase), m in rate.items():
-        hf = rate.get(("hf-static", L, phase))
-        eager = rate.get(("hf-dynamic", "-", phase))
-        own = rate.get((prov, shortest.get(prov), shortest.get(prov)))
-        own_eager = rate.get(("hf-dynamic", "-", shortest.get(prov)))
-        vs_own = m / own if own and L != "-" else None
-        out.append(dict(provider=prov, max_cache_len=L, phase=phase, runs=len(groups[(prov, L, phase)]), step_tok_s=m,
-                        mean_tok_s=statistics.median(r["decode_tok_s"] for r in groups[(prov, L, phase)]),
-                        vs_hf_static=m / hf if hf else None, vs_hf_dynamic=m / eager if eager else None,
-                        vs_own_shortest=vs_own,
-                        vs_own_shortest_drift=vs_own * own_eager / eager if vs_own and eager and own_eager else None))
-    return out
+    """Per (provider, length, phase): the rate at the median step and its ratios
+    (``tables.cpu_summary``, which BENCHMARKS.md's table is drawn with)."""
+    return tables.cpu_summary(rows)
 
 
 def format_summary(summary: list[dict]) -> str:

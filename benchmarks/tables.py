@@ -570,36 +570,62 @@ def rot_e2e(results: str = RESULTS) -> str:
     return _e2e_steps((("rot-e2e", "Llama-3-8B shape, 4 layers"),), "CUDA graphs, 20 steps (median).", results)
 
 
-def cpu(results: str = RESULTS) -> str:
-    """BENCHMARKS: greedy decode of the embedded model on the CPU, kvcompile against HF's compiled StaticCache.
-    As bench_cpu.summarize: per row the rate at the median step (1 / the median over rounds of each
-    round's median step; the ratios use it) and the median over rounds of the mean rate; hf-dynamic
-    runs in each length's rounds and measures the machine's drift between them."""
-    run = RUNS["cpu"]
+def cpu_summary(rows: list[dict]) -> list[dict]:
+    """bench_cpu's rows (as it returns them, or read back from its CSV) summarized per (provider,
+    length, phase: the rounds of one length; hf-dynamic, whose length is "-", once per phase).
+    ``step_tok_s``: the rate at the median step, 1 / the median over rounds of each row's median
+    step; ``mean_tok_s`` and ``prefill_ms``: medians over rounds. Ratios of ``step_tok_s``: to
+    hf-static at the same length, to hf-dynamic in the same rounds, and to the provider's own rate
+    at its shortest length, as measured and against the machine's drift between the two phases,
+    which hf-dynamic measures (its work does not depend on the length):
+    (rate / hf-dynamic's in its phase) / (own / hf-dynamic's in that one's)."""
     groups: dict = {}
-    for r in read(run, results):
-        groups.setdefault((r["provider"], r["max_cache_len"], int(r["phase"])), []).append(r)
-    rate = {k: 1e3 / statistics.median(float(r["step_ms"]) for r in rs) for k, rs in groups.items()}
-    runs = max(len(rs) for rs in groups.values())
-    first = min(phase for (_, _, phase) in groups)
+    for r in rows:
+        groups.setdefault((r["provider"], str(r["max_cache_len"]), int(r["phase"])), []).append(r)
+    rate = {k: 1e3 / statistics.median(float(r["step_ms"]) for r in v) for k, v in groups.items()}
+    shortest: dict = {}
+    for (prov, L, _) in rate:
+        if L != "-" and (prov not in shortest or int(L) < int(shortest[prov])):
+            shortest[prov] = L
+    out = []
+    for (prov, L, phase), m in rate.items():
+        rs = groups[(prov, L, phase)]
+        hf = rate.get(("hf-static", L, phase))
+        eager = rate.get(("hf-dynamic", "-", phase))
+        first = shortest.get(prov)
+        own = rate.get((prov, first, int(first))) if first else None
+        own_eager = rate.get(("hf-dynamic", "-", int(first))) if first else None
+        vs_own = m / own if own and L != "-" else None
+        out.append(dict(provider=prov, max_cache_len=L, phase=phase, runs=len(rs), step_tok_s=m,
+                        mean_tok_s=statistics.median(float(r["decode_tok_s"]) for r in rs),
+                        prefill_ms=statistics.median(float(r["prefill_ms"]) for r in rs),
+                        vs_hf_static=m / hf if hf else None, vs_hf_dynamic=m / eager if eager else None,
+                        vs_own_shortest=vs_own,
+                        vs_own_shortest_drift=vs_own * own_eager / eager if vs_own and eager and own_eager else None))
+    return out
+
+
+def cpu(results: str = RESULTS) -> str:
+    """BENCHMARKS: greedy decode of the embedded model on the CPU, kvcompile against HF's compiled StaticCache
+    (:func:`cpu_summary` of the run's CSV)."""
+    run = RUNS["cpu"]
+    summary = cpu_summary(read(run, results))
+    runs = max(s["runs"] for s in summary)
+    first = min(s["phase"] for s in summary)  # the shortest length's rounds
     lines = [f"SmolLM2-135M-Instruct (fp32), greedy 64 tokens, {runs} rounds per length, the providers interleaved "
              f"in one process (each compiled once); HF's eager DynamicCache runs in each length's rounds. "
              f"{run.caption()}", "",
              "| provider | max_cache_len | prefill ms | decode tok/s at the median step | vs HF static compiled | "
              "vs HF eager, same rounds | vs its own at 128, against HF eager's drift | mean decode tok/s |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for (prov, L, phase), rs in groups.items():
-        m = rate[(prov, L, phase)]
-        base = rate.get(("hf-static", L, phase))
-        eager = rate[("hf-dynamic", "-", phase)]
-        own = rate.get((prov, str(first), first))
-        drift = (f"{m / own * rate[('hf-dynamic', '-', first)] / eager:.2f}"
-                 if own and L != "-" and phase != first else "—")
-        label = f"- (rounds of {phase})" if L == "-" else L
-        prefill = statistics.median(float(r["prefill_ms"]) for r in rs)
-        mean = statistics.median(float(r["decode_tok_s"]) for r in rs)
-        lines.append(f"| {prov} | {label} | {prefill:.0f} | {m:.2f} | {_x(m / base) if base else '—'} | "
-                     f"{_x(m / eager)} | {drift} | {mean:.2f} |")
+    for s in summary:
+        L = s["max_cache_len"]
+        label = f"- (rounds of {s['phase']})" if L == "-" else L
+        base = _x(s["vs_hf_static"]) if s["vs_hf_static"] else "—"
+        own = s["vs_own_shortest_drift"]
+        drift = f"{own:.2f}" if own is not None and s["phase"] != first else "—"
+        lines.append(f"| {s['provider']} | {label} | {s['prefill_ms']:.0f} | {s['step_tok_s']:.2f} | {base} | "
+                     f"{_x(s['vs_hf_dynamic'])} | {drift} | {s['mean_tok_s']:.2f} |")
     return "\n".join(lines)
 
 

@@ -117,19 +117,22 @@ class Session:
     def __init__(self, model, tok, *, prompt=DEFAULT_PROMPT, max_new_tokens=48, kv_dtype=None, granularity=None,
                  calibration=None, compile=True, chat=True, device=None, max_cache_len=None, ignore_eos=False,
                  k_dtype=None, v_dtype=None):
-        self.model, self.tok = model, tok
-        self.device = device or str(next(model.parameters()).device)
-        self.ids = _prompt_ids(tok, prompt, chat).to(self.device)
+        self._prepare(model, tok, prompt, chat, max_new_tokens, ignore_eos, device)
         T = self.ids.shape[1]
         self.cache = kvcompile.QuantizedCache(model.config, max_batch_size=1,
                                               max_cache_len=max_cache_len or T + max_new_tokens, kv_dtype=kv_dtype,
                                               device=self.device, k_dtype=k_dtype, v_dtype=v_dtype,
                                               granularity=granularity, calibration=calibration)
-        self.backend = None
-        self.forward = model.forward
+        self.compiled, self.backend, self.forward = compile, None, model.forward
         if compile:
             self.backend = kvcompile.backend(kv_dtype=kv_dtype, k_dtype=k_dtype, v_dtype=v_dtype)
             self.forward = torch.compile(model.forward, backend=self.backend)
+
+    def _prepare(self, model, tok, prompt, chat, max_new_tokens, ignore_eos, device) -> None:
+        """The prompt's ids and the generate() arguments, whatever the cache."""
+        self.model, self.tok, self.warmup_s = model, tok, None
+        self.device = device or str(next(model.parameters()).device)
+        self.ids = _prompt_ids(tok, prompt, chat).to(self.device)
         self.kwarg = _common.cache_kwarg(model)
         self.gen_kw = dict(max_new_tokens=max_new_tokens, do_sample=False, disable_compile=True,
                            pad_token_id=getattr(tok, "eos_token_id", None) or 0)
@@ -137,15 +140,18 @@ class Session:
             self.gen_kw["eos_token_id"] = None
         if ignore_eos:
             self.gen_kw["min_new_tokens"] = max_new_tokens
-        self.warmup_s = None
+
+    def _cache(self):
+        """The cache one generate() runs over: this session's, emptied."""
+        self.cache.reset()
+        return self.cache
 
     def _generate(self, **gen_kw) -> torch.Tensor:
         orig = self.model.forward
         self.model.forward = self.forward
         try:
-            self.cache.reset()
             with torch.no_grad():
-                return self.model.generate(self.ids, **{self.kwarg: self.cache}, **gen_kw)
+                return self.model.generate(self.ids, **{self.kwarg: self._cache()}, **gen_kw)
         finally:
             self.model.forward = orig
 

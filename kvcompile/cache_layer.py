@@ -101,7 +101,7 @@ class QuantizedLayer(CacheLayerMixin):
     the stored prefix of a head_dim-contiguous V as one run of memory for any ``max_cache_len``.
     A key-contiguous V puts each channel's row ``L`` bytes after the last, so past 4 KiB every row
     starts on its own page: at ``max_cache_len=8192``, a decode call cost 30-34 us more than at 128
-    on a 2-core CPU.
+    on a 2-core CPU (an explicit ``"keys"`` on the CPU still does).
 
     ``k_rotate`` / ``v_rotate``: store that side rotated by :func:`kvcompile.rotation.hadamard`.
     ``k_offset`` is given in the model's K space (what :func:`kvcompile.calibrate` measures) and
@@ -150,7 +150,7 @@ class QuantizedLayer(CacheLayerMixin):
             rotation.check_head_dim(head_dim)
             rotation.prebuild(head_dim)  # now, so that a lazy allocation inside a compiled graph only reads it
         self.v_layout = v_layout
-        self.v_keys = v_fmt.v_keys_contiguous if v_layout == "auto" else v_layout == "keys"  # allocate() decides "auto"
+        self.v_keys = None  # V key-contiguous: allocate() decides (under "auto", by the device)
         self.fmt = self.k_fmt = fmt
         self.v_fmt = v_fmt
         self.k_rotate, self.v_rotate = bool(k_rotate), bool(v_rotate)
@@ -187,8 +187,8 @@ class QuantizedLayer(CacheLayerMixin):
         B, H, L, D = self.max_batch_size, self.num_heads, self.slots, self.head_dim
         kf, vf = self.k_fmt, self.v_fmt
         self.device = torch.device(device)
-        if self.v_layout == "auto":
-            self.v_keys = vf.v_keys_contiguous and torch.device(layout_device or device).type != "cpu"
+        self.v_keys = (vf.v_keys_contiguous and torch.device(layout_device or device).type != "cpu"
+                       if self.v_layout == "auto" else self.v_layout == "keys")
         self.k_codes = torch.zeros((B, H, L, D), dtype=kf.code_dtype, device=device)
         self.v_codes = v_codes_buffer((B, H, L, D), vf.code_dtype, device, self.v_keys)
         self.device = self.k_codes.device  # normalized: "cuda" -> cuda:0, so input checks compare equal

@@ -43,8 +43,8 @@ def test_bench_cpu_smoke(tmp_path, capsys):
     with open(path) as f:
         assert [row["provider"] for row in csv.DictReader(f)] == [r["provider"] for r in rows]
     summary = {(s["provider"], s["max_cache_len"]): s for s in bench_cpu.summarize(rows)}
-    assert summary[("hf-static", 48)]["vs_hf_static"] == 1.0 and summary[("kvcompile-q8_0", 48)]["runs"] == 2
-    assert summary[("kvcompile-q8_0", 48)]["vs_own_shortest_drift"] == 1.0  # one phase: no drift to remove
+    assert summary[("hf-static", "48")]["vs_hf_static"] == 1.0 and summary[("kvcompile-q8_0", "48")]["runs"] == 2
+    assert summary[("kvcompile-q8_0", "48")]["vs_own_shortest_drift"] == 1.0  # one phase: no drift to remove
     out = capsys.readouterr().out
     assert "| kvcompile-q8_0" in out and "decode tok/s" in out and "median step" in out
 
@@ -67,12 +67,12 @@ def test_summary_removes_the_drift_between_phases():
             for (prov, L), ms in step.items():
                 if L in ("-", phase):
                     rows.append(dict(phase=phase, repeat=rep, provider=prov, max_cache_len=L, decode_tok_s=1.0,
-                                     step_ms=ms * slow * (1 + 0.01 * rep)))
+                                     prefill_ms=100.0, step_ms=ms * slow * (1 + 0.01 * rep)))
     s = {(r["provider"], r["max_cache_len"], r["phase"]): r for r in bench_cpu.summarize(rows)}
     assert set(k for k in s if k[0] == "hf-dynamic") == {("hf-dynamic", "-", 128), ("hf-dynamic", "-", 8192)}
-    int8 = s[("kvcompile-int8", 8192, 8192)]
+    int8 = s[("kvcompile-int8", "8192", 8192)]
     assert math.isclose(int8["vs_own_shortest"], 0.8) and math.isclose(int8["vs_own_shortest_drift"], 1.0)
-    q8 = s[("kvcompile-q8_0", 8192, 8192)]
+    q8 = s[("kvcompile-q8_0", "8192", 8192)]
     assert math.isclose(q8["vs_own_shortest"], 0.8 / 1.1) and math.isclose(q8["vs_own_shortest_drift"], 1 / 1.1)
-    assert math.isclose(s[("kvcompile-int8", 128, 128)]["vs_hf_static"], 60 / 62)
-    assert math.isclose(s[("kvcompile-int8", 8192, 8192)]["vs_hf_dynamic"], 70 / 62)  # the same rounds' eager
+    assert math.isclose(s[("kvcompile-int8", "128", 128)]["vs_hf_static"], 60 / 62)
+    assert math.isclose(s[("kvcompile-int8", "8192", 8192)]["vs_hf_dynamic"], 70 / 62)  # the same rounds' eager

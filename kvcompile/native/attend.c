@@ -136,26 +136,6 @@ static inline void row_values(const side_t *x, int64_t b, int64_t h, int64_t j, 
         codes_to_f32(c + g * x->group, x->code_kind, scale_at(x, b, h, j, g), out + g * x->group, x->group);
 }
 
-/* Start the reads (or, with `write`, the writes) of bytes [0, n) of D channel rows `cd` bytes apart,
- * early. A key-contiguous side's channel rows are L bytes apart, so past a page (L >= 4096) each
- * row begins on a page of its own: the hardware prefetcher, which stays inside a page, never starts
- * them, and the channel loop's first touch of every row would be a miss of its own, one after the
- * other (at L = 8192 that cost ~30 us per call, where L = 128 cost nothing). The first 256 bytes of
- * each row are requested at once; the prefetcher follows a longer row. */
-static inline void prefetch_rows(const uint8_t *base, int64_t cd, int D, int64_t n, int write) {
-    const int64_t m = n < 256 ? n : 256;
-    if (m <= 0) return;
-    for (int d = 0; d < D; ++d) {
-        const uint8_t *row = base + d * cd;
-        for (int64_t off = 0; off < m; off += 64) {
-            if (write) __builtin_prefetch(row + off, 1, 3);
-            else __builtin_prefetch(row + off, 0, 3);
-        }
-        if (write) __builtin_prefetch(row + m - 1, 1, 3);
-        else __builtin_prefetch(row + m - 1, 0, 3);
-    }
-}
-
 /* A per-thread buffer that only grows: a malloc per call of a few hundred KB would be an mmap and
  * fresh page faults every call in a process that pins malloc's mmap threshold (torch's does). */
 static float *scratch(size_t bytes) {
@@ -212,7 +192,6 @@ int kvc_attend(const cache_t *c, int B, int Hq, int Tq, const float *q, int64_t 
                 const int h = hk * group + r / Tq, t = r % Tq;
                 rotate_row(q + b * qb + h * qh + t * qt, c->k_rot, D, qr + (size_t)r * D); /* q @ R_k */
             }
-            if (v_keys) prefetch_rows(v->codes + b * v->cb + hk * v->ch + lo * v->cl, v->cd, D, n, 0);
             /* scores: each stored key's values once, dotted with the group's rows */
             for (int64_t j = 0; j < n; ++j) {
                 row_values(k, b, hk, lo + j, D, kv);
@@ -396,10 +375,6 @@ int kvc_store(const cache_t *c, int B, int T, const float *k, int64_t kb, int64_
     if (start + T > c->L) return 1;
     if (start < 0) return 2;
     float x[1024]; /* D <= 1024, checked by the caller */
-    if (c->v.cl == 1 && c->v.cd != 1 && (int64_t)B * H <= 64) /* V's channel rows, written after K's tokens */
-        for (int b = 0; b < B; ++b)
-            for (int h = 0; h < H; ++h)
-                prefetch_rows(c->v.codes + b * c->v.cb + h * c->v.ch + start, c->v.cd, D, T, 1);
     for (int side = 0; side < 2; ++side) {
         const side_t *s = side ? &c->v : &c->k;
         const float *src = side ? v : k, *rot = side ? c->v_rot : c->k_rot;
