@@ -35,7 +35,7 @@ from kvcompile.kernels import attention_launcher as attn_mod  # noqa: E402
 from kvcompile.kernels import dense as dense_mod  # noqa: E402
 from kvcompile.kernels import plan as plan_mod  # noqa: E402
 from kvcompile.kernels import store as store_mod  # noqa: E402
-from kvcompile.kernels._codes import codes_to_f16_pinned  # noqa: E402
+from kvcompile.kernels._codes import codes_to_f16_pinned, to_store_dtype  # noqa: E402
 from kvcompile.kernels.store import dequantize as dequantize_launcher  # noqa: E402
 
 FORMATS = [("fp8_e4m3", "token"), ("fp8_e4m3", "block32"), ("fp8_e4m3", "static"), ("q8_0", "block32")]
@@ -355,6 +355,31 @@ def test_codes_to_f16_pinned_all_codes(code_dtype):
     finite = ~want.isnan()
     assert torch.equal(out[finite], want[finite])
     assert torch.equal(torch.signbit(out[finite]), torch.signbit(want[finite]))
+
+
+@triton.jit
+def _store_bf16(X, O, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(O + i, to_store_dtype(tl.load(X + i), tl.bfloat16))
+
+
+def test_to_store_dtype_bf16_rounds_like_torch_and_keeps_nan():
+    """Every kernel's bf16 output goes through ``to_store_dtype``: round to nearest even, as torch's
+    cast, and a NaN stays NaN whatever its payload. The GPU's own NaN is 0x7FFFFFFF, whose rounding
+    carries into the sign bit: it once came out as -0.0 (a NaN query's attention output, session 22)."""
+    specials = [0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0x7F800001, 0xFFBFFFFF, 0x7F800000, 0xFF800000,
+                0x7F7FFFFF, 0x3F808000, 0x3F818000, 0x3F80FFFF, 0x00000001, 0x80000000]
+    rand = torch.randint(0, 1 << 31, (243,), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
+    bits = specials + rand.tolist()
+    x = torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32).view(torch.float32)
+    x = x.to(DEV)
+    out = torch.empty(256, dtype=torch.bfloat16, device=DEV)
+    _store_bf16[(1,)](x, out, 256)
+    want = x.to(torch.bfloat16)
+    assert torch.equal(out.isnan(), x.isnan()) and x.isnan().sum() == 5
+    finite = ~x.isnan()
+    assert torch.equal(out[finite].view(torch.int16), want[finite].view(torch.int16))
+    assert torch.equal(torch.signbit(out), torch.signbit(x))  # a NaN keeps its sign too
 
 
 @pytest.mark.parametrize("kv_dtype,gran", FORMATS, ids=FMT_IDS)

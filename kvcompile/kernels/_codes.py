@@ -140,7 +140,10 @@ def to_store_dtype(x, DTYPE: tl.constexpr):
     """fp32 -> DTYPE with round-to-nearest-even (the interpreter truncates fp32 -> bf16 casts)."""
     if DTYPE == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # RNE at bit 16; Inf/NaN stay Inf/NaN
+        rne = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # RNE at bit 16; Inf stays Inf
+        # a NaN keeps its sign and becomes a quiet bf16 NaN: rounding its payload could carry through
+        # the exponent into the sign (the GPU's own NaN is 0x7FFFFFFF, which would read as -0.0)
+        bits = tl.where(x != x, (bits >> 16) | 0x40, rne)
         return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(DTYPE)
