@@ -473,12 +473,12 @@ def test_sinks(Tq, causal, kv_len, Hkv, mask):
 def test_sinks_split_and_unsplit_decode_agree():
     """The sink joins the denominator once per row: in the merge when the cache is split, in the
     epilogue when it is not. Both give the reference's answer."""
-    B, Hkv, group, L, D = 2, 2, 4, 400, 64  # 400 keys: three splits of the GPU's 128-key tile too
+    B, Hkv, group, L, D = 2, 2, 4, 400, 64  # 400 keys: two splits of the GPU's 128-key tile too
     cache = make_cache("int8", "int8", B, Hkv, L, D, seed=3, v_layout="keys")
     q = make_q(B, Hkv * group, 1, D, seed=3)
     sinks = torch.linspace(-2, 4, Hkv * group).to(DEV)
     kvl = torch.tensor([400, 190], device=DEV)
-    for forced in (1, 3):
+    for forced in (1, 2):
         with plan_mod.override(splits=forced):
             assert attn_mod.plan_of(attn_mod.call_of(q, *cache, sinks=sinks)).splits == forced
             run(q, cache, kvl, None, False, sinks=sinks, off=dict(sinks=None))
@@ -661,3 +661,50 @@ def test_gpu_window_decode_in_cuda_graph():
         g.replay()
         ref = reference.attention(q, *cache, kvl, None, False, None, 1000, 30.0, sinks, compute_dtype=torch.float64)
         assert rel_err(out, ref) < BF16_TOL, lens
+
+
+@pytest.mark.parametrize("kinds", PAIRS[:3:2], ids=PAIR_IDS[:3:2])
+@pytest.mark.parametrize("Tq,D", [(1, 64), (1, 96), (20, 64)])
+def test_int8_k_mma(kinds, Tq, D, fp16_dots, monkeypatch):
+    """int8 K scored unwidened on the int8 tensor cores (``plan.int8_mma``): the prologue splits q into
+    two int8 halves, q = t (254 hi + lo) to within t / 2, t = 2^-15 of the block's largest |q|, and the
+    two int32 dots sum exactly. Heads of very different sizes share a block (one per program, 80x
+    apart here): the small head is held to the reference too.
+
+    Tolerance: the q halves are finer than the fp16 q they replace (the kernel's output is measured
+    2.2e-4 from the float64 reference on the CPU, the fp16 widening's 4.7e-4), so FP16_TOL / 5 holds on
+    the CPU; on the GPU a bf16 output's own rounding (2^-9) takes FP16_TOL. The high half alone (lo
+    dropped) is measured 0.8-1.7e-2 away: both bounds tell it apart."""
+    B, Hkv, group, L = 2, 2, 4, 45
+    cache = make_cache(*kinds, B, Hkv, L, D, seed=Tq + D, v_layout="keys")
+    q_dtype = torch.float32 if DEV == "cpu" else torch.bfloat16  # GPU: a 16-bit q (fp32 q takes fp32 dots)
+    q = make_q(B, Hkv * group, Tq, D, seed=Tq + D, mult=3.0, dtype=q_dtype)
+    q = q * torch.tensor([1.0, 1 / 80, 0.5, 2.0] * Hkv, device=DEV, dtype=q.dtype).view(1, -1, 1, 1)
+    kv_len = torch.tensor([45, 30], device=DEV)
+    seen, orig = [], attn_mod.plan_of
+    monkeypatch.setattr(attn_mod, "plan_of", lambda call: seen.append(orig(call)) or seen[-1])
+    with plan_mod.override(int8_mma=True):
+        out = kernels.attention(q, *cache, kv_len, None, Tq > 1, None)
+    assert seen[-1].k_mma and seen[-1].constexprs()["K_MMA"] and not seen[-1].k_bias, seen[-1].describe()
+    ref = reference.attention(q, *cache, kv_len, None, Tq > 1, None, compute_dtype=torch.float64)
+    tol = FP16_TOL / 5 if DEV == "cpu" else FP16_TOL
+    assert rel_err(out, ref) < tol
+    small = slice(1, None, group)  # the heads 80x below the block's largest
+    assert rel_err(out[:, small], ref[:, small]) < tol
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_int8_k_mma_nonfinite_query(bad, fp16_dots):
+    """A NaN or an infinity in q (no int8 holds either): that row's output is NaN, as the reference's
+    is, never a silently finite answer; the other rows of its block keep theirs."""
+    B, Hkv, group, L, D = 1, 1, 4, 40, 64
+    cache = make_cache("int8", "int8", B, Hkv, L, D, seed=5, v_layout="keys")
+    q = make_q(B, Hkv * group, 1, D, seed=5, dtype=torch.float32 if DEV == "cpu" else torch.bfloat16)
+    q[0, 1, 0, 3] = bad
+    kv_len = torch.tensor([40], device=DEV)
+    with plan_mod.override(int8_mma=True):
+        out = kernels.attention(q, *cache, kv_len, None, False, None)
+    ref = reference.attention(q, *cache, kv_len, None, False, None, compute_dtype=torch.float64)
+    assert ref[0, 1].isnan().all() and out[0, 1].isnan().all()
+    rest = [0, 2, 3]
+    assert rel_err(out[:, rest], ref[:, rest]) < FP16_TOL

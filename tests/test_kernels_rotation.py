@@ -235,14 +235,17 @@ def test_rotated_bf16_gpu(Tq):
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("L", [300, 4096])
 @pytest.mark.parametrize("side", ["k", "kv"])  # K only: int8's default
-def test_rotated_sylvester_gpu(Tq, q_dtype, L, side):
+@pytest.mark.parametrize("k_mma", [False, True], ids=["k-fp16", "k-int8mma"])  # K widened and biased, or int8 MMAs
+def test_rotated_sylvester_gpu(Tq, q_dtype, L, side, k_mma):
     B, Hq, Hkv, D = 4, 32, 8, 128
     cache, R = rotated_cache(B, Hkv, L, D, *SIDES[side], seed=11, sylvester=True)
     q = torch.randn(B, Hq, Tq, D, generator=torch.Generator().manual_seed(12)).to(DEV, q_dtype)
-    p = _plan(q, cache, R, side)
-    o_rot = "" if side == "k" else "merge" if p.splits > 1 else "launch"
-    assert (p.q_rotation, p.o_rotation) == ("kernel", o_rot) and p.k_bias, p.describe()
-    _check(q, cache, torch.tensor([L, L - 96, L // 2 + 1, L - 1], device=DEV), R, side, causal=Tq > 1, tol=BF16_TOL)
+    with plan_mod.override(int8_mma=k_mma, int8_bias=not k_mma):
+        p = _plan(q, cache, R, side)
+        o_rot = "" if side == "k" else "merge" if p.splits > 1 else "launch"
+        assert (p.q_rotation, p.o_rotation) == ("kernel", o_rot) and p.k_bias != k_mma == p.k_mma, p.describe()
+        _check(q, cache, torch.tensor([L, L - 96, L // 2 + 1, L - 1], device=DEV), R, side, causal=Tq > 1,
+               tol=BF16_TOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

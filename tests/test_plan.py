@@ -86,19 +86,39 @@ def test_rotation_places():
 def test_int8_bias_for_tiles_of_few_rows():
     """int8 widened to 1152 + code (corrections per score and per P element instead of a subtraction
     per two codes): planned where the tile's rows are at most a quarter of the head dim (decode) and
-    enough programs run to hide the correction's latency; not for the prefill tile, nor for a decode
-    of one sequence; K and V each only when int8 with token / static scales."""
-    dec = P.plan(_call())
-    assert dec.int8_bias and dec.k_bias and dec.v_bias and dec.constexprs()["V_BIAS"]
-    assert not P.plan(_call(B=1)).int8_bias  # 8 programs per split <= DECODE_SMALL_PROGRAMS
+    enough programs run to hide the correction's latency, for an int8 V beside e4m3 K (int8 K goes to
+    int8 MMAs there: the next test); not for the prefill tile, nor for a decode of one sequence. Forced,
+    K and V each only when int8 with token / static scales."""
+    mixed = P.plan(_call(k_code=torch.float8_e4m3fn))
+    assert mixed.int8_bias and mixed.v_bias and not mixed.k_bias and mixed.constexprs()["V_BIAS"]
+    assert not P.plan(_call(B=1, k_code=torch.float8_e4m3fn)).int8_bias  # 8 programs per split <= DECODE_SMALL_PROGRAMS
     pre = P.plan(_call(Tq=1024, decode=False, is_causal=True))
     assert pre.tile.block_m * 4 > 128 and not (pre.k_bias or pre.v_bias)
-    mixed = P.plan(_call(v_code=torch.float8_e4m3fn))
-    assert mixed.k_bias and not mixed.v_bias
-    with P.override(int8_bias=True):  # forced: still only where it is valid
+    with P.override(int8_bias=True, int8_mma=False):  # forced: still only where it is valid
+        dec = P.plan(_call())
+        assert dec.k_bias and dec.v_bias
+        assert not P.plan(_call(k_code=torch.float8_e4m3fn, v_code=torch.float8_e4m3fn)).v_bias
         q8 = P.plan(_call(scale_kind=P.SCALE_BLOCK, group_size=32, scale_bytes=8, v_keys=False))
         assert not (q8.k_bias or q8.v_bias)
         assert not P.plan(_call(q_dtype=torch.float32)).k_bias  # fp32 dots widen exactly
+
+
+def test_int8_k_by_int8_mma_where_the_bias_runs():
+    """int8 K unwidened into int8 MMAs (q in two int8 halves): planned for decode tiles with more than
+    DECODE_SMALL_PROGRAMS programs, where it replaces K's bias, and V's bias goes too (it no longer
+    pays beside it); an int8 V beside e4m3 K keeps its bias. Only for int8 K with token / static scales
+    and fp16 dots, forced or not."""
+    dec = P.plan(_call())
+    assert dec.k_mma and not (dec.k_bias or dec.v_bias) and dec.constexprs()["K_MMA"], dec.describe()
+    assert "int8 K by int8 MMA" in dec.describe()
+    assert not P.plan(_call(B=1)).k_mma and P.plan(_call(B=1)).constexprs()["K_MMA"] is False
+    assert not P.plan(_call(Tq=1024, decode=False, is_causal=True)).k_mma
+    fp8_k = P.plan(_call(k_code=torch.float8_e4m3fn))
+    assert fp8_k.int8_mma and not fp8_k.k_mma and fp8_k.v_bias  # e4m3 K: widened by cvt as ever
+    with P.override(int8_mma=True):
+        assert not P.plan(_call(scale_kind=P.SCALE_BLOCK, group_size=32, scale_bytes=8, v_keys=False)).k_mma
+        assert not P.plan(_call(q_dtype=torch.float32)).k_mma  # fp32 dots: q has no int8 halves there
+        assert P.plan(_call(B=1)).k_mma  # forced where it is not planned: still valid
 
 
 def test_override_is_scoped_and_kept_valid():

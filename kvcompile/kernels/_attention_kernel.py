@@ -9,6 +9,9 @@ Scales never enter the 8-bit tiles (per-token formats): the QK^T tile's columns 
 s_k, P by s_v before the PV dot, and the running denominator sums the unscaled p. The tile is
 widened to 16 bits (exact for e4m3 and int8) into ``tl.dot``; accumulation is fp32. int8 may be
 widened to 1152 + code (``K_BIAS`` / ``V_BIAS``), the dots corrected by 1152 sum(q) / rowsum(P).
+int8 K may instead go unwidened into int8 MMAs (``K_MMA``): the prologue splits q into two int8
+halves, q = t (254 hi + lo) with t one step per program (folded into the softmax scale), and the
+two int32 dots sum exactly.
 V is reduced over keys in ``P @ V``. Stored key-contiguous (``V_KEYS_CONTIG``: QuantizedCache's
 layout for token and static scales) it feeds the dot like K, read in whole 16-key chunks (16-byte
 loads). Stored head_dim-contiguous, the GPU widens it by pinned inline PTX before its shared-memory
@@ -67,6 +70,26 @@ def _tanh(x):
 
 
 @triton.jit
+def _q_int8_halves(q):
+    """q [BLOCK_M, BLOCK_D] -> (hi, lo, t, nan_rows): int8 tiles with q = t (254 hi + lo) to within t / 2
+    per element, t = amax / 32258 (~2^-15 of the block's largest |q|): no more than an fp16 rounding
+    (2^-11 relative) for every value above 1/32 of amax, and t is one per program, so that it folds into
+    the softmax scale. hi = round(q / (254 t)); lo rounds the remainder, at most half a step of hi.
+    A row holding a NaN or an infinity (which no int8 holds) is scored as zeros and ``nan_rows`` is NaN
+    there (0 elsewhere), added to its output: NaN, as the reference gives that row, the others untouched."""
+    q = q.to(tl.float32)
+    row_max = tl.max(tl.where(q == q, tl.abs(q), float("inf")), axis=1)  # inf: the row holds a NaN or an inf
+    nan_rows = tl.where(row_max < float("inf"), 0.0, float("nan"))
+    q = tl.where(tl.abs(q) < float("inf"), q, 0.0)
+    amax = tl.max(tl.where(row_max < float("inf"), row_max, 0.0), axis=0)
+    amax = tl.where(amax > 0, amax, 1.0)
+    inv = 127.0 / amax
+    hi = tl.minimum(tl.maximum(tl.floor(q * inv + 0.5), -127.0), 127.0)
+    lo = tl.minimum(tl.maximum(tl.floor((q - hi * (amax / 127.0)) * (254.0 * inv) + 0.5), -127.0), 127.0)
+    return hi.to(tl.int8), lo.to(tl.int8), amax / 32258.0, nan_rows  # 32258 = 127 * 254
+
+
+@triton.jit
 def _scale_groups(x, s, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_SIZE: tl.constexpr):
     """x [BLOCK_N, BLOCK_D] * s [BLOCK_N, BLOCK_D // GROUP_SIZE], each scale over its GROUP_SIZE
     columns: the scales broadcast to the tile's shape (reshaping the tile instead ran q8_0 decode
@@ -77,14 +100,15 @@ def _scale_groups(x, s, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_SIZE
 
 @triton.jit
 def _attend_tile(
-    acc, l_i, m_i, v_prev, start_n, n_hi, q, q_bias, qk_scale, row_ok, q_pos, win_lo, softcap, inv_softcap, d, d_ok, D,
+    acc, l_i, m_i, v_prev, start_n, n_hi, q, q_lo, q_bias, qk_scale, row_ok, q_pos, win_lo, softcap, inv_softcap,
+    d, d_ok, D,
     k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd, ks_base, stride_ksn, stride_ksg,
     vs_base, stride_vsn, stride_vsg, m_base, stride_mn,
     GROUP_SIZE: tl.constexpr, SCALE_KIND: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     K_FP8_BITS: tl.constexpr, V_FP8_BITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
     V_PIN: tl.constexpr, V_KEYS_CONTIG: tl.constexpr, INT8_PTX: tl.constexpr, K_BIAS: tl.constexpr,
-    V_BIAS: tl.constexpr,
+    V_BIAS: tl.constexpr, K_MMA: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key of the tile is visible to every row (see the caller)
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -111,9 +135,14 @@ def _attend_tile(
         ksb = tl.load(ks_base + n[:, None] * stride_ksn + gi[None, :] * stride_ksg, mask=gs_ok, other=0.0)
         k = codes_to(kc, DOT_DTYPE, K_FP8_BITS, INT8_PTX).to(tl.float32)
         k = _scale_groups(k, ksb.to(tl.float32), BLOCK_N, BLOCK_D, GROUP_SIZE).to(DOT_DTYPE)
+    elif K_MMA:
+        k = kc  # int8 codes straight into the int8 MMA
     else:
         k = codes_to(kc, DOT_DTYPE, K_FP8_BITS, INT8_PTX, K_BIAS)  # e4m3 / int8 -> 16 bits is exact
-    if DOT_DTYPE == tl.float32:
+    if K_MMA:  # q = t (254 q_hi + q_lo) (the prologue; t is in qk_scale): exact int32 sums, |s| < 2^30
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32)
+        s = tl.dot(q_lo, tl.trans(k), s * 254, out_dtype=tl.int32).to(tl.float32)
+    elif DOT_DTYPE == tl.float32:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
@@ -259,6 +288,7 @@ def _attention_kernel(
     INT8_PTX: tl.constexpr,      # widen int8 tiles to fp16 by inline PTX, four at a time (GPU; _codes.codes_to)
     K_BIAS: tl.constexpr,        # int8 K widened to 1152 + code (no subtraction), S corrected by 1152 sum(q) per row
     V_BIAS: tl.constexpr,        # int8 V likewise, the PV product corrected by 1152 rowsum(P)
+    K_MMA: tl.constexpr,         # int8 K unwidened into int8 MMAs with q's two int8 halves (_q_int8_halves)
     Q_HADAMARD: tl.constexpr,    # q times H_D / sqrt(D) in the prologue (K stored rotated by it)
     ROT_CHUNK: tl.constexpr,     # columns per dot of that product
     ROT_EXACT: tl.constexpr,     # that product as fp32 FMA dots (interpreter, fp32 q) instead of 16-bit MMAs
@@ -329,7 +359,11 @@ def _attention_kernel(
     else:
         q = tl.load(q_rows + d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q_unscale = 1.0
-    if DOT_DTYPE == tl.float16 and q.dtype != tl.float16:
+    q_lo = 0
+    q_nan = 0.0
+    if K_MMA:
+        q, q_lo, q_unscale, q_nan = _q_int8_halves(q)
+    elif DOT_DTYPE == tl.float16 and q.dtype != tl.float16:
         # fp16 holds |x| < 65504, bf16 / fp32 queries may not: a block whose largest |q| reaches
         # 2^15 is scaled by 2^-shift (exact), and 2^shift goes into the softmax scale (shift = 0 otherwise).
         q = q.to(tl.float32)
@@ -337,7 +371,8 @@ def _attention_kernel(
         q_shift = tl.maximum(amax_exp - 141, 0)  # |q| < 2^(e - 126) <= 2^15 once e - shift <= 141 (127 + 14)
         q = q * ((127 - q_shift) << 23).to(tl.float32, bitcast=True)
         q_unscale = ((127 + q_shift) << 23).to(tl.float32, bitcast=True)
-    q = q.to(DOT_DTYPE)
+    if not K_MMA:
+        q = q.to(DOT_DTYPE)
     q_bias = 0.0
     if K_BIAS:  # 1152 * sum(q) of the values the dot sees, once per program (_attend_tile subtracts it)
         q_bias = 1152.0 * tl.sum(q.to(tl.float32), axis=1)
@@ -388,32 +423,32 @@ def _attention_kernel(
             n_body = tl.maximum(n_start, (tl.maximum(win_last, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
             for start_n in tl.range(n_start, n_body, BLOCK_N, num_stages=1):  # window edge: not pipelined
                 acc, l_i, m_i, v_prev = _attend_tile(
-                    acc, l_i, m_i, v_prev, start_n, n_hi, q, q_bias, qk_scale, row_ok, q_pos, win_lo, softcap, inv_softcap,
-                    d, d_ok, D,
+                    acc, l_i, m_i, v_prev, start_n, n_hi, q, q_lo, q_bias, qk_scale, row_ok, q_pos, win_lo, softcap,
+                    inv_softcap, d, d_ok, D,
                     k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd, ks_base, stride_ksn, stride_ksg,
                     vs_base, stride_vsn, stride_vsg, m_base, stride_mn,
                     GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
-                    DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, True, BLOCK_N, BLOCK_D)
+                    DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, K_MMA, True, BLOCK_N, BLOCK_D)
         n_vis = n_hi
         if IS_CAUSAL:
             n_vis = tl.minimum(n_vis, kv_len - Tq + (pid_m * BLOCK_M) // GROUP + 1)
         n_full = n_body + tl.maximum(n_vis - n_body, 0) // BLOCK_N * BLOCK_N
         for start_n in range(n_body, n_full, BLOCK_N):
             acc, l_i, m_i, v_prev = _attend_tile(
-                acc, l_i, m_i, v_prev, start_n, n_hi, q, q_bias, qk_scale, row_ok, q_pos, win_lo, softcap, inv_softcap,
-                d, d_ok, D,
+                acc, l_i, m_i, v_prev, start_n, n_hi, q, q_lo, q_bias, qk_scale, row_ok, q_pos, win_lo, softcap,
+                inv_softcap, d, d_ok, D,
                 k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd, ks_base, stride_ksn, stride_ksg,
                 vs_base, stride_vsn, stride_vsg, m_base, stride_mn,
                 GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
-                DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, False, BLOCK_N, BLOCK_D)
+                DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, K_MMA, False, BLOCK_N, BLOCK_D)
     for start_n in tl.range(n_full, n_hi, BLOCK_N, num_stages=1):  # at most 2 tiles without a mask: not pipelined
         acc, l_i, m_i, v_prev = _attend_tile(
-            acc, l_i, m_i, v_prev, start_n, n_hi, q, q_bias, qk_scale, row_ok, q_pos, win_lo, softcap, inv_softcap,
-            d, d_ok, D,
+            acc, l_i, m_i, v_prev, start_n, n_hi, q, q_lo, q_bias, qk_scale, row_ok, q_pos, win_lo, softcap,
+            inv_softcap, d, d_ok, D,
             k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd, ks_base, stride_ksn, stride_ksg,
             vs_base, stride_vsn, stride_vsg, m_base, stride_mn,
             GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
-            DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, True, BLOCK_N, BLOCK_D)
+            DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, K_MMA, True, BLOCK_N, BLOCK_D)
 
     # ---- epilogue: rows with no visible key give zeros ----
     has_key = l_i > 0
@@ -424,6 +459,8 @@ def _attention_kernel(
     out = acc / tl.where(has_key, den, 1.0)[:, None]
     if FOLD_V_MAX:
         out = out * (v_prev / PV_HEADROOM)
+    if K_MMA:
+        out = out + q_nan[:, None]
     out_ok = row_ok[:, None] & d_ok[None, :]
     if SPLIT_OUTPUT:
         lse = tl.where(has_key, m_i * LOG2E + tl.math.log2(tl.where(has_key, l_i, 1.0)), float("-inf"))

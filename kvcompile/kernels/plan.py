@@ -120,6 +120,9 @@ class LaunchPlan:
     # scores corrected by 1152 sum(q) per row and the PV product by 1152 rowsum(P) instead (with fp16
     # dots; fp32 dots widen exactly anyway)
     int8_bias: bool
+    # int8 K (token or static scales, fp16 dots) scored on the int8 tensor cores, unwidened: q split in
+    # the prologue into two int8 halves, q ~ t (254 hi + lo), the two int32 dots summed exactly
+    int8_mma: bool
     # where a rotation runs: q "kernel" (generated H in _attention_kernel's prologue) or "launch"
     # (rotate_rows before); the output "merge" (R_V^T in _merge_kernel) or "launch" (rotate_rows
     # after); "" where that side is not rotated
@@ -135,9 +138,16 @@ class LaunchPlan:
                 and self.dot_dtype == torch.float16)
 
     @property
+    def k_mma(self) -> bool:
+        """int8 K meets q's two int8 halves on the int8 tensor cores (no widening, no bias)."""
+        c = self.call
+        return (self.int8_mma and c.k_code == torch.int8 and c.scale_kind != SCALE_BLOCK
+                and self.dot_dtype == torch.float16 and _pow2(c.D) >= 32)
+
+    @property
     def k_bias(self) -> bool:
-        """The int8 K bias runs."""
-        return self._biased(self.call.k_code)
+        """The int8 K bias runs (not when K is scored unwidened: k_mma)."""
+        return self._biased(self.call.k_code) and not self.k_mma
 
     @property
     def v_bias(self) -> bool:
@@ -171,7 +181,7 @@ class LaunchPlan:
             IS_CAUSAL=bool(c.is_causal), HAS_WINDOW=c.window > 0, HAS_SOFTCAP=c.softcap, HAS_SINKS=c.sinks,
             SPLIT_OUTPUT=self.splits > 1, K_FP8_BITS=self.k_fp8_bits, V_FP8_BITS=self.v_fp8_bits, DOT_DTYPE=dt,
             V_PIN=self.v_pin, V_KEYS_CONTIG=c.v_keys, INT8_PTX=self.int8_ptx,
-            K_BIAS=self.k_bias, V_BIAS=self.v_bias,
+            K_BIAS=self.k_bias, V_BIAS=self.v_bias, K_MMA=self.k_mma,
             Q_HADAMARD=self.q_rotation == "kernel", ROT_CHUNK=ROT_CHUNK,
             ROT_EXACT=c.interpret or self.dot_dtype == torch.float32,
             STORE_NEW=fused, STORE_OFFSET=fused and c.store_offset,
@@ -189,6 +199,7 @@ class LaunchPlan:
                 + (f" maxnreg {t.maxnreg}" if t.maxnreg else "") + split + f", {str(self.dot_dtype)[6:]} dots"
                 + (", V pinned" if self.v_pin else "") + (", int8 PTX" if self.int8_ptx else "")
                 + "".join(f", int8 {side} biased" for side, on in (("K", self.k_bias), ("V", self.v_bias)) if on)
+                + (", int8 K by int8 MMA" if self.k_mma else "")
                 + (", V key-contiguous" if c.v_keys else "") + "".join(", " + r for r in rot)
                 + (f", token stored by {self.store}" if self.store else ""))
 
@@ -312,7 +323,17 @@ def _plan(call: Call, tile: Optional[tiles.Tile]) -> LaunchPlan:
     # reduction's latency (H200, session 10 run 1, docs/perf-log.md: +1-3% at B >= 4, -3% at B=1,
     # -4% in prefill). Not for block32 scales, which scale the widened tile (LaunchPlan.k_bias / v_bias).
     programs = c.B * c.Hkv * -(-rows // tile.block_m)  # per split
-    int8_bias = 4 * tile.block_m <= _pow2(c.D) and programs > DECODE_SMALL_PROGRAMS
+    few_rows = 4 * tile.block_m <= _pow2(c.D) and programs > DECODE_SMALL_PROGRAMS
+    # There int8 K goes unwidened into int8 MMAs (LaunchPlan.k_mma): the decode loop drops K's widening
+    # and its score correction for one int -> float convert per score (Triton 3.9 SASS, per tile pair:
+    # 765 instructions, 920 with K widened and both sides biased, fp8's 787). H200, session 22 run 3
+    # (K rotated, us, this plan / K widened and both sides biased): B=8 L=32k 148.4 / 154.9, B=32 L=8k
+    # 152.7 / 158.9, B=4 L=128k 289.0 / 303.4, B=8 L=4k 28.6 / 29.6; but B=1 L=4k 11.9 forced against
+    # 11.5 (q's split into int8 halves on the critical path of few programs).
+    int8_mma = few_rows
+    # ... and with K by MMA, V's bias no longer pays (run 2, us, V biased / exact: B=8 L=4k 29.5 / 28.8,
+    # B=4 L=8k 29.4 / 28.7, B=8 L=32k 141.2 / 142.2, B=32 L=8k 146.9 / 146.6): only an int8 V beside e4m3 K
+    int8_bias = few_rows and c.k_code != torch.int8
     # programs of this tile one SM holds at once: the decode split count fills whole waves of them
     resident = (tiles.programs_per_sm(tile, c.cc, tiles.smem_bytes(tile, c.D, qb, kb, vb, c.v_keys, c.scale_bytes))
                 if c.decode else 1)
@@ -339,7 +360,8 @@ def _plan(call: Call, tile: Optional[tiles.Tile]) -> LaunchPlan:
     store = ("kernel" if _store_fits(c, tile) else "launch") if c.store else ""
     return LaunchPlan(call=c, tile=tile, resident=max(1, resident), splits=splits, split_len=split_len,
                       dot_dtype=dot_dtype, k_fp8_bits=k_fp8_bits, v_fp8_bits=v_fp8_bits, v_pin=v_pin,
-                      int8_ptx=int8_ptx, int8_bias=int8_bias, q_rotation=q_rot, o_rotation=o_rot, store=store)
+                      int8_ptx=int8_ptx, int8_bias=int8_bias, int8_mma=int8_mma, q_rotation=q_rot, o_rotation=o_rot,
+                      store=store)
 
 
 def _store_fits(c: Call, tile: tiles.Tile) -> bool:
