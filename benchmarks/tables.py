@@ -52,6 +52,9 @@ class Run:
 # bench_kv's standard decode shapes (BxL)
 DECODE_SHAPES = "--decode-shapes 1x4096,1x32768,8x32768,32x8192,4x131072"
 
+# session 22's runs: the working tree of 5b0f37b before its commit (the same kernel and plan, lines rewrapped)
+S22 = "5b0f37b"
+
 # The latest run of each table. The commits were recorded by hand at the time (docs/perf-log.md).
 RUNS = {
     "decode": Run(
@@ -75,6 +78,19 @@ RUNS = {
         "python benchmarks/bench_decode_e2e.py --layers 4 --cases 32x8192,32x32768 "
         "--providers hf-static-compiled,kvc-fp8_e4m3-graphs"),
     "default-decode": Run(
+        "h200_s22_run3_decode.csv", S22, H200, "session 22, run 3",
+        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8+krot "
+        "--decode-shapes 1x4096,8x4096,4x8192,1x32768,8x32768,32x8192,4x131072 "
+        "--sweep --variants 'int8mma|int8bias-on|splits' --splits '1x4096:50;1x32768:50'"),
+    "s22-e2e": Run(
+        "h200_s22_run3_e2e.csv", S22, H200, "session 22, run 3",
+        "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024 --steps 10 "
+        "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs"),
+    "s22-e2e-old": Run(
+        "h200_s22_run3_e2e_old_plan.csv", S22, H200, "session 22, run 3",
+        "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024 --steps 10 "
+        "--providers kvc-int8-graphs --plan int8_mma=0,int8_bias=1"),
+    "s17-decode": Run(
         "h200_s17_run1_decode_window.csv", "8a31ed1", H200, "session 17, run 1",
         "python benchmarks/bench_kv.py --subjects decode,window --formats fp8,int8+krot "
         "--decode-shapes 1x4096,8x4096,4x8192,1x32768,8x32768,32x8192,4x131072 --window-batches 1,8,32"),
@@ -394,6 +410,50 @@ def default_decode(results: str = RESULTS) -> str:
                    results)
 
 
+def s17_decode(results: str = RESULTS) -> str:
+    """BENCHMARKS: the default format beside fp8 token in session 17 (int8 K widened, both sides biased)."""
+    return _vs_fp8("s17-decode", (("kvcompile-int8+krot", "int8, K rotated (the default)"),), ("int8+krot",),
+                   results)
+
+
+def s22_mma(results: str = RESULTS) -> str:
+    """BENCHMARKS: int8 (K rotated) decode as planned against its plan variants (sweep rows), one run."""
+    run = RUNS["default-decode"]
+    rows = read(run, results)
+    by = _by(rows, "provider", "shape")
+    p = "kvcompile-int8+krot"
+    variants = (("", "as planned"), (" int8mma-off", "K widened, K and V biased (`int8mma-off`)"),
+                (" int8mma-on", "K by int8 MMA forced (`int8mma-on`)"), (" int8bias-on", "V biased beside (`int8bias-on`)"))
+    lines = [f"us per call; the last column is fp8's time over the planned int8's (> 1: int8 faster). {run.caption()}",
+             "", "| shape | fp8 token | " + " | ".join(name for _, name in variants) + " | fp8 / int8 |",
+             "|---|" + "---:|" * (len(variants) + 2)]
+    for shape in _shapes(rows, "decode"):
+        sh = _shape(shape)
+        cells = [f"{_us(by, p + v, shape):.1f}" if (p + v, shape) in by else "—" for v, _ in variants]
+        lines.append(f"| B={sh['B']} L={_k(sh['L'])} | {_us(by, 'kvcompile-fp8', shape):.1f} | " + " | ".join(cells)
+                     + f" | {_us(by, 'kvcompile-fp8', shape) / _us(by, p, shape):.2f} |")
+    return "\n".join(lines)
+
+
+def s22_e2e(results: str = RESULTS) -> str:
+    """BENCHMARKS, README: one decode step, int8 (K rotated) as planned and with the plan before session 22."""
+    run, old = RUNS["s22-e2e"], RUNS["s22-e2e-old"]
+    ms = {(r["B"], r["ctx"], r["provider"]): float(r["ms_per_step"]) for r in read(run, results)}
+    ms.update({(r["B"], r["ctx"], "old"): float(r["ms_per_step"]) for r in read(old, results)})
+    cols = (("hf-static-compiled", "HF StaticCache bf16, compiled"), ("kvc-fp8_e4m3-graphs", "fp8 token"),
+            ("kvc-int8-graphs", "int8, K rotated (the default)"), ("old", "int8, K widened, K and V biased (forced)"))
+    lines = [f"ms per decode step, CUDA graphs, Llama-3-8B shape, 4 layers, 10 steps (median); the last column is "
+             f"fp8's step over int8's (> 1: int8 faster). {run.caption()} The forced column is `--plan "
+             f"int8_mma=0,int8_bias=1` in the same run (`benchmarks/results/{old.csv}`): at B=8 the plan before "
+             f"session 22; at B=1 that plan widened K and V without the bias.", "",
+             "| case | " + " | ".join(name for _, name in cols) + " | fp8 / int8 |", "|---|" + "---:|" * (len(cols) + 1)]
+    for B, c in sorted({(k[0], k[1]) for k in ms}, key=lambda k: (-int(k[0]), int(k[1]))):
+        cells = [f"{ms[(B, c, p)]:.3f}" for p, _ in cols]
+        lines.append(f"| B={B} ctx {_k(int(c))} | " + " | ".join(cells)
+                     + f" | {ms[(B, c, 'kvc-fp8_e4m3-graphs')] / ms[(B, c, 'kvc-int8-graphs')]:.2f} |")
+    return "\n".join(lines)
+
+
 UNROTATED = ("kvcompile-int8", "int8, not rotated")
 
 
@@ -657,7 +717,11 @@ TABLES: dict[str, Callable[[str], str]] = {
     "e2e-ms": e2e_ms,
     "e2e-command": command("e2e"),
     "default-decode": default_decode,
-    "default-decode-command": command("default-decode"),
+    "s22-mma": s22_mma,
+    "s22-e2e": s22_e2e,
+    "s22-command": command("default-decode", "s22-e2e", "s22-e2e-old"),
+    "s17-decode": s17_decode,
+    "s17-decode-command": command("s17-decode"),
     "int8-decode": int8_decode,
     "int8-decode-command": command("int8-decode"),
     "window": window,

@@ -168,7 +168,8 @@ def test_info_module():
     assert plans and all("decode:" in line or "fused:" in line for line in plans), out
     decode = [line for line in plans if "decode:" in line]
     assert decode and all("q rotated by kernel" in line and "out rotated" not in line for line in decode), decode
-    assert all("int8 V biased" in line for line in decode), decode  # B=8: the throughput plan
+    # B=8: the throughput plan, K unwidened into int8 MMAs and V widened exactly
+    assert all("int8 K by int8 MMA" in line and "biased" not in line for line in decode), decode
 
 
 def test_info_cli():
