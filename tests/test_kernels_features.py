@@ -693,6 +693,21 @@ def test_int8_k_mma(kinds, Tq, D, fp16_dots, monkeypatch):
     assert rel_err(out[:, small], ref[:, small]) < tol
 
 
+@pytest.mark.parametrize("Tq", [1, 20])
+def test_int8_k_mma_with_window_softcap_sinks(Tq, fp16_dots):
+    """The scores of int8 MMAs through the masked window-edge, interior and tail loops, softcap and
+    sinks: the reference's answer, and each feature's absence is told apart."""
+    B, Hkv, group, L, D = 2, 2, 2, 70, 64
+    cache = make_cache("int8", "int8", B, Hkv, L, D, seed=Tq + 3, v_layout="keys")
+    q_dtype = torch.float32 if DEV == "cpu" else torch.bfloat16
+    q = make_q(B, Hkv * group, Tq, D, seed=Tq + 3, mult=3.0, dtype=q_dtype)
+    sinks = torch.randn(Hkv * group, generator=torch.Generator().manual_seed(3)).to(DEV)
+    with plan_mod.override(int8_mma=True):
+        assert attn_mod.plan_of(attn_mod.call_of(q, *cache, window=27, softcap=5.0, sinks=sinks)).k_mma
+        run(q, cache, torch.tensor([70, 47], device=DEV), None, Tq > 1, window=27, softcap=5.0, sinks=sinks,
+            tol=FP16_TOL, off=dict(window=0, softcap=0.0, sinks=None))
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_int8_k_mma_nonfinite_query(bad, fp16_dots):
     """A NaN or an infinity in q (no int8 holds either): that row's output is NaN, as the reference's
