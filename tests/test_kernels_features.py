@@ -664,7 +664,7 @@ def test_gpu_window_decode_in_cuda_graph():
 
 
 @pytest.mark.parametrize("kinds", PAIRS[:3:2], ids=PAIR_IDS[:3:2])
-@pytest.mark.parametrize("Tq,D", [(1, 64), (1, 96), (20, 64)])
+@pytest.mark.parametrize("Tq,D", [(1, 64), (1, 96), (20, 64), (1, 32), (1, 256)])
 def test_int8_k_mma(kinds, Tq, D, fp16_dots, monkeypatch):
     """int8 K scored unwidened on the int8 tensor cores (``plan.int8_mma``): the prologue splits q into
     two int8 halves, q = t (254 hi + lo) to within t / 2, t = 2^-15 of the block's largest |q|, and the
