@@ -132,17 +132,19 @@ class LaunchPlan:
     # its slot writes it first: _attention_kernel's STORE_NEW) or "launch" (store.store_kv before)
     store: str = ""
 
+    def _int8_fp16(self, code: torch.dtype) -> bool:
+        # where the int8 bias and int8 MMAs apply (either may be forced by override): int8 codes whose
+        # scales stay out of the tile (token / static), fp16 dots
+        return code == torch.int8 and self.call.scale_kind != SCALE_BLOCK and self.dot_dtype == torch.float16
+
     def _biased(self, code: torch.dtype) -> bool:
-        # int8_bias may be forced (override): the bias needs int8 codes, token / static scales, fp16 dots
-        return (self.int8_bias and code == torch.int8 and self.call.scale_kind != SCALE_BLOCK
-                and self.dot_dtype == torch.float16)
+        return self.int8_bias and self._int8_fp16(code)
 
     @property
     def k_mma(self) -> bool:
-        """int8 K meets q's two int8 halves on the int8 tensor cores (no widening, no bias)."""
-        c = self.call
-        return (self.int8_mma and c.k_code == torch.int8 and c.scale_kind != SCALE_BLOCK
-                and self.dot_dtype == torch.float16 and _pow2(c.D) >= 32)
+        """int8 K meets q's two int8 halves on the int8 tensor cores (no widening, no bias; the MMA
+        takes 32 codes per step, so a head dim padded to at least 32)."""
+        return self.int8_mma and self._int8_fp16(self.call.k_code) and _pow2(self.call.D) >= 32
 
     @property
     def k_bias(self) -> bool:
