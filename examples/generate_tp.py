@@ -1,6 +1,7 @@
 """Generate with an 8-bit KV cache under tensor parallelism: transformers shards the model
-(``from_pretrained(..., tp_plan="auto")``), each rank's ``QuantizedCache`` stores its own kv heads,
-and each rank compiles its own graph with ``kvcompile.backend()``.
+(``from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))``, which needs
+accelerate, in kvcompile's ``examples`` extra), each rank's ``QuantizedCache`` stores its own kv
+heads, and each rank compiles its own graph with ``kvcompile.backend()``.
 
     torchrun --nproc-per-node 2 examples/generate_tp.py --tiny                 # CPU (gloo) or GPUs (nccl)
     torchrun --nproc-per-node 2 examples/generate_tp.py --model meta-llama/Llama-3.1-8B-Instruct
@@ -22,7 +23,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, DistributedConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
@@ -53,17 +54,21 @@ def load(args, rank: int):
         torch.bfloat16 if torch.cuda.is_available() else torch.float32)
     if not args.tiny:
         tok = AutoTokenizer.from_pretrained(args.model)
-        return AutoModelForCausalLM.from_pretrained(args.model, tp_plan="auto", dtype=dtype).eval(), tok
+        model = AutoModelForCausalLM.from_pretrained(args.model, distributed_config=DistributedConfig(tp_plan="auto"),
+                                                     dtype=dtype)
+        return model.eval(), tok
     model, tok = _common.tiny_model()  # the same weights on every rank (seeded)
     with tempfile.TemporaryDirectory(prefix=f"kvcompile-tp{rank}-") as d:
         model.save_pretrained(d)
-        return AutoModelForCausalLM.from_pretrained(d, tp_plan="auto", dtype=dtype).eval(), tok
+        model = AutoModelForCausalLM.from_pretrained(d, distributed_config=DistributedConfig(tp_plan="auto"), dtype=dtype)
+        return model.eval(), tok
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if "RANK" not in os.environ:
         raise SystemExit("run under torchrun: torchrun --nproc-per-node 2 examples/generate_tp.py --tiny")
+    _common._require_examples_extra("transformers' tensor-parallel loading", modules=("accelerate",))
     model, tok = load(args, int(os.environ["RANK"]))  # initializes torch.distributed (nccl on CUDA, gloo on CPU)
     rank, device = dist.get_rank(), model.device
     ids = torch.tensor([tok.encode(args.prompt)], device=device)

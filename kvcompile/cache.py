@@ -150,7 +150,8 @@ class QuantizedCache(Cache):
             BENCHMARKS.md; on the CPU head_dim-contiguous, whose stored prefix is one run of memory
             at any ``max_cache_len``), ``"keys"`` or ``"head_dim"``. ``v_codes`` is
             ``[B, Hkv, L, D]`` either way.
-        tp_size: under tensor parallelism (``from_pretrained(..., tp_plan="auto")``), ``model.tp_size``:
+        tp_size: under tensor parallelism (``from_pretrained(...,
+            distributed_config=DistributedConfig(tp_plan="auto"))``), ``model.tp_size``:
             each rank stores its ``Hkv / tp_size`` kv heads and its slice of ``calibration``, and heads
             that do not divide are refused here. ``None``: the first update's head count decides, as in
             transformers' ``StaticCache`` (:mod:`kvcompile.tp`).

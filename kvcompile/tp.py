@@ -1,7 +1,8 @@
 """Tensor parallelism: which kv heads one rank's :class:`kvcompile.QuantizedCache` stores.
 
-transformers shards attention by heads (``from_pretrained(..., tp_plan="auto")`` under torchrun:
-``q_proj``/``k_proj``/``v_proj`` colwise, ``o_proj`` rowwise). Rank ``r`` of ``tp_size`` computes
+transformers shards attention by heads (``from_pretrained(...,
+distributed_config=DistributedConfig(tp_plan="auto"))`` under torchrun: ``q_proj``/``k_proj``/``v_proj``
+colwise, ``o_proj`` rowwise). Rank ``r`` of ``tp_size`` computes
 kv heads ``[r * h, (r + 1) * h)`` with ``h = Hkv / tp_size``, as plain local tensors: with grad
 off (``generate``, ``torch.no_grad``) a colwise Linear returns its local shard, so attention and
 ``cache.update`` see ``[B, h, T, D]`` tensors, not DTensors. transformers' ``StaticCache`` learns
@@ -52,7 +53,8 @@ def _tp_rank(tp_size: int) -> int:
     if not _distributed():
         raise ValueError(
             f"kvcompile.QuantizedCache: tp_size={tp_size}, but torch.distributed is not initialized in this "
-            "process; run under torchrun and load the model with from_pretrained(..., tp_plan='auto') first "
+            "process; run under torchrun and load the model with from_pretrained(..., "
+            "distributed_config=DistributedConfig(tp_plan='auto')) first "
             "(it initializes torch.distributed), or leave tp_size unset for a single-process model"
         )
     world = dist.get_world_size()

@@ -344,7 +344,14 @@ def test_missing_examples_extra_is_named(monkeypatch, missing):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
+    present = object()  # the other one is found whether or not this machine has it: only `missing` is named
+
+    def find_spec(name, *a):
+        if name in ("gguf", "accelerate"):
+            return None if name == missing else present
+        return real(name, *a)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     with pytest.raises(SystemExit, match=rf"needs {missing}, which come with kvcompile's `examples` extra: "
                                          rf"pip install \"\.\[examples\]\" in the kvcompile checkout, or "
                                          rf"pip install {missing}$"):

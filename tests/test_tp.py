@@ -1,4 +1,5 @@
-"""Tensor parallelism on CPU: transformers' ``tp_plan="auto"`` over two torchrun processes (gloo).
+"""Tensor parallelism on CPU: transformers' ``tp_plan="auto"`` over two torchrun processes (gloo; transformers
+needs accelerate to load a sharded model, in kvcompile's ``test`` extra).
 
 Each rank's ``QuantizedCache(tp_size=model.tp_size)`` stores its own kv heads, the backend compiles
 each rank's decode graph and rewrites its attention, and the logits equal one process running the

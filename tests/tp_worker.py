@@ -4,7 +4,7 @@
 
 One launch (each costs CI ~15 s of imports), two phases:
 
-* match: load MODEL_DIR with ``tp_plan="auto"`` (gloo on CPU, nccl on CUDA), store K/V in a
+* match: load MODEL_DIR with ``DistributedConfig(tp_plan="auto")`` (gloo on CPU, nccl on CUDA), store K/V in a
   ``QuantizedCache(tp_size=model.tp_size)``, prefill eagerly and decode ``STEPS`` tokens through
   ``torch.compile(model.forward, backend=kvcompile.backend())`` (one graph); the same prompt and
   tokens through the unsharded model in this process, eagerly, with a cache of the same format.
@@ -46,7 +46,8 @@ def run(model, forward_decode, cache, ids: torch.Tensor) -> torch.Tensor:
 
 
 def match(model_dir: str, out_dir: str) -> None:
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, distributed_config=transformers.DistributedConfig(tp_plan="auto"), dtype=torch.float32).eval()
     rank, device = dist.get_rank(), model.device  # transformers put this rank on cuda:LOCAL_RANK (or cpu)
     ids = tokens(model.config.vocab_size).to(device)
     cache = kvcompile.QuantizedCache(model.config, max_batch_size=1, max_cache_len=MAX_LEN, tp_size=model.tp_size)
