@@ -693,6 +693,30 @@ def test_int8_k_mma(kinds, Tq, D, fp16_dots, monkeypatch):
     assert rel_err(out[:, small], ref[:, small]) < tol
 
 
+def test_int8_k_mma_query_halves_at_their_extremes(fp16_dots):
+    """q's int8 halves at the ends of their range: every row holds the block's largest |q| (hi = +-127)
+    and values half a step of hi apart from it, so the remainder the low half rounds sits at half a
+    step too (lo = +-127). The prologue rounds both without a clamp; a half that wrapped to -128 would
+    be off by more than the whole low half, which alone is measured 0.8-1.7e-2 away
+    (``test_int8_k_mma``), far outside the tolerance (that test's, for the same reason)."""
+    B, Hkv, group, L, D = 1, 2, 4, 40, 64
+    cache = make_cache("int8", "int8", B, Hkv, L, D, seed=11, v_layout="keys")
+    amax = 3.0
+    steps = torch.arange(D, dtype=torch.float64) - D // 2 + 0.5  # k + 1/2 steps of hi: ties of its rounding
+    q = (amax / 127 * steps).repeat(B, Hkv * group, 1, 1)
+    q = q * torch.tensor([1.0, -1.0] * (Hkv * group // 2), dtype=torch.float64).view(1, -1, 1, 1)
+    q[..., 0] = amax
+    q[:, 1::2, :, 1] = -amax
+    q_dtype = torch.float32 if DEV == "cpu" else torch.bfloat16
+    q = q.to(DEV, q_dtype)
+    kv_len = torch.tensor([40], device=DEV)
+    with plan_mod.override(int8_mma=True):
+        assert attn_mod.plan_of(attn_mod.call_of(q, *cache)).k_mma
+        out = kernels.attention(q, *cache, kv_len, None, False, None)
+    ref = reference.attention(q, *cache, kv_len, None, False, None, compute_dtype=torch.float64)
+    assert rel_err(out, ref) < (FP16_TOL / 5 if DEV == "cpu" else FP16_TOL)
+
+
 @pytest.mark.parametrize("Tq", [1, 20])
 def test_int8_k_mma_with_window_softcap_sinks(Tq, fp16_dots):
     """The scores of int8 MMAs through the masked window-edge, interior and tail loops, softcap and

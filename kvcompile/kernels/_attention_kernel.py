@@ -69,6 +69,9 @@ def _tanh(x):
     return tl.where(x < 0, -t, t)
 
 
+_ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23
+
+
 @triton.jit
 def _q_int8_halves(q):
     """q [BLOCK_M, BLOCK_D] -> (hi, lo, t, nan_rows): int8 tiles with q = t (254 hi + lo) to within t / 2
@@ -84,9 +87,15 @@ def _q_int8_halves(q):
     amax = tl.max(tl.where(row_max < float("inf"), row_max, 0.0), axis=0)
     amax = tl.where(amax > 0, amax, 1.0)
     inv = 127.0 / amax
-    hi = tl.minimum(tl.maximum(tl.floor(q * inv + 0.5), -127.0), 127.0)
-    lo = tl.minimum(tl.maximum(tl.floor((q - hi * (amax / 127.0)) * (254.0 * inv) + 0.5), -127.0), 127.0)
-    return hi.to(tl.int8), lo.to(tl.int8), amax / 32258.0, nan_rows  # 32258 = 127 * 254
+    # x + 1.5 * 2^23 rounds x (|x| < 2^22) to an integer n, held as 0x4B400000 + n: its low byte is n as an
+    # int8. |q| <= amax puts q * inv within 127 (+ one rounding), and the remainder within half a step of
+    # hi, so lo within 127 too: both fit without a clamp.
+    hr = tl.fma(q, inv, _ROUND_MAGIC)
+    hi_f = hr - _ROUND_MAGIC
+    lr = tl.fma(tl.fma(hi_f, -amax / 127.0, q), 254.0 * inv, _ROUND_MAGIC)
+    hi = hr.to(tl.int32, bitcast=True).to(tl.int8)
+    lo = lr.to(tl.int32, bitcast=True).to(tl.int8)
+    return hi, lo, amax / 32258.0, nan_rows  # 32258 = 127 * 254
 
 
 @triton.jit

@@ -113,19 +113,24 @@ def hadamard_rows(rows, stride_d, rows_ok, scale, EXACT: tl.constexpr, BLOCK_M: 
                   BLOCK_D: tl.constexpr, RC: tl.constexpr, CODES: tl.constexpr = False,
                   FP8_BITS: tl.constexpr = False):
     """fp32 ``x @ H_D * scale`` of the rows at pointers ``rows`` [BLOCK_M, 1] (column j at ``rows + j *
-    stride_d``, D == BLOCK_D), read RC columns at a time. A 16-bit x meets H's +-1 (exact in its
-    type) in one 16-bit MMA per chunk: exact products, fp32 sums. ``CODES``: the rows are 8-bit codes
-    (int8, e4m3, or e4m3 as uint8 bits with ``FP8_BITS``), widened to fp16 first (exact). ``EXACT``:
-    fp32 FMA dots. H is symmetric: this is also ``x @ H_D^T * scale``."""
+    stride_d``, D == BLOCK_D), RC columns per product. Every chunk's load is issued before the first
+    product, so that their latencies overlap (a decode program's q block is on its critical path).
+    A 16-bit x meets H's +-1 (exact in its type) in one 16-bit MMA per chunk: exact products, fp32
+    sums. ``CODES``: the rows are 8-bit codes (int8, e4m3, or e4m3 as uint8 bits with ``FP8_BITS``),
+    widened to fp16 first (exact). ``EXACT``: fp32 FMA dots. H is symmetric: this is also
+    ``x @ H_D^T * scale``."""
     k = tl.arange(0, RC)
     n = tl.arange(0, BLOCK_D)
     XTYPE: tl.constexpr = tl.float16 if CODES else rows.dtype.element_ty
+    xs = ()
+    for c in tl.static_range(0, BLOCK_D, RC):
+        xs = xs + (tl.load(rows + (c + k)[None, :] * stride_d, mask=rows_ok, other=0.0),)
     h = sylvester_sign(k[:, None], n[None, :])  # H[0:RC, :]
     if not (EXACT or XTYPE == tl.float32):
         h = h.to(XTYPE)  # +-1: exact
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for c in tl.static_range(0, BLOCK_D, RC):
-        x = tl.load(rows + (c + k)[None, :] * stride_d, mask=rows_ok, other=0.0)
+        x = xs[c // RC]
         if CODES:
             x = codes_to_float(x, FP8_BITS) if EXACT else codes_to(x, tl.float16, FP8_BITS)
         if EXACT or XTYPE == tl.float32:
