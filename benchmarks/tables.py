@@ -32,6 +32,7 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 DOCS = ("README.md", "BENCHMARKS.md")
 
 H200 = "H200 (sm_90, 132 SMs), torch 2.11, Triton 3.6"
+H100 = "H100 (SXM 80 GB HBM3, sm_90, 132 SMs), torch 2.11, Triton 3.6"
 CPU2 = "CPU, 2 shared cores, torch 2.13.0+cpu, transformers 5.24"
 
 
@@ -90,6 +91,15 @@ RUNS = {
         "h200_s22_run3_e2e_old_plan.csv", S22, H200, "session 22, run 3",
         "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024 --steps 10 "
         "--providers kvc-int8-graphs --plan int8_mma=0,int8_bias=1"),
+    # session 24, run 1: one call, two processes; the tree was b93e87a's prologue plus R's signs read from memory
+    "s24-abc": Run(
+        "h100_s24_run1_decode_abc_vs_base.csv", "b93e87a + R read", H100, "session 24, run 1",
+        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8+krot,int8 "
+        "--decode-shapes 1x4096,8x4096,4x8192,1x32768,8x32768 --sweep --variants kernel --ab-kernel BEFORE"),
+    "s24-ac": Run(
+        "h100_s24_run1_decode_ac.csv", "b93e87a + R read", H100, "session 24, run 1",
+        "python benchmarks/bench_kv.py --subjects decode --formats int8+krot "
+        "--decode-shapes 1x4096,8x4096,4x8192,1x32768,8x32768 --sweep --variants kernel --ab-kernel B93E87A"),
     "s17-decode": Run(
         "h200_s17_run1_decode_window.csv", "8a31ed1", H200, "session 17, run 1",
         "python benchmarks/bench_kv.py --subjects decode,window --formats fp8,int8+krot "
@@ -435,6 +445,27 @@ def s22_mma(results: str = RESULTS) -> str:
     return "\n".join(lines)
 
 
+def s24_prologue(results: str = RESULTS) -> str:
+    """BENCHMARKS: int8 (K rotated) decode with q's prologue before and after b93e87a, fp8 beside it."""
+    a, c = RUNS["s24-abc"], RUNS["s24-ac"]
+    by = _by(read(a, results), "provider", "shape")
+    p = "kvcompile-int8+krot"
+    by.update({k: r for k, r in _by(read(c, results), "provider", "shape").items() if k[0] == p + " kernel ac_kernel.py"})
+    cols = ((p + " kernel base_kernel.py", "before (cb04449)"), (p + " kernel ac_kernel.py", "b93e87a"),
+            (p, "b93e87a + R's signs read"), ("kvcompile-int8 kernel base_kernel.py", "int8 not rotated, before"))
+    lines = [f"us per call; the last two columns are fp8's time over int8's (> 1: int8 faster). {a.caption()} "
+             f"The b93e87a column is the second process of the same call (`benchmarks/results/{c.csv}`).", "",
+             "| shape | fp8 token | " + " | ".join(name for _, name in cols) + " | fp8 / before | fp8 / b93e87a |",
+             "|---|" + "---:|" * (len(cols) + 3)]
+    for shape in _shapes(read(a, results), "sweep"):
+        sh = _shape(shape)
+        fp8 = _us(by, "kvcompile-fp8", shape)
+        cells = [f"{_us(by, k, shape):.1f}" for k, _ in cols]
+        lines.append(f"| B={sh['B']} L={_k(sh['L'])} | {fp8:.1f} | " + " | ".join(cells)
+                     + f" | {fp8 / _us(by, cols[0][0], shape):.2f} | {fp8 / _us(by, cols[1][0], shape):.2f} |")
+    return "\n".join(lines)
+
+
 def s22_e2e(results: str = RESULTS) -> str:
     """BENCHMARKS, README: one decode step, int8 (K rotated) as planned and with the plan before session 22."""
     run, old = RUNS["s22-e2e"], RUNS["s22-e2e-old"]
@@ -718,6 +749,8 @@ TABLES: dict[str, Callable[[str], str]] = {
     "e2e-command": command("e2e"),
     "default-decode": default_decode,
     "s22-mma": s22_mma,
+    "s24-prologue": s24_prologue,
+    "s24-command": command("s24-abc", "s24-ac"),
     "s22-e2e": s22_e2e,
     "s22-command": command("default-decode", "s22-e2e", "s22-e2e-old"),
     "s17-decode": s17_decode,
