@@ -100,6 +100,12 @@ RUNS = {
         "h100_s24_run1_decode_ac.csv", "b93e87a + R read", H100, "session 24, run 1",
         "python benchmarks/bench_kv.py --subjects decode --formats int8+krot "
         "--decode-shapes 1x4096,8x4096,4x8192,1x32768,8x32768 --sweep --variants kernel --ab-kernel B93E87A"),
+    # session 24, run 2: the seven shapes at b93e87a's kernel (tree 0e7a470), one process; two scratch
+    # kernels timed in the same call by other processes (the perf log)
+    "s24-decode": Run(
+        "h100_s24_run2_decode.csv", "0e7a470", H100, "session 24, run 2",
+        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8+krot "
+        "--decode-shapes 1x4096,8x4096,4x8192,1x32768,8x32768,32x8192,4x131072"),
     "s17-decode": Run(
         "h200_s17_run1_decode_window.csv", "8a31ed1", H200, "session 17, run 1",
         "python benchmarks/bench_kv.py --subjects decode,window --formats fp8,int8+krot "
@@ -417,6 +423,12 @@ def int8_decode(results: str = RESULTS) -> str:
 def default_decode(results: str = RESULTS) -> str:
     """README: the default format (int8, K rotated) beside fp8 token, one run."""
     return _vs_fp8("default-decode", (("kvcompile-int8+krot", "int8, K rotated (the default)"),), ("int8+krot",),
+                   results)
+
+
+def s24_decode(results: str = RESULTS) -> str:
+    """BENCHMARKS: the default format beside fp8 token at the seven shapes after b93e87a (H100)."""
+    return _vs_fp8("s24-decode", (("kvcompile-int8+krot", "int8, K rotated (the default)"),), ("int8+krot",),
                    results)
 
 
@@ -751,6 +763,8 @@ TABLES: dict[str, Callable[[str], str]] = {
     "s22-mma": s22_mma,
     "s24-prologue": s24_prologue,
     "s24-command": command("s24-abc", "s24-ac"),
+    "s24-decode": s24_decode,
+    "s24-decode-command": command("s24-decode"),
     "s22-e2e": s22_e2e,
     "s22-command": command("default-decode", "s22-e2e", "s22-e2e-old"),
     "s17-decode": s17_decode,
