@@ -278,11 +278,14 @@ def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False, R
     """A/B of launch-plan variants on one shape (``plan.override``): V widened after its smem read,
     int8 widened by Triton's arithmetic, forced decode tiles and split counts, V in the other layout."""
     variants = [("vpin-off", dict(v_pin=False))]
+    # a split of one key tile read through the loops, its reads after q's prologue (the plan issues them first)
+    variants.append(("preload-off", dict(preload=False)))
     if name.startswith("int8"):
         # K unwidened into int8 MMAs (q in two int8 halves) forced on / off (off: K and V widened to
         # 1152 + code and the products corrected, the plan before session 22); V biased beside it
         variants.append(("int8mma-on", dict(int8_mma=True)))
         variants.append(("int8mma-off", dict(int8_mma=False, int8_bias=True)))
+        variants.append(("int8mma-off exact", dict(int8_mma=False, int8_bias=False)))
         variants.append(("int8bias-on", dict(int8_bias=True)))
     if R[0] is not None:  # q rotated by a launch before the kernel instead of in its prologue
         variants.append(("q-launch", dict(q_rotation="launch")))

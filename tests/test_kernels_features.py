@@ -591,6 +591,40 @@ def test_int8_token_v_past_the_length_needs_no_clearing():
     run(q, (kc, ks, vc, vs), torch.tensor([37, 21], device=DEV), None, False, ref_cache=(kc, ks, clean, vs))
 
 
+# (kinds, V layout, Tq, mask, window, softcap, sinks): every way a split's one tile is cut
+ONE_TILE_CASES = [
+    (("fp8", "fp8"), "keys", 1, None, 0, 0.0, False),  # kv_len inside the last split's tile
+    (("int8", "int8"), "keys", 1, None, 27, 5.0, True),  # a window's edge inside a tile, softcap, sinks
+    (("q8_0", "q8_0"), "head_dim", 4, "bool", 0, 0.0, False),  # causal rows (spec decode), a user mask
+    (("fp8", "int8"), "keys", 1, "add", 0, 0.0, False),
+]
+
+
+@pytest.mark.parametrize("kinds,v_layout,Tq,mask,window,softcap,sinks", ONE_TILE_CASES,
+                         ids=["fp8", "int8-window-softcap-sinks", "q8_0-causal-mask", "fp8K-int8V-add"])
+def test_one_tile_splits(kinds, v_layout, Tq, mask, window, softcap, sinks):
+    """Decode splits of one key tile each (``LaunchPlan.one_tile``): the kernel reads the tile before q's
+    prologue and scores it on the masked path, which has to serve whatever cuts the tile (the length,
+    a window's edge, causal rows, a user mask). The float64 reference's answer, the same answer the
+    loops give (``preload`` off); with a window, softcap and sinks on, the answer without them told apart."""
+    B, Hkv, group, L, D = 2, 2, 2, 70, 64
+    cache = make_cache(*kinds, B, Hkv, L, D, seed=Tq + window, v_layout=v_layout)
+    q = make_q(B, Hkv * group, Tq, D, seed=Tq + window, mult=3.0)
+    m = _mask(mask, B, Hkv * group, Tq, L, seed=Tq)
+    s = torch.randn(Hkv * group, generator=torch.Generator().manual_seed(2)).to(DEV) if sinks else None
+    kvl = torch.tensor([70, 43], device=DEV)
+    off = dict(window=0, softcap=0.0, sinks=None) if window else None  # the features on: each turned off
+    call = attn_mod.call_of(q, *cache, m, Tq > 1, window=window, softcap=softcap, sinks=s)
+    with plan_mod.override(splits=64):  # as many splits as tiles: one tile each
+        p = attn_mod.plan_of(call)
+        assert p.one_tile and p.splits > 1 and p.constexprs()["ONE_TILE"], p.describe()
+        out, ref = run(q, cache, kvl, m, Tq > 1, window, softcap, s, off=off)
+        with plan_mod.override(preload=False):
+            assert not attn_mod.plan_of(call).one_tile
+            loops = kernels.attention(q, *cache, kvl, m, Tq > 1, None, window, softcap, s)
+    assert rel_err(loops, ref) < TOL and rel_err(out, loops) < TOL
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: the same features at Llama-3-8B head shapes, bf16 queries, the real tiles (128 keys)
 # ---------------------------------------------------------------------------------------------
@@ -616,6 +650,25 @@ def test_gpu_window(kinds, Tq, window):
     q, cache = _gpu_case(kinds, Tq, seed=Tq)
     kvl = torch.tensor([5000, 1517, 4301], device=DEV)
     run(q, cache, kvl, None, True, window=window, tol=BF16_TOL, off=dict(window=0))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kinds", GPU_KINDS, ids=GPU_KIND_IDS)
+@pytest.mark.parametrize("L,window", [(1024, 0), (4096, 0), (4096, 1000)])
+def test_gpu_one_tile_decode(kinds, L, window):
+    """B=1 over a short cache (or a window of it): the plan's splits are one tile each, read before q's
+    prologue (int8 K by int8 MMAs there). The reference's answer, through the loops too."""
+    q, cache = _gpu_case(kinds, 1, seed=L + window, B=1, L=L)
+    kvl = torch.tensor([L - 37], device=DEV)
+    call = attn_mod.call_of(q, *cache, window=window)
+    p = attn_mod.plan_of(call)
+    assert p.one_tile and p.k_mma == (kinds[0] == "int8"), p.describe()
+    out, ref = run(q, cache, kvl, None, False, window=window, tol=BF16_TOL, off=dict(window=0) if window else None)
+    with plan_mod.override(preload=False):
+        assert not attn_mod.plan_of(call).one_tile
+        loops = kernels.attention(q, *cache, kvl, None, False, None, window)
+    assert rel_err(loops, ref) < BF16_TOL
 
 
 @pytest.mark.gpu

@@ -248,6 +248,25 @@ def test_rotated_sylvester_gpu(Tq, q_dtype, L, side, k_mma):
                tol=BF16_TOL)
 
 
+@pytest.mark.skipif(DEV != "cuda", reason="bf16 / fp16 MMAs: GPU only (the interpreter has no bf16 arithmetic)")
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("L", [1024, 4096])
+def test_rotated_sylvester_one_tile_gpu(q_dtype, L):
+    """B=1 over a short cache, int8 with K rotated as the cache stores it by default: the plan's splits
+    are one tile each, read before the prologue that rotates q and splits it into int8 halves for K's
+    int8 MMAs. The reference's answer, through the loops (``preload`` off) too."""
+    B, Hq, Hkv, D = 1, 32, 8, 128
+    cache, R = rotated_cache(B, Hkv, L, D, True, False, seed=13, sylvester=True)
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(14)).to(DEV, q_dtype)
+    kv_len = torch.tensor([L - 37], device=DEV)
+    p = _plan(q, cache, R, "k")
+    assert p.one_tile and p.k_mma and p.q_rotation == "kernel", p.describe()
+    _check(q, cache, kv_len, R, "k", causal=False, tol=BF16_TOL)
+    with plan_mod.override(preload=False):
+        assert not _plan(q, cache, R, "k").one_tile
+        _check(q, cache, kv_len, R, "k", causal=False, tol=BF16_TOL)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("transpose", [False, True], ids=["xR", "xRT"])
 @pytest.mark.parametrize("D", [64, 80, 128])

@@ -249,3 +249,31 @@ def test_rotated_int8_decode_rotates_outside_the_loops(feature_reports):
     for loop, ref in zip(r.loops, plain.loops):
         assert abs(sum(loop.values()) - sum(ref.values())) <= 0.02 * sum(ref.values()), (loop, ref)
     assert r.count("HMMA") > plain.count("HMMA"), (r.summary(), plain.summary())
+
+
+@pytest.fixture(scope="module")
+def one_tile_reports():
+    """Decode splits of one key tile (``split_len`` 128, the plan's ``one_tile``), int8 with K rotated
+    (q rotated in the prologue, K by int8 MMAs) and fp8; and the rotated int8 one through the loops
+    (``preload`` off), the control."""
+    one = {"split_len": 128}
+    cases = [dict(cc=H200, kv_dtype="int8", v_keys=True, rotated="k", plan_fields=one),
+             dict(cc=H200, kv_dtype="fp8_e4m3", granularity="token", v_keys=True, plan_fields=one),
+             dict(cc=H200, kv_dtype="int8", v_keys=True, rotated="k", plan_fields={**one, "preload": False})]
+    return aot.compile_attention_isolated(cases)
+
+
+def test_one_tile_decode_reads_before_it_first_waits(one_tile_reports):
+    """A split of one key tile issues every global read (the tile's codes and scales, q) before the
+    program's first barrier, which q's prologue needs (the rotation's and the range check's operands
+    staged through shared memory): the tile's latency overlaps the prologue. Without the opaque move at
+    the tile's use (``_held``), Triton stages K for its dot right after its load, and that wait comes
+    before q is even read. Through the loops (the control) the tile is copied asynchronously after the
+    prologue's barriers, which this test tells apart. Nothing spills."""
+    int8, fp8, loops = one_tile_reports
+    for r in (int8, fp8):
+        assert r.stack_bytes == 0 and r.loops == [], r.summary()
+        assert r.count("LDG.E.128") >= 16, r.summary()  # K and V: 16 KB each, 16-byte loads, 128 threads
+        assert 0 <= r.last_at("LDG") < r.first_at("BAR.SYNC"), (r.last_at("LDG"), r.first_at("BAR.SYNC"))
+    assert int8.count("IMMA") > 0 and int8.first_at("BAR.SYNC") < int8.first_at("HMMA"), int8.summary()
+    assert loops.first_at("BAR.SYNC") < loops.first_at("LDGSTS"), loops.summary()

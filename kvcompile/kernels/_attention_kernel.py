@@ -30,6 +30,9 @@ Rotated caches (codes of ``x @ R``): with the shared Sylvester Hadamard matrix (
 head_dim) the kernel rotates q in its prologue (``Q_HADAMARD``), generating H's +-1 entries in
 registers (``_rotation.py``): no launch and no read of R. A rotated V's output goes back through
 R^T in the merge or in a launch after this kernel; any other R for q in a launch before (``plan.py``).
+A decode split of one key tile (``ONE_TILE``: few programs over a short cache) issues that tile's
+reads before q's prologue, so that their latency overlaps q's load and rotation, and scores it on
+the masked path.
 A decode step that also stores its token (``STORE_NEW``: a sliding layer's ring, ``kvcompile/ring.py``)
 quantizes it in the one program whose split holds its slot, by the store kernel's own row quantizer
 (``_store_kernel.store_token``), before that program reads any key: no store launch.
@@ -108,20 +111,90 @@ def _scale_groups(x, s, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_SIZE
 
 
 @triton.jit
+def _held(x):
+    """``x`` unchanged, through an opaque move (inline PTX with side effects), where it is used. Triton
+    stages a loaded tile for the dot (its shared-memory store, ldmatrix) right after the load, and that
+    store waits for the data; passed through this at its use, the tile's staging stays there, so the
+    program issues its other reads (q) and runs q's prologue while the tile is in flight."""
+    b = x.to(tl.int8, bitcast=True)
+    b = tl.inline_asm_elementwise(asm="mov.b32 $0, $1;", constraints="=r,r", args=[b], dtype=tl.int8, is_pure=False,
+                                  pack=4)
+    return b.to(x.dtype, bitcast=True)
+
+
+@triton.jit
+def _load_k(start_n, n_hi, d, d_ok, k_base, stride_kn, stride_kd, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One BLOCK_N-key tile's K codes."""
+    n = start_n + tl.arange(0, BLOCK_N)
+    if MASKED:
+        kc = tl.load(k_base + n[:, None] * stride_kn + d[None, :] * stride_kd, mask=(n < n_hi)[:, None] & d_ok[None, :],
+                     other=0.0)
+    else:
+        kc = tl.load(k_base + n[:, None] * stride_kn + d[None, :] * stride_kd, mask=d_ok[None, :], other=0.0)
+    return kc
+
+
+@triton.jit
+def _load_v(start_n, n_hi, d, d_ok, v_base, stride_vn, stride_vd, V_KEYS_CONTIG: tl.constexpr, MASKED: tl.constexpr,
+            BLOCK_N: tl.constexpr):
+    """One BLOCK_N-key tile's V codes."""
+    n = start_n + tl.arange(0, BLOCK_N)
+    v_ptrs = v_base + n[:, None] * stride_vn + d[None, :] * stride_vd
+    if V_KEYS_CONTIG:
+        # Keys are the contiguous (and the reduced) dim of this tile, as D is for K: it feeds the
+        # dot without a transpose. Mask whole 16-key chunks so the loads stay 16-byte vectors
+        # (the launcher checked the storage extends to the 16-rounded length); p is 0 past n_hi,
+        # and the V values read there are made finite in _attend_tile.
+        tl.static_assert(BLOCK_N % 16 == 0)  # tiles start at multiples of 16: the chunks align
+        if MASKED:
+            chunk_ok = tl.max_constancy((n // 16) * 16 < n_hi, 16)
+            vc = tl.load(v_ptrs, mask=chunk_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            vc = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    elif MASKED:
+        vc = tl.load(v_ptrs, mask=(n < n_hi)[:, None] & d_ok[None, :], other=0.0)
+    else:
+        vc = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    return vc
+
+
+@triton.jit
+def _load_scales(start_n, n_hi, D, s_base, stride_sn, stride_sg, GROUP_SIZE: tl.constexpr, SCALE_KIND: tl.constexpr,
+                 MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One BLOCK_N-key tile's K or V scales: token [BLOCK_N]; block [BLOCK_N, groups]; static none (0.0)."""
+    n = start_n + tl.arange(0, BLOCK_N)
+    s = 0.0
+    if SCALE_KIND == SCALE_BLOCK:  # [BLOCK_N, groups] scales, broadcast over each group's columns
+        gi = tl.arange(0, BLOCK_D // GROUP_SIZE)
+        gs_ok = (gi * GROUP_SIZE < D)[None, :]
+        if MASKED:
+            gs_ok = (n < n_hi)[:, None] & gs_ok
+        s = tl.load(s_base + n[:, None] * stride_sn + gi[None, :] * stride_sg, mask=gs_ok, other=0.0)
+    elif SCALE_KIND == SCALE_TOKEN:
+        if MASKED:
+            s = tl.load(s_base + n * stride_sn, mask=n < n_hi, other=0.0)
+        else:
+            s = tl.load(s_base + n * stride_sn)
+    return s
+
+
+@triton.jit
 def _attend_tile(
     acc, l_i, m_i, v_prev, start_n, n_hi, q, q_lo, q_bias, qk_scale, row_ok, q_pos, win_lo, softcap, inv_softcap,
     d, d_ok, D,
     k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd, ks_base, stride_ksn, stride_ksg,
-    vs_base, stride_vsn, stride_vsg, m_base, stride_mn,
+    vs_base, stride_vsn, stride_vsg, m_base, stride_mn, pre,
     GROUP_SIZE: tl.constexpr, SCALE_KIND: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     K_FP8_BITS: tl.constexpr, V_FP8_BITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
     V_PIN: tl.constexpr, V_KEYS_CONTIG: tl.constexpr, INT8_PTX: tl.constexpr, K_BIAS: tl.constexpr,
     V_BIAS: tl.constexpr, K_MMA: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key of the tile is visible to every row (see the caller)
+    PRELOADED: tl.constexpr,  # ``pre`` holds the tile's reads, (K codes, K scales, V codes, V scales)
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One BLOCK_N-key tile of the online softmax: returns the updated (acc, l_i, m_i, v_prev).
+    """One BLOCK_N-key tile of the online softmax: returns the updated (acc, l_i, m_i, v_prev). Its reads
+    are :func:`_load_k` and :func:`_load_v` (``MASKED`` alike), made here or, ``PRELOADED``, given.
 
     ``win_lo`` [BLOCK_M]: each row's first visible key (read with HAS_WINDOW by masked tiles only);
     ``softcap`` / ``inv_softcap``: c and 1 / c (HAS_SOFTCAP).
@@ -130,20 +203,17 @@ def _attend_tile(
     n = start_n + tl.arange(0, BLOCK_N)
     if MASKED:
         n_ok = n < n_hi
-        kv_ok = n_ok[:, None] & d_ok[None, :]
-    else:
-        kv_ok = d_ok[None, :]
-    if SCALE_KIND == SCALE_BLOCK:  # [BLOCK_N, groups] scales, broadcast over each group's columns
-        gi = tl.arange(0, BLOCK_D // GROUP_SIZE)
-        gs_ok = (gi * GROUP_SIZE < D)[None, :]
-        if MASKED:
-            gs_ok = n_ok[:, None] & gs_ok
     # ---- S = Q K^T, the scale kept out of the K tile (token) or folded in (static) ----
-    kc = tl.load(k_base + n[:, None] * stride_kn + d[None, :] * stride_kd, mask=kv_ok, other=0.0)
+    if PRELOADED:
+        kc, ks, vc, vs = pre
+    else:
+        kc = _load_k(start_n, n_hi, d, d_ok, k_base, stride_kn, stride_kd, MASKED, BLOCK_N)
     if SCALE_KIND == SCALE_BLOCK:
-        ksb = tl.load(ks_base + n[:, None] * stride_ksn + gi[None, :] * stride_ksg, mask=gs_ok, other=0.0)
+        if not PRELOADED:
+            ks = _load_scales(start_n, n_hi, D, ks_base, stride_ksn, stride_ksg, GROUP_SIZE, SCALE_KIND, MASKED,
+                              BLOCK_N, BLOCK_D)
         k = codes_to(kc, DOT_DTYPE, K_FP8_BITS, INT8_PTX).to(tl.float32)
-        k = _scale_groups(k, ksb.to(tl.float32), BLOCK_N, BLOCK_D, GROUP_SIZE).to(DOT_DTYPE)
+        k = _scale_groups(k, ks.to(tl.float32), BLOCK_N, BLOCK_D, GROUP_SIZE).to(DOT_DTYPE)
     elif K_MMA:
         k = kc  # int8 codes straight into the int8 MMA
     else:
@@ -158,11 +228,10 @@ def _attend_tile(
     if K_BIAS:  # the int8 K tile arrived as 1152 + code: q . (1152 + k) - 1152 sum(q) = q . k
         s = s - q_bias[:, None]
     if SCALE_KIND == SCALE_TOKEN:
-        if MASKED:
-            ks = tl.load(ks_base + n * stride_ksn, mask=n_ok, other=0.0).to(tl.float32)
-        else:
-            ks = tl.load(ks_base + n * stride_ksn).to(tl.float32)
-        s = s * (ks * qk_scale)[None, :]
+        if not PRELOADED:
+            ks = _load_scales(start_n, n_hi, D, ks_base, stride_ksn, stride_ksg, GROUP_SIZE, SCALE_KIND, MASKED,
+                              BLOCK_N, BLOCK_D)
+        s = s * (ks.to(tl.float32) * qk_scale)[None, :]
     else:
         s = s * qk_scale
     if HAS_SOFTCAP:  # s is the scaled logit here (natural-log units): c * tanh(s / c), before the mask
@@ -192,27 +261,17 @@ def _attend_tile(
         acc = acc * alpha[:, None]
 
     # ---- O += P V, s_v applied to P (token) or to the tile (block32) ----
-    v_ptrs = v_base + n[:, None] * stride_vn + d[None, :] * stride_vd
-    if V_KEYS_CONTIG:
-        # Keys are the contiguous (and the reduced) dim of this tile, as D is for K: it feeds the
-        # dot without a transpose. Mask whole 16-key chunks so the loads stay 16-byte vectors
-        # (the launcher checked the storage extends to the 16-rounded length); p is 0 past n_hi,
-        # and the V values read there are made finite below.
-        tl.static_assert(BLOCK_N % 16 == 0)  # tiles start at multiples of 16: the chunks align
-        if MASKED:
-            chunk_ok = tl.max_constancy((n // 16) * 16 < n_hi, 16)
-            vc = tl.load(v_ptrs, mask=chunk_ok[:, None] & d_ok[None, :], other=0.0)
-        else:
-            vc = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-    else:
-        vc = tl.load(v_ptrs, mask=kv_ok, other=0.0)
+    if not PRELOADED:
+        vc = _load_v(start_n, n_hi, d, d_ok, v_base, stride_vn, stride_vd, V_KEYS_CONTIG, MASKED, BLOCK_N)
     if SCALE_KIND == SCALE_BLOCK:
-        vsb = tl.load(vs_base + n[:, None] * stride_vsn + gi[None, :] * stride_vsg, mask=gs_ok, other=0.0)
+        if not PRELOADED:
+            vs = _load_scales(start_n, n_hi, D, vs_base, stride_vsn, stride_vsg, GROUP_SIZE, SCALE_KIND, MASKED,
+                              BLOCK_N, BLOCK_D)
         if V_PIN:
             v = codes_to_f16_pinned(vc).to(tl.float32)
         else:
             v = codes_to(vc, DOT_DTYPE, V_FP8_BITS, INT8_PTX).to(tl.float32)
-        v = _scale_groups(v, vsb.to(tl.float32), BLOCK_N, BLOCK_D, GROUP_SIZE).to(DOT_DTYPE)
+        v = _scale_groups(v, vs.to(tl.float32), BLOCK_N, BLOCK_D, GROUP_SIZE).to(DOT_DTYPE)
         pv = p.to(DOT_DTYPE)
     else:
         if V_PIN:
@@ -220,10 +279,10 @@ def _attend_tile(
         else:
             v = codes_to(vc, DOT_DTYPE, V_FP8_BITS, INT8_PTX, V_BIAS)
         if SCALE_KIND == SCALE_TOKEN:
-            if MASKED:
-                vs = tl.load(vs_base + n * stride_vsn, mask=n_ok, other=0.0).to(tl.float32)
-            else:
-                vs = tl.load(vs_base + n * stride_vsn).to(tl.float32)
+            if not PRELOADED:
+                vs = _load_scales(start_n, n_hi, D, vs_base, stride_vsn, stride_vsg, GROUP_SIZE, SCALE_KIND, MASKED,
+                                  BLOCK_N, BLOCK_D)
+            vs = vs.to(tl.float32)
             if DOT_DTYPE == tl.float16:
                 # fp16 has no room for p * s_v (s_v ~ amax / 448 underflows): scale P by s_v / max(s_v)
                 # of this tile (<= 1) times PV_HEADROOM, and the tile's PV product by max(s_v) in fp32
@@ -234,7 +293,7 @@ def _attend_tile(
                 pv = (p * vs[None, :]).to(DOT_DTYPE)
         else:
             pv = p.to(DOT_DTYPE)
-    if MASKED and V_KEYS_CONTIG and v_base.dtype.element_ty != tl.int8:
+    if MASKED and V_KEYS_CONTIG and vc.dtype != tl.int8:
         # e4m3 codes past n_hi may be NaN, and p = 0 does not cancel NaN. max() returns its non-NaN
         # operand: NaN becomes the lowest finite value (finite values pass) and 0 * it = 0. (An
         # unmasked tile reads no codes past n_hi: a NaN there is the data's, as in the reference.)
@@ -256,6 +315,23 @@ def _attend_tile(
             acc += tl.dot(pv, v)
     m_i = m_new
     return acc, l_i, m_i, v_prev
+
+
+@triton.jit
+def _keys_end(kv_len, kv_end, n_lo, split_len, Tq, last_q, IS_CAUSAL: tl.constexpr):
+    """The end of the keys a program reads: its split's, cut at kv_len and (causal) at its last query."""
+    n_hi = tl.minimum(kv_end, n_lo + split_len)
+    if IS_CAUSAL:
+        n_hi = tl.minimum(n_hi, kv_len - Tq + last_q + 1)
+    return n_hi
+
+
+@triton.jit
+def _kv_bases(K, V, KS, VS, b, hk, stride_kb, stride_kh, stride_vb, stride_vh, stride_ksb, stride_ksh, stride_vsb,
+              stride_vsh):
+    """K's, V's and their scales' pointers at batch ``b``, kv head ``hk``."""
+    return (K + b * stride_kb + hk * stride_kh, V + b * stride_vb + hk * stride_vh,
+            KS + b * stride_ksb + hk * stride_ksh, VS + b * stride_vsb + hk * stride_vsh)
 
 
 @triton.jit
@@ -306,6 +382,8 @@ def _attention_kernel(
     STORE_HW_E4M3: tl.constexpr,  # ... e4m3 encoded by the sm_89+ convert (_store_kernel.py)
     STORE_K_HADAMARD: tl.constexpr,  # ... K rotated by H_D / sqrt(D) before quantizing
     STORE_V_HADAMARD: tl.constexpr,  # ... V likewise
+    ONE_TILE: tl.constexpr,      # each split is one tile (split_len <= BLOCK_N): its reads go before q's prologue
+    HOLD_TILE: tl.constexpr,     # ... and its staging for the dots after it (GPU: _held)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -362,6 +440,21 @@ def _attention_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
 
+    # ---- keys this program reads: its split, cut at kv_len and (causal) at its last query ----
+    last_q = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, Tq * GROUP - 1) // GROUP
+    if ONE_TILE:
+        # The split is one tile: its reads are issued before q's prologue (q's load, its rotation), so
+        # that the two latencies overlap instead of adding up. Masked, which serves any tile.
+        n_hi = _keys_end(kv_len, kv_end, n_lo, split_len, Tq, last_q, IS_CAUSAL)
+        k_base, v_base, ks_base, vs_base = _kv_bases(K, V, KS, VS, b, hk, stride_kb, stride_kh, stride_vb, stride_vh,
+                                                     stride_ksb, stride_ksh, stride_vsb, stride_vsh)
+        first = (_load_k(n_lo, n_hi, d, d_ok, k_base, stride_kn, stride_kd, True, BLOCK_N),
+                 _load_scales(n_lo, n_hi, D, ks_base, stride_ksn, stride_ksg, GROUP_SIZE, SCALE_KIND, True, BLOCK_N,
+                              BLOCK_D),
+                 _load_v(n_lo, n_hi, d, d_ok, v_base, stride_vn, stride_vd, V_KEYS_CONTIG, True, BLOCK_N),
+                 _load_scales(n_lo, n_hi, D, vs_base, stride_vsn, stride_vsg, GROUP_SIZE, SCALE_KIND, True, BLOCK_N,
+                              BLOCK_D))
+
     q_rows = Q + b * stride_qb + h[:, None] * stride_qh + qi[:, None] * stride_qm
     if Q_HADAMARD:  # scores against K's rotated codes: (q H)(k H)^T = q k^T
         q = hadamard_rows(q_rows, stride_qd, row_ok[:, None], rot_scale, ROT_EXACT, BLOCK_M, BLOCK_D, ROT_CHUNK)
@@ -386,22 +479,16 @@ def _attention_kernel(
     if K_BIAS:  # 1152 * sum(q) of the values the dot sees, once per program (_attend_tile subtracts it)
         q_bias = 1152.0 * tl.sum(q.to(tl.float32), axis=1)
 
-    # ---- keys this program reads: its split, cut at kv_len and (causal) at its last query ----
-    n_hi = tl.minimum(kv_end, n_lo + split_len)
-    last_q = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, Tq * GROUP - 1) // GROUP
-    if IS_CAUSAL:
-        n_hi = tl.minimum(n_hi, kv_len - Tq + last_q + 1)
-
+    if not ONE_TILE:  # here, after the prologue, they hold no registers through it
+        n_hi = _keys_end(kv_len, kv_end, n_lo, split_len, Tq, last_q, IS_CAUSAL)
+        k_base, v_base, ks_base, vs_base = _kv_bases(K, V, KS, VS, b, hk, stride_kb, stride_kh, stride_vb, stride_vh,
+                                                     stride_ksb, stride_ksh, stride_vsb, stride_vsh)
     qk_scale = sm_scale * q_unscale
     if SCALE_KIND == SCALE_STATIC:
         qk_scale = qk_scale * tl.load(KS + hk * stride_ksh).to(tl.float32)
     inv_softcap = 1.0
     if HAS_SOFTCAP:
         inv_softcap = 1.0 / softcap
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
-    ks_base = KS + b * stride_ksb + hk * stride_ksh
-    vs_base = VS + b * stride_vsb + hk * stride_vsh
     m_base = MASK + b * stride_mb + h[:, None] * stride_mh + qi[:, None] * stride_mm
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -413,51 +500,66 @@ def _attention_kernel(
     FOLD_V_MAX: tl.constexpr = SCALE_KIND == SCALE_TOKEN and DOT_DTYPE == tl.float16
     v_prev = 1.0
 
-    # Key tiles in up to three loops (module docstring), each from a multiple of BLOCK_N: the window's
-    # edge (from the first row's first visible key to the LAST row's, masked), the tiles every row
-    # sees in full (no length / causal / window / mask test, whole-tile loads, no NaN clearing of V),
-    # and the rest (the last tile of a split, a causal block's diagonal), masked.
-    n_start = n_lo
-    if HAS_WINDOW:
-        n_start = tl.maximum(n_lo, tl.maximum(win_first, 0) // BLOCK_N * BLOCK_N)
-    n_full = n_start
-    if MASK_KIND == MASK_NONE:
-        n_body = n_start
+    if ONE_TILE:
+        if HOLD_TILE:
+            first = (_held(first[0]), first[1], _held(first[2]), first[3])
+        acc, l_i, m_i, v_prev = _attend_tile(
+            acc, l_i, m_i, v_prev, n_lo, n_hi, q, q_lo, q_bias, qk_scale, row_ok, q_pos, win_lo, softcap,
+            inv_softcap, d, d_ok, D,
+            k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd, ks_base, stride_ksn, stride_ksg,
+            vs_base, stride_vsn, stride_vsg, m_base, stride_mn, first,
+            GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
+            DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, K_MMA, True, True, BLOCK_N,
+            BLOCK_D)
+    else:
+        # Key tiles in up to three loops (module docstring), each from a multiple of BLOCK_N: the window's
+        # edge (from the first row's first visible key to the LAST row's, masked), the tiles every row
+        # sees in full (no length / causal / window / mask test, whole-tile loads, no NaN clearing of V),
+        # and the rest (the last tile of a split, a causal block's diagonal), masked.
+        n_start = n_lo
         if HAS_WINDOW:
-            # The first tile inside every row's window: the one at or above the last row's first key.
-            # Not cut at n_hi, so the compiler sees a multiple of BLOCK_N (aligned, vectorized and
-            # pipelined loads in the loops below); a tile past n_hi is masked out in full, and one
-            # past the last row's first key is only reached by a split the row's window ends in.
-            win_last = kv_len - Tq + last_q - window + 1
-            n_body = tl.maximum(n_start, (tl.maximum(win_last, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
-            for start_n in tl.range(n_start, n_body, BLOCK_N, num_stages=1):  # window edge: not pipelined
+            n_start = tl.maximum(n_lo, tl.maximum(win_first, 0) // BLOCK_N * BLOCK_N)
+        n_full = n_start
+        if MASK_KIND == MASK_NONE:
+            n_body = n_start
+            if HAS_WINDOW:
+                # The first tile inside every row's window: the one at or above the last row's first key.
+                # Not cut at n_hi, so the compiler sees a multiple of BLOCK_N (aligned, vectorized and
+                # pipelined loads in the loops below); a tile past n_hi is masked out in full, and one
+                # past the last row's first key is only reached by a split the row's window ends in.
+                win_last = kv_len - Tq + last_q - window + 1
+                n_body = tl.maximum(n_start, (tl.maximum(win_last, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
+                for start_n in tl.range(n_start, n_body, BLOCK_N, num_stages=1):  # window edge: not pipelined
+                    acc, l_i, m_i, v_prev = _attend_tile(
+                        acc, l_i, m_i, v_prev, start_n, n_hi, q, q_lo, q_bias, qk_scale, row_ok, q_pos, win_lo, softcap,
+                        inv_softcap, d, d_ok, D,
+                        k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd, ks_base, stride_ksn, stride_ksg,
+                        vs_base, stride_vsn, stride_vsg, m_base, stride_mn, 0,
+                        GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
+                        DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, K_MMA, True, False, BLOCK_N,
+                        BLOCK_D)
+            n_vis = n_hi
+            if IS_CAUSAL:
+                n_vis = tl.minimum(n_vis, kv_len - Tq + (pid_m * BLOCK_M) // GROUP + 1)
+            n_full = n_body + tl.maximum(n_vis - n_body, 0) // BLOCK_N * BLOCK_N
+            for start_n in range(n_body, n_full, BLOCK_N):
                 acc, l_i, m_i, v_prev = _attend_tile(
                     acc, l_i, m_i, v_prev, start_n, n_hi, q, q_lo, q_bias, qk_scale, row_ok, q_pos, win_lo, softcap,
                     inv_softcap, d, d_ok, D,
                     k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd, ks_base, stride_ksn, stride_ksg,
-                    vs_base, stride_vsn, stride_vsg, m_base, stride_mn,
+                    vs_base, stride_vsn, stride_vsg, m_base, stride_mn, 0,
                     GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
-                    DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, K_MMA, True, BLOCK_N, BLOCK_D)
-        n_vis = n_hi
-        if IS_CAUSAL:
-            n_vis = tl.minimum(n_vis, kv_len - Tq + (pid_m * BLOCK_M) // GROUP + 1)
-        n_full = n_body + tl.maximum(n_vis - n_body, 0) // BLOCK_N * BLOCK_N
-        for start_n in range(n_body, n_full, BLOCK_N):
+                    DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, K_MMA, False, False, BLOCK_N,
+                    BLOCK_D)
+        for start_n in tl.range(n_full, n_hi, BLOCK_N, num_stages=1):  # at most 2 tiles without a mask: not pipelined
             acc, l_i, m_i, v_prev = _attend_tile(
                 acc, l_i, m_i, v_prev, start_n, n_hi, q, q_lo, q_bias, qk_scale, row_ok, q_pos, win_lo, softcap,
                 inv_softcap, d, d_ok, D,
                 k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd, ks_base, stride_ksn, stride_ksg,
-                vs_base, stride_vsn, stride_vsg, m_base, stride_mn,
+                vs_base, stride_vsn, stride_vsg, m_base, stride_mn, 0,
                 GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
-                DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, K_MMA, False, BLOCK_N, BLOCK_D)
-    for start_n in tl.range(n_full, n_hi, BLOCK_N, num_stages=1):  # at most 2 tiles without a mask: not pipelined
-        acc, l_i, m_i, v_prev = _attend_tile(
-            acc, l_i, m_i, v_prev, start_n, n_hi, q, q_lo, q_bias, qk_scale, row_ok, q_pos, win_lo, softcap,
-            inv_softcap, d, d_ok, D,
-            k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd, ks_base, stride_ksn, stride_ksg,
-            vs_base, stride_vsn, stride_vsg, m_base, stride_mn,
-            GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
-            DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, K_MMA, True, BLOCK_N, BLOCK_D)
+                DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, K_MMA, True, False, BLOCK_N,
+                BLOCK_D)
 
     # ---- epilogue: rows with no visible key give zeros ----
     has_key = l_i > 0

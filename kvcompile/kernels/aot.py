@@ -42,10 +42,21 @@ class SassReport:
     # the kernel's loops (a backward branch and the code it jumps back over, 100+ instructions), in
     # program order: opcode -> count in each
     loops: list = dataclasses.field(default_factory=list)
+    # opcode -> index of its first / last instruction in program order
+    first: dict = dataclasses.field(default_factory=dict)
+    last: dict = dataclasses.field(default_factory=dict)
 
     def count(self, prefix: str) -> int:
         """Instructions whose opcode starts with ``prefix`` (e.g. "LDS.U8", "HMMA")."""
         return sum(n for op, n in self.opcodes.items() if op.startswith(prefix))
+
+    def first_at(self, prefix: str) -> int:
+        """Where in program order the first instruction whose opcode starts with ``prefix`` is (-1: none)."""
+        return min((self.first[op] for op in self.opcodes if op.startswith(prefix)), default=-1)
+
+    def last_at(self, prefix: str) -> int:
+        """Where in program order the last instruction whose opcode starts with ``prefix`` is (-1: none)."""
+        return max((self.last[op] for op in self.opcodes if op.startswith(prefix)), default=-1)
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -287,10 +298,14 @@ def _report(compiled, arch: str, tile: tiles.Tile) -> SassReport:
     ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in
            re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", sass)]
     ops = collections.Counter(op for _, op, _ in ins)
+    first, last = {}, {}
+    for i, (_, op, _) in enumerate(ins):
+        first.setdefault(op, i)
+        last[op] = i
     return SassReport(arch=arch, tile=tile, registers=int(regs.group(1)) if regs else -1,
                       stack_bytes=int(stack.group(1)) if stack else -1,
                       shared_bytes=int(compiled.metadata.shared), instructions=sum(ops.values()), opcodes=ops,
-                      loops=_loops(ins))
+                      loops=_loops(ins), first=first, last=last)
 
 
 def _loops(ins: list) -> list:

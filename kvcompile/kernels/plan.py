@@ -131,6 +131,9 @@ class LaunchPlan:
     # where the step's token is stored (Call.store): "kernel" (the attention kernel's program that holds
     # its slot writes it first: _attention_kernel's STORE_NEW) or "launch" (store.store_kv before)
     store: str = ""
+    # a program whose split is one key tile issues that tile's reads before q's prologue (ONE_TILE):
+    # the plan's choice for decode; False keeps the loops (A/B)
+    preload: bool = False
 
     def _int8_fp16(self, code: torch.dtype) -> bool:
         # where the int8 bias and int8 MMAs apply (either may be forced by override): int8 codes whose
@@ -155,6 +158,11 @@ class LaunchPlan:
     def v_bias(self) -> bool:
         """The int8 V bias runs (not with the pinned widening of a transposed V, which stays exact)."""
         return self._biased(self.call.v_code) and not self.v_pin
+
+    @property
+    def one_tile(self) -> bool:
+        """Each split is one key tile, whose reads the kernel issues before q's prologue (``preload``)."""
+        return self.preload and self.split_len <= self.tile.block_n
 
     @property
     def codes_as_bits(self) -> tuple[bool, bool]:
@@ -190,6 +198,7 @@ class LaunchPlan:
             STORE_HW_E4M3=fused and not c.interpret and tiles.has_native_fp8(c.cc)
             and torch.float8_e4m3fn in (c.k_code, c.v_code),
             STORE_K_HADAMARD=fused and c.k_rot == ROT_SYLVESTER, STORE_V_HADAMARD=fused and c.v_rot == ROT_SYLVESTER,
+            ONE_TILE=self.one_tile, HOLD_TILE=self.one_tile and not c.interpret,
             BLOCK_M=self.tile.block_m, BLOCK_N=self.tile.block_n, BLOCK_D=_pow2(c.D),
         )
 
@@ -203,7 +212,8 @@ class LaunchPlan:
                 + "".join(f", int8 {side} biased" for side, on in (("K", self.k_bias), ("V", self.v_bias)) if on)
                 + (", int8 K by int8 MMA" if self.k_mma else "")
                 + (", V key-contiguous" if c.v_keys else "") + "".join(", " + r for r in rot)
-                + (f", token stored by {self.store}" if self.store else ""))
+                + (f", token stored by {self.store}" if self.store else "")
+                + (", the tile read before q" if self.one_tile else ""))
 
 
 def _pow2(n: int) -> int:
@@ -325,17 +335,6 @@ def _plan(call: Call, tile: Optional[tiles.Tile]) -> LaunchPlan:
     # reduction's latency (H200, session 10 run 1, docs/perf-log.md: +1-3% at B >= 4, -3% at B=1,
     # -4% in prefill). Not for block32 scales, which scale the widened tile (LaunchPlan.k_bias / v_bias).
     programs = c.B * c.Hkv * -(-rows // tile.block_m)  # per split
-    few_rows = 4 * tile.block_m <= _pow2(c.D) and programs > DECODE_SMALL_PROGRAMS
-    # There int8 K goes unwidened into int8 MMAs (LaunchPlan.k_mma): the decode loop drops K's widening
-    # and its score correction for one int -> float convert per score (Triton 3.9 SASS, per tile pair:
-    # 765 instructions, 920 with K widened and both sides biased, fp8's 787). H200, session 22 run 3
-    # (K rotated, us, this plan / K widened and both sides biased): B=8 L=32k 148.4 / 154.9, B=32 L=8k
-    # 152.7 / 158.9, B=4 L=128k 289.0 / 303.4, B=8 L=4k 28.6 / 29.6; but B=1 L=4k 11.9 forced against
-    # 11.5 (q's split into int8 halves on the critical path of few programs).
-    int8_mma = few_rows
-    # ... and with K by MMA, V's bias no longer pays (run 2, us, V biased / exact: B=8 L=4k 29.5 / 28.8,
-    # B=4 L=8k 29.4 / 28.7, B=8 L=32k 141.2 / 142.2, B=32 L=8k 146.9 / 146.6): only an int8 V beside e4m3 K
-    int8_bias = few_rows and c.k_code != torch.int8
     # programs of this tile one SM holds at once: the decode split count fills whole waves of them
     resident = (tiles.programs_per_sm(tile, c.cc, tiles.smem_bytes(tile, c.D, qb, kb, vb, c.v_keys, c.scale_bytes))
                 if c.decode else 1)
@@ -343,6 +342,28 @@ def _plan(call: Call, tile: Optional[tiles.Tile]) -> LaunchPlan:
         splits, split_len = decode_splits(programs, _span(c, tile), tile.block_n, c.sms, resident)
     else:
         splits, split_len = 1, -(-c.L // tile.block_n) * tile.block_n
+    decode_rows = 4 * tile.block_m <= _pow2(c.D)  # a decode tile's few query rows
+    few_rows = decode_rows and programs > DECODE_SMALL_PROGRAMS
+    # A decode program whose split is one key tile (few programs over a short cache: B=1 at 4k keys)
+    # waits on q's prologue, then on that tile's reads; issued first, the reads overlap the prologue
+    # (LaunchPlan.one_tile). H100, session 25 run 2 (us, this plan / preload off): B=1 L=4k fp8 11.07 /
+    # 11.00, int8 K rotated 11.00 / 11.95; B=1 L=1k fp8 7.29 / 7.61, int8 K rotated 7.58 / 8.74.
+    preload = c.decode
+    one_tile = preload and split_len <= tile.block_n
+    # Where many programs run, int8 K goes unwidened into int8 MMAs (LaunchPlan.k_mma): the decode loop
+    # drops K's widening and its score correction for one int -> float convert per score (Triton 3.9
+    # SASS, per tile pair: 765 instructions, 920 with K widened and both sides biased, fp8's 787). H200,
+    # session 22 run 3 (K rotated, us, this plan / K widened and both sides biased): B=8 L=32k 148.4 /
+    # 154.9, B=32 L=8k 152.7 / 158.9, B=4 L=128k 289.0 / 303.4, B=8 L=4k 28.6 / 29.6. With few programs
+    # q's split into int8 halves sits on the critical path (B=1 L=4k 11.9 forced against 11.5), unless
+    # a one-tile split's reads overlap it: H100, session 25 run 2, K rotated, us, MMA / K widened
+    # exactly: B=1 L=4k 11.00 / 11.35, B=1 L=1k 7.58 / 8.03 (B=1 L=32k, eight tiles a split: 34.60 /
+    # 34.45, not taken).
+    int8_mma = few_rows or (decode_rows and one_tile)
+    # ... and with K by MMA, V's bias no longer pays (session 22 run 2, us, V biased / exact: B=8 L=4k
+    # 29.5 / 28.8, B=4 L=8k 29.4 / 28.7, B=8 L=32k 141.2 / 142.2, B=32 L=8k 146.9 / 146.6): only an int8
+    # V beside e4m3 K
+    int8_bias = few_rows and c.k_code != torch.int8
     # Rotations (int8's default; see kvcompile.rotation). q: with the shared Sylvester matrix of a
     # power-of-two head_dim, in decode, rotated in the kernel's prologue from H's generated +-1
     # entries (no launch, no read of R; the key loops compile as unrotated); otherwise by one
@@ -363,7 +384,7 @@ def _plan(call: Call, tile: Optional[tiles.Tile]) -> LaunchPlan:
     return LaunchPlan(call=c, tile=tile, resident=max(1, resident), splits=splits, split_len=split_len,
                       dot_dtype=dot_dtype, k_fp8_bits=k_fp8_bits, v_fp8_bits=v_fp8_bits, v_pin=v_pin,
                       int8_ptx=int8_ptx, int8_bias=int8_bias, int8_mma=int8_mma, q_rotation=q_rot, o_rotation=o_rot,
-                      store=store)
+                      store=store, preload=preload)
 
 
 def _store_fits(c: Call, tile: tiles.Tile) -> bool:
