@@ -56,6 +56,11 @@ DECODE_SHAPES = "--decode-shapes 1x4096,1x32768,8x32768,32x8192,4x131072"
 # session 22's runs: the working tree of 5b0f37b before its commit (the same kernel and plan, lines rewrapped)
 S22 = "5b0f37b"
 
+# session 25's code: the one-tile splits read before q's prologue, int8 K by MMA there. Run 2's tree, not yet
+# committed, had 55f1f31's plan and kernel but for comments, the name of the opaque move's switch and where the
+# loops read the tile's scales (55f1f31 reads them where 0e7a470 did: the same SASS in the loops)
+S25 = "55f1f31"
+
 # The latest run of each table. The commits were recorded by hand at the time (docs/perf-log.md).
 RUNS = {
     "decode": Run(
@@ -106,6 +111,19 @@ RUNS = {
         "h100_s24_run2_decode.csv", "0e7a470", H100, "session 24, run 2",
         "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8+krot "
         "--decode-shapes 1x4096,8x4096,4x8192,1x32768,8x32768,32x8192,4x131072"),
+    # session 25: three calls on an H100; run 2 timed the plan's one-tile splits against its variants at B=1
+    "s25-ab": Run(
+        "h100_s25_run2_sweep.csv", f"{S25}'s tree before its commit", H100, "session 25, run 2",
+        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8+krot,int8 "
+        "--decode-shapes 1x4096,1x32768,1x1024 --sweep --variants 'preload|int8mma' --splits '1x1024:8'"),
+    "s25-decode": Run(
+        "h100_s25_run3_decode.csv", S25, H100, "session 25, run 3",
+        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8+krot "
+        "--decode-shapes 1x4096,8x4096,4x8192,1x32768,8x32768,32x8192,4x131072"),
+    "s25-e2e": Run(
+        "h100_s25_run3_e2e.csv", S25, H100, "session 25, run 3",
+        "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024,1x4096 --steps 10 "
+        "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs"),
     "s17-decode": Run(
         "h200_s17_run1_decode_window.csv", "8a31ed1", H200, "session 17, run 1",
         "python benchmarks/bench_kv.py --subjects decode,window --formats fp8,int8+krot "
@@ -432,6 +450,45 @@ def s24_decode(results: str = RESULTS) -> str:
                    results)
 
 
+def s25_ab(results: str = RESULTS) -> str:
+    """BENCHMARKS: the one-tile splits at B=1 against the plan's variants (sweep rows), one run."""
+    run = RUNS["s25-ab"]
+    rows = read(run, results)
+    by = _by(rows, "provider", "shape")
+    cols = (("", "as planned"), (" preload-off", "tile read after q's prologue (`preload-off`)"),
+            (" int8mma-on", "K by int8 MMA forced"), (" int8mma-off exact", "K widened exactly"),
+            (" int8mma-off", "K widened, K and V biased"))
+    lines = [f"us per call; the last column is fp8's time over the planned one's (> 1: faster than fp8). {run.caption()}",
+             "", "| shape | format | " + " | ".join(name for _, name in cols) + " | fp8 / as planned |",
+             "|---|---|" + "---:|" * (len(cols) + 1)]
+    for shape in _shapes(rows, "sweep"):
+        sh = _shape(shape)
+        fp8 = _us(by, "kvcompile-fp8", shape)
+        for fmt, name in (("fp8", "fp8 token"), ("int8+krot", "int8, K rotated"), ("int8", "int8, not rotated")):
+            p = f"kvcompile-{fmt}"
+            cells = [f"{_us(by, p + v, shape):.2f}" if (p + v, shape) in by else "—" for v, _ in cols]
+            lines.append(f"| B={sh['B']} L={_k(sh['L'])} | {name} | " + " | ".join(cells)
+                         + f" | {fp8 / _us(by, p, shape):.2f} |")
+    return "\n".join(lines)
+
+
+def s25_decode(results: str = RESULTS) -> str:
+    """BENCHMARKS, README: the default format beside fp8 token at the seven shapes, session 25 (H100)."""
+    return _vs_fp8("s25-decode", (("kvcompile-int8+krot", "int8, K rotated (the default)"),), ("int8+krot",),
+                   results)
+
+
+def s25_e2e(results: str = RESULTS) -> str:
+    """BENCHMARKS: one decode step of the model, fp8 and int8 (K rotated), session 25 (H100)."""
+    run = RUNS["s25-e2e"]
+    ms = {(r["B"], r["ctx"], r["provider"]): float(r["ms_per_step"]) for r in read(run, results)}
+    cols = (("hf-static-compiled", "HF StaticCache bf16, compiled"), ("kvc-fp8_e4m3-graphs", "fp8 token"),
+            ("kvc-int8-graphs", "int8, K rotated (the default)"))
+    lines = [f"ms per decode step, CUDA graphs, Llama-3-8B shape, 4 layers, 10 steps (median); the last column is "
+             f"fp8's step over int8's (> 1: int8 faster). {run.caption()}", ""]
+    return "\n".join(lines + _e2e_rows(ms, cols))
+
+
 def s17_decode(results: str = RESULTS) -> str:
     """BENCHMARKS: the default format beside fp8 token in session 17 (int8 K widened, both sides biased)."""
     return _vs_fp8("s17-decode", (("kvcompile-int8+krot", "int8, K rotated (the default)"),), ("int8+krot",),
@@ -478,6 +535,16 @@ def s24_prologue(results: str = RESULTS) -> str:
     return "\n".join(lines)
 
 
+def _e2e_rows(ms: dict, cols) -> list[str]:
+    """The markdown rows of ms per step by (B, ctx, provider) for ``cols``, then fp8's step over int8's."""
+    lines = ["| case | " + " | ".join(name for _, name in cols) + " | fp8 / int8 |", "|---|" + "---:|" * (len(cols) + 1)]
+    for B, c in sorted({(k[0], k[1]) for k in ms}, key=lambda k: (-int(k[0]), int(k[1]))):
+        cells = [f"{ms[(B, c, p)]:.3f}" for p, _ in cols]
+        lines.append(f"| B={B} ctx {_k(int(c))} | " + " | ".join(cells)
+                     + f" | {ms[(B, c, 'kvc-fp8_e4m3-graphs')] / ms[(B, c, 'kvc-int8-graphs')]:.2f} |")
+    return lines
+
+
 def s22_e2e(results: str = RESULTS) -> str:
     """BENCHMARKS, README: one decode step, int8 (K rotated) as planned and with the plan before session 22."""
     run, old = RUNS["s22-e2e"], RUNS["s22-e2e-old"]
@@ -488,13 +555,8 @@ def s22_e2e(results: str = RESULTS) -> str:
     lines = [f"ms per decode step, CUDA graphs, Llama-3-8B shape, 4 layers, 10 steps (median); the last column is "
              f"fp8's step over int8's (> 1: int8 faster). {run.caption()} The forced column is `--plan "
              f"int8_mma=0,int8_bias=1` in the same run (`benchmarks/results/{old.csv}`): at B=8 the plan before "
-             f"session 22; at B=1 that plan widened K and V without the bias.", "",
-             "| case | " + " | ".join(name for _, name in cols) + " | fp8 / int8 |", "|---|" + "---:|" * (len(cols) + 1)]
-    for B, c in sorted({(k[0], k[1]) for k in ms}, key=lambda k: (-int(k[0]), int(k[1]))):
-        cells = [f"{ms[(B, c, p)]:.3f}" for p, _ in cols]
-        lines.append(f"| B={B} ctx {_k(int(c))} | " + " | ".join(cells)
-                     + f" | {ms[(B, c, 'kvc-fp8_e4m3-graphs')] / ms[(B, c, 'kvc-int8-graphs')]:.2f} |")
-    return "\n".join(lines)
+             f"session 22; at B=1 that plan widened K and V without the bias.", ""]
+    return "\n".join(lines + _e2e_rows(ms, cols))
 
 
 UNROTATED = ("kvcompile-int8", "int8, not rotated")
@@ -764,6 +826,10 @@ TABLES: dict[str, Callable[[str], str]] = {
     "s24-prologue": s24_prologue,
     "s24-command": command("s24-abc", "s24-ac"),
     "s24-decode": s24_decode,
+    "s25-ab": s25_ab,
+    "s25-decode": s25_decode,
+    "s25-e2e": s25_e2e,
+    "s25-command": command("s25-ab", "s25-decode", "s25-e2e"),
     "s24-decode-command": command("s24-decode"),
     "s22-e2e": s22_e2e,
     "s22-command": command("default-decode", "s22-e2e", "s22-e2e-old"),
