@@ -438,16 +438,19 @@ def int8_decode(results: str = RESULTS) -> str:
     return _vs_fp8("int8-decode", (("kvcompile-int8", "int8"),), ("int8",), results)
 
 
+def _default_vs_fp8(key: str, results: str) -> str:
+    """The default format (int8, K rotated) beside fp8 token in ``RUNS[key]``."""
+    return _vs_fp8(key, (("kvcompile-int8+krot", "int8, K rotated (the default)"),), ("int8+krot",), results)
+
+
 def default_decode(results: str = RESULTS) -> str:
     """README: the default format (int8, K rotated) beside fp8 token, one run."""
-    return _vs_fp8("default-decode", (("kvcompile-int8+krot", "int8, K rotated (the default)"),), ("int8+krot",),
-                   results)
+    return _default_vs_fp8("default-decode", results)
 
 
 def s24_decode(results: str = RESULTS) -> str:
     """BENCHMARKS: the default format beside fp8 token at the seven shapes after b93e87a (H100)."""
-    return _vs_fp8("s24-decode", (("kvcompile-int8+krot", "int8, K rotated (the default)"),), ("int8+krot",),
-                   results)
+    return _default_vs_fp8("s24-decode", results)
 
 
 def s25_ab(results: str = RESULTS) -> str:
@@ -474,8 +477,7 @@ def s25_ab(results: str = RESULTS) -> str:
 
 def s25_decode(results: str = RESULTS) -> str:
     """BENCHMARKS, README: the default format beside fp8 token at the seven shapes, session 25 (H100)."""
-    return _vs_fp8("s25-decode", (("kvcompile-int8+krot", "int8, K rotated (the default)"),), ("int8+krot",),
-                   results)
+    return _default_vs_fp8("s25-decode", results)
 
 
 def s25_e2e(results: str = RESULTS) -> str:
@@ -491,8 +493,7 @@ def s25_e2e(results: str = RESULTS) -> str:
 
 def s17_decode(results: str = RESULTS) -> str:
     """BENCHMARKS: the default format beside fp8 token in session 17 (int8 K widened, both sides biased)."""
-    return _vs_fp8("s17-decode", (("kvcompile-int8+krot", "int8, K rotated (the default)"),), ("int8+krot",),
-                   results)
+    return _default_vs_fp8("s17-decode", results)
 
 
 def s22_mma(results: str = RESULTS) -> str:
