@@ -162,7 +162,7 @@ class LaunchPlan:
     @property
     def one_tile(self) -> bool:
         """Each split is one key tile, whose reads the kernel issues before q's prologue (``preload``)."""
-        return self.preload and self.split_len <= self.tile.block_n
+        return self.preload and _one_tile_splits(self.split_len, self.tile)
 
     @property
     def codes_as_bits(self) -> tuple[bool, bool]:
@@ -214,6 +214,11 @@ class LaunchPlan:
                 + (", V key-contiguous" if c.v_keys else "") + "".join(", " + r for r in rot)
                 + (f", token stored by {self.store}" if self.store else "")
                 + (", the tile read before q" if self.one_tile else ""))
+
+
+def _one_tile_splits(split_len: int, tile: tiles.Tile) -> bool:
+    """Whether every split is (at most) one key tile: the kernel's ONE_TILE path applies."""
+    return split_len <= tile.block_n
 
 
 def _pow2(n: int) -> int:
@@ -349,7 +354,7 @@ def _plan(call: Call, tile: Optional[tiles.Tile]) -> LaunchPlan:
     # (LaunchPlan.one_tile). H100, session 25 run 2 (us, this plan / preload off): B=1 L=4k fp8 11.07 /
     # 11.00, int8 K rotated 11.00 / 11.95; B=1 L=1k fp8 7.29 / 7.61, int8 K rotated 7.58 / 8.74.
     preload = c.decode
-    one_tile = preload and split_len <= tile.block_n
+    one_tile = preload and _one_tile_splits(split_len, tile)
     # Where many programs run, int8 K goes unwidened into int8 MMAs (LaunchPlan.k_mma): the decode loop
     # drops K's widening and its score correction for one int -> float convert per score (Triton 3.9
     # SASS, per tile pair: 765 instructions, 920 with K widened and both sides biased, fp8's 787). H200,
