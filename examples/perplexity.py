@@ -201,10 +201,14 @@ def _bytes_per_element(name: str, model) -> float:
         return float(torch.empty((), dtype=opts["round"]).element_size())
     from kvcompile import formats
 
-    D = _shapes(model)["head_dim"]
+    from kvcompile.hf import per_layer_shapes
+
     k, v = formats.resolve_kv_dtypes(opts.get("kv_dtype"), opts.get("k_dtype"), opts.get("v_dtype"))
     g = opts.get("granularity")
-    return (formats.get_format(k, g).bytes_per_element(D) + formats.get_format(v, g).bytes_per_element(D)) / 2
+    kf, vf = formats.get_format(k, g), formats.get_format(v, g)
+    shapes = per_layer_shapes(model.config)  # weighted by each layer's elements where the layers differ
+    total = sum(h * d for h, d in shapes)
+    return sum(h * d * (kf.bytes_per_element(d) + vf.bytes_per_element(d)) / 2 for h, d in shapes) / total
 
 
 def run(model, tok, text: str, *, tokens=2048, chunk=512, new_tokens=128, prompts=PROMPTS, variants=None,

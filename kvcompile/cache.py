@@ -212,11 +212,13 @@ class QuantizedCache(Cache):
                 )
         max_cache_len = _positive_int("max_cache_len", max_cache_len)
         device = _checked_device(device)
-        num_layers, kv_heads, head_dim = hf.layer_shapes(config)  # refuses what the cache cannot serve
+        shapes = hf.per_layer_shapes(config)  # (kv heads, head_dim) per layer; refuses what the cache cannot serve
+        num_layers, head_dims = len(shapes), sorted({d for _, d in shapes})
         windows = hf.layer_windows(config)
         hf.check_cache_length(config, max_cache_len)
-        k_fmt.check_head_dim(head_dim)
-        v_fmt.check_head_dim(head_dim)
+        for head_dim in head_dims:
+            k_fmt.check_head_dim(head_dim)
+            v_fmt.check_head_dim(head_dim)
         if rotate is None:
             k_rotate, v_rotate = k_fmt.kv_dtype == "int8", False
         else:
@@ -228,7 +230,8 @@ class QuantizedCache(Cache):
             )
         if k_rotate or v_rotate:
             try:
-                rotation.check_head_dim(head_dim)
+                for head_dim in head_dims:
+                    rotation.check_head_dim(head_dim)
             except ValueError as e:
                 how = f"rotate={rotate!r}" if rotate else "int8 rotates K by default"
                 raise ValueError(
@@ -238,6 +241,13 @@ class QuantizedCache(Cache):
 
         calib = {}
         if calibration is not None:
+            if len(set(shapes)) != 1:
+                raise ValueError(
+                    f"kvcompile.QuantizedCache: the layers of {type(hf.text_config(config)).__name__} differ in (kv heads, "
+                    f"head dim): {sorted(set(shapes))}, and a calibration holds one [layers, kv heads(, head_dim)] shape; "
+                    "build this model's cache without calibration (per-token scales need none)"
+                )
+            (kv_heads, head_dim), = set(shapes)
             calib = tp.load_calibration(
                 calibration, num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim, tp_size=tp_size
             )
@@ -256,11 +266,10 @@ class QuantizedCache(Cache):
                 v_fmt=v_fmt, k_rotate=k_rotate, v_rotate=v_rotate,
                 sliding_window=windows[i], ring=ring,
             )
-            for i in range(num_layers)
+            for i, (kv_heads, head_dim) in enumerate(shapes)
         ]
-        shard = tp.shard(kv_heads, tp_size)  # this rank's kv heads under tensor parallelism
-        for layer in layers:
-            tp.shard_layer(layer, shard)
+        for layer in layers:  # this rank's kv heads under tensor parallelism
+            tp.shard_layer(layer, tp.shard(layer.num_heads, tp_size))
         super().__init__(layers=layers)
         self.fmt = self.k_fmt = k_fmt  # ``fmt``: K's format, as before K and V could differ
         self.v_fmt = v_fmt
@@ -304,9 +313,12 @@ class QuantizedCache(Cache):
         return sum(layer.nbytes for layer in self.layers)
 
     def bytes_per_element(self) -> float:
-        """Bytes per cached K or V element (mean of K and V), scales included (see KVFormat)."""
-        D = self.layers[0].head_dim
-        return (self.k_fmt.bytes_per_element(D) + self.v_fmt.bytes_per_element(D)) / 2
+        """Bytes per cached K or V element (mean of K and V; where the layers' shapes differ, weighted by
+        each layer's elements per position), scales included (see KVFormat)."""
+        per_pos = [(l.num_heads * l.head_dim, l.head_dim) for l in self.layers]  # elements per position
+        total = sum(n for n, _ in per_pos)
+        return sum(n * (self.k_fmt.bytes_per_element(D) + self.v_fmt.bytes_per_element(D)) / 2
+                   for n, D in per_pos) / total
 
     def planned_nbytes(self, per_layer: bool = False, device: torch.device | str | None = None) -> int | list[int]:
         """Bytes the cache holds once allocated (``nbytes`` of every layer), without allocating:

@@ -38,7 +38,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from .hf import cache_kwarg, layer_shapes
+from .hf import cache_kwarg, per_layer_shapes
 
 __all__ = ["calibrate", "load_calibration", "save_calibration", "shipped_calibrations", "CALIBRATION_KEYS",
            "FILE_METADATA"]
@@ -280,7 +280,14 @@ def calibrate(
     if not windows:
         raise ValueError("kvcompile.calibrate: no tokens to calibrate on")
 
-    num_layers, kv_heads, head_dim = layer_shapes(model.config)
+    shapes = per_layer_shapes(model.config)
+    if len(set(shapes)) != 1:
+        raise ValueError(
+            f"kvcompile.calibrate: the layers of this model differ in (kv heads, head dim): {sorted(set(shapes))}, "
+            "and a calibration holds one [layers, kv heads(, head_dim)] shape; serve it without calibration "
+            "(per-token scales need none)"
+        )
+    num_layers, (kv_heads, head_dim) = len(shapes), shapes[0]
     device = next(model.parameters()).device
     kwarg = cache_kwarg(model)
     stats: dict[int, _KVStats] = {}

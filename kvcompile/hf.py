@@ -1,7 +1,8 @@
 """What kvcompile reads from a Hugging Face model: layer shapes, attention types and windows, the
 cache keyword, and the checks that refuse a model the cache cannot serve.
 
-    num_layers, kv_heads, head_dim = layer_shapes(config)
+    num_layers, kv_heads, head_dim = layer_shapes(config)   # one shape for every layer (refuses others)
+    shapes = per_layer_shapes(config)      # per layer: (kv heads, head_dim), which may differ (Gemma 4)
     windows = layer_windows(config)        # per layer: 0 = full attention, W = sliding window W
     kwarg = cache_kwarg(model)             # "cache" (transformers >= 5.2x) or "past_key_values"
 
@@ -30,6 +31,7 @@ __all__ = [
     "layer_shapes",
     "layer_types",
     "layer_windows",
+    "per_layer_shapes",
     "text_config",
 ]
 
@@ -245,7 +247,7 @@ def check_config(config) -> None:
             f"layer {i} of {name} has type {t!r}: {why}; the cache serves "
             f"{' and '.join(SUPPORTED_LAYER_TYPES)} layers only"
         )
-    _per_layer_shapes(text)  # raises for layers of different shapes
+    _per_layer_shapes(text)  # raises for K and V of different head dims
 
 
 def _kv_heads(cfg, heads: int) -> int:
@@ -264,7 +266,7 @@ def _kv_heads(cfg, heads: int) -> int:
     return getattr(cfg, "num_kv_heads", None) or heads
 
 
-def _per_layer_shapes(text) -> tuple[int, int]:
+def _per_layer_shapes(text) -> list[tuple[int, int]]:
     name = type(text).__name__
     shapes = []
     types, _ = _types_and_kwargs(text)
@@ -280,21 +282,29 @@ def _per_layer_shapes(text) -> tuple[int, int]:
                 f"{name} has K head dim {head_dim} and V head dim {v_head_dim}, and the cache stores K and V of one shape"
             )
         shapes.append((kv_heads, head_dim))
-    if len(set(shapes)) != 1:
-        raise UnsupportedModelError(
-            f"the layers of {name} differ in (kv heads, head dim): {sorted(set(shapes))}, and the cache and its "
-            "calibration files assume one shape for every layer"
-        )
-    return shapes[0]
+    return shapes
+
+
+def per_layer_shapes(config) -> list[tuple[int, int]]:
+    """``(kv_heads, head_dim)`` of each decoder layer, which may differ between layers (Gemma 4's
+    global layers have twice the head dim of its sliding ones, MiMo-V2-Flash's sliding layers twice
+    the kv heads); refuses (:class:`UnsupportedModelError`) what the cache cannot serve."""
+    check_config(config)
+    return _per_layer_shapes(text_config(config))
 
 
 def layer_shapes(config) -> tuple[int, int, int]:
-    """``(num_layers, kv_heads, head_dim)`` of the decoder; refuses (:class:`UnsupportedModelError`) what the cache
-    cannot serve (see :func:`check_config`)."""
-    check_config(config)
-    text = text_config(config)
-    kv_heads, head_dim = _per_layer_shapes(text)
-    return _num_layers(text), kv_heads, head_dim
+    """``(num_layers, kv_heads, head_dim)`` of a decoder whose layers share one shape; refuses
+    (:class:`UnsupportedModelError`) what the cache cannot serve (see :func:`check_config`), and raises
+    ``ValueError`` for layers of different shapes (:func:`per_layer_shapes` describes those)."""
+    shapes = per_layer_shapes(config)
+    if len(set(shapes)) != 1:
+        raise ValueError(
+            f"kvcompile: the layers of {type(text_config(config)).__name__} differ in (kv heads, head dim): "
+            f"{sorted(set(shapes))}; layer_shapes describes one shape for every layer (kvcompile.hf.per_layer_shapes "
+            "gives each layer's)"
+        )
+    return len(shapes), shapes[0][0], shapes[0][1]
 
 
 def layer_windows(config) -> list[int]:

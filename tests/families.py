@@ -17,6 +17,7 @@ from typing import Any, Callable
 import transformers
 
 W = 4  # the tiny window: the test prompt (8 tokens) and decode run past it
+WIDE = 64  # a window wider than every cache of the matrix tests (16 positions): slides nowhere there
 
 _FULL2 = ["full_attention", "full_attention"]
 
@@ -30,7 +31,9 @@ class Row:
     label: str  # the family in the table
     example: str  # a published model of this layout
     tiny: dict  # overrides on models.tiny_config (window, softcap, ...)
-    no_window: dict | None = None  # overrides that remove the window (the control); None: no window
+    # overrides that remove the window (the control), or widen it to WIDE where a family's layer types must
+    # stay (Gemma 4: its rotary embedding wants each layer type's layers alike); None: no window
+    no_window: dict | None = None
     real: dict = dataclasses.field(default_factory=dict)  # overrides on transformers' default config: the example's layout
     attn: tuple = ("sdpa", "eager")  # the attention implementations transformers has for it
     note: str = ""  # what else the attention does
@@ -58,6 +61,9 @@ ROWS: list[Row] = [
         attn=("eager",), note="attention logit softcap 50"),
     Row("gemma3", "gemma3", "Gemma 3 (text)", "gemma-3-4b", dict(sliding_window=W), no_window=dict(layer_types=_FULL2),
         real=dict(num_hidden_layers=34, sliding_window=1024)),
+    Row("gemma4", "gemma4", "Gemma 4 (text)", "Gemma4TextConfig's defaults", dict(sliding_window=W),
+        no_window=dict(sliding_window=WIDE),
+        note="head_dim 256 on the sliding layers, 512 on the full ones: each layer's cache has its own shape"),
     Row("gpt_oss", "gpt_oss", "gpt-oss", "gpt-oss-20b", dict(sliding_window=W), no_window=dict(layer_types=_FULL2),
         real=dict(num_hidden_layers=24, sliding_window=128), attn=("eager",), note="a learned sink logit per head"),
     Row("granite", "granite", "Granite", "granite-3.0-8b", {}, real=dict(num_hidden_layers=40)),

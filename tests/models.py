@@ -51,6 +51,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # Gemma-3-4B (text): hidden 2560, 34 layers, 5 window-1024 layers per global one, 8 q / 4 kv heads,
     # head_dim 256, q/k RMSNorm
     "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=2, layer_types=_TWO)),
+    # Gemma 4 (text; transformers' default Gemma4TextConfig): hidden 2304, 30 layers, 5 window-512 layers
+    # per global one, 8 q / 4 kv heads, head_dim 256 on the sliding layers and 512 (global_head_dim) on the
+    # global ones, q/k/v RMSNorm, per-layer input embeddings. Tiny: the global layer has twice the head
+    # dim and half the kv heads of the sliding one (a cache shape per layer)
+    "gemma4": ("Gemma4TextConfig", dict(num_hidden_layers=2, layer_types=_TWO, vocab_size_per_layer_input=96,
+                                        hidden_size_per_layer_input=16,
+                                        per_layer_config={1: dict(head_dim=64, num_key_value_heads=1)})),
     # gpt-oss-20b: hidden 2880, 24 layers alternating window-128 / global, 64 q / 8 kv heads,
     # head_dim 64, a learned sink logit per head, 32 experts top-4 (eager only in transformers)
     "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=2, layer_types=_TWO, num_local_experts=4,

@@ -159,3 +159,19 @@ def test_static_cache_needs_both_scales(tiny):
     with pytest.raises(ValueError, match="static"):
         kvcompile.QuantizedCache(tiny[0].config, max_batch_size=1, max_cache_len=16, kv_dtype="fp8_e4m3", granularity="static",
                                  calibration={"k_offset": torch.zeros(LAYERS, HKV, D)})
+
+
+def test_layers_of_different_shapes_are_served_without_calibration():
+    """A calibration holds one [layers, kv heads(, head_dim)] shape: a model whose layers differ
+    (tests/models.py's tiny Gemma 4) is refused it by name, in calibrate() and at cache construction,
+    while the same cache without calibration builds."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from models import tiny_model
+
+    model = tiny_model("gemma4", sliding_window=4)
+    with pytest.raises(ValueError, match=r"kvcompile.calibrate: the layers of this model differ .*\(1, 64\), \(2, 32\)"):
+        kvcompile.calibrate(model, [torch.arange(3, 19)])
+    with pytest.raises(ValueError, match=r"differ in \(kv heads, head dim\).*without calibration"):
+        kvcompile.QuantizedCache(model.config, max_cache_len=16, kv_dtype="fp8_e4m3",
+                                 calibration={"k_offset": torch.zeros(2, 2, 32)})
+    assert len(kvcompile.QuantizedCache(model.config, max_cache_len=16, kv_dtype="fp8_e4m3").layers) == 2

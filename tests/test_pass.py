@@ -10,12 +10,15 @@ in fp32 over the same codes), so they differ only by float32 summation order: ~1
 
 from __future__ import annotations
 
+import os
+
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import kvcompile
+from kvcompile import tiles
 from kvcompile.passes import ATTENTION_FORMS, KV_SPELLINGS, KVAttentionPass
 from models import tiny_model
 from pass_models import (
@@ -461,6 +464,28 @@ def test_left_alone_with_reason(name):
     assert words in reason, reason
     if compare:
         torch.testing.assert_close(got[0], expected[0], atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("kernels", ["triton", "reference"])
+def test_head_dim_without_a_kernel_is_left_alone_on_triton(kernels, monkeypatch):
+    """Where the op would run the Triton kernels, a head dim they do not serve (Gemma 4's 512-dim
+    global layers) leaves the site to the graph's own attention over the dequantized cache, with the
+    reason; the reference serves every head dim, so there the same site is rewritten (the control)."""
+    if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels on these CPU tensors need TRITON_INTERPRET=1")
+    monkeypatch.setenv("KVCOMPILE_KERNELS", kernels)
+    monkeypatch.setattr(tiles, "SUPPORTED_HEAD_DIMS", tuple(d for d in tiles.SUPPORTED_HEAD_DIMS if d != D))
+    hkv, attention, _ = SPELLINGS["sdpa_repeat_kv_additive"]
+    (expected, got), backend = _run_one_layer(attention, hkv, steps=((5, True), (1, True)))
+    for _, after, report in backend.graphs:
+        if kernels == "reference":
+            assert (report.found, report.rewritten, report.skipped) == (1, 1, []) and after["kv_attention"] == 1
+            continue
+        assert (report.found, report.rewritten) == (1, 0) and after["kv_attention"] == 0 and after["sdpa"] == 1
+        (_, reason), = report.skipped
+        assert f"head_dim {D}" in reason and "Triton attention kernels" in reason, reason
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
 
 
 def test_k_and_v_formats():

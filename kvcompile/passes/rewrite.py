@@ -42,6 +42,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .. import ops, tiles
 from .forms import AttentionCall, WhereMask
 from .graph import Skip, arg, before, cast_dtype, constant, copy_meta, known_eq, known_le, shape, val
 from .spellings import KVChain
@@ -69,6 +70,7 @@ def plan(call: AttentionCall, k: KVChain, v: KVChain) -> dict:
         raise Skip(f"query head_dim {q.shape[3]} != cache head_dim {kc[3]}")
     if not known_eq(q.shape[0], kc[0]):
         raise Skip(f"query batch {q.shape[0]} != cache batch {kc[0]}")
+    _check_kernel_head_dim(q)
     if v.source.offset is not None:
         raise Skip("V is dequantized with an offset, which the op does not add back")
     if k.source.offset is not None and (call.softcap or call.sinks is not None):
@@ -102,6 +104,14 @@ def plan(call: AttentionCall, k: KVChain, v: KVChain) -> dict:
     if k.source.ring:
         found["store"] = _ring_store(k, v, call.anchor)
     return found
+
+
+def _check_kernel_head_dim(q: torch.Tensor) -> None:
+    """Where the op would run the Triton kernels (a GPU), its head dim must be one they serve; another
+    (Gemma 4's 512-dim global layers) stays with the graph's own attention over the dequantized cache."""
+    D = q.shape[3]
+    if isinstance(D, int) and D not in tiles.SUPPORTED_HEAD_DIMS and ops.kernel_backend(q.device) == "triton":
+        raise Skip(f"head_dim {D}: the Triton attention kernels serve head_dim in {list(tiles.SUPPORTED_HEAD_DIMS)}")
 
 
 def _query(q: fx.Node) -> fx.Node:
