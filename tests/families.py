@@ -67,6 +67,9 @@ ROWS: list[Row] = [
     Row("gpt_oss", "gpt_oss", "gpt-oss", "gpt-oss-20b", dict(sliding_window=W), no_window=dict(layer_types=_FULL2),
         real=dict(num_hidden_layers=24, sliding_window=128), attn=("eager",), note="a learned sink logit per head"),
     Row("granite", "granite", "Granite", "granite-3.0-8b", {}, real=dict(num_hidden_layers=40)),
+    Row("granite_swa", "granite_swa", "Granite SWA", "granite-swash-2b", dict(sliding_window=W),
+        no_window=dict(layer_types=_FULL2), attn=("eager",),
+        note="a learned sink per head, applied after attention as sigmoid(logsumexp - sink)"),
     Row("olmo2", "olmo2", "OLMo 2", "OLMo-2-1124-7B", {}, real=dict(num_hidden_layers=32)),
     Row("stablelm", "stablelm", "StableLM", "stablelm-2-1_6b", {}, real=dict(num_hidden_layers=24)),
     Row("cohere", "cohere", "Cohere (Command-R)", "c4ai-command-r-v01", {}, real=dict(num_hidden_layers=40)),
@@ -83,6 +86,16 @@ ROWS: list[Row] = [
     Row("falcon", "falcon", "Falcon", "falcon-7b", {}, real=dict(num_hidden_layers=32, num_attention_heads=71,
                                                                  hidden_size=4544), note="one kv head (multi-query)"),
 ]
+
+
+
+def _in_this_transformers(row: Row) -> bool:
+    from models import FAMILIES
+
+    return hasattr(transformers, FAMILIES[row.family][0])
+
+
+ROWS = [row for row in ROWS if _in_this_transformers(row)]  # an older release lacks the newest families
 
 
 @dataclasses.dataclass(frozen=True)

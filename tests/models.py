@@ -62,6 +62,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # head_dim 64, a learned sink logit per head, 32 experts top-4 (eager only in transformers)
     "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=2, layer_types=_TWO, num_local_experts=4,
                                      num_experts_per_tok=2)),
+    # granite-swash-2b (GraniteSWA): hidden 2560, 24 layers alternating window-128 / global, 20 q / 4 kv
+    # heads, a learned sink per head applied after attention (eager only in transformers)
+    "granite_swa": ("GraniteSWAConfig", dict(num_hidden_layers=2, layer_types=_TWO)),
     # Granite-3.0-8B: hidden 4096, 40 layers, 32 q / 8 kv heads, embedding/residual/attention multipliers
     "granite": ("GraniteConfig", {}),
     # OLMo-2-7B: hidden 4096, 32 layers, 32 heads (MHA), q/k RMSNorm after the projections

@@ -116,6 +116,26 @@ def test_gpt_oss_sinks_are_passed_to_the_op():
             assert args[10] == 0.0 and args[8] == pytest.approx(32 ** -0.5)
 
 
+@pytest.mark.skipif(not hasattr(transformers, "GraniteSWAConfig"), reason="transformers has no GraniteSWA")
+def test_granite_swa_sinks_after_attention_are_passed_to_the_op():
+    """GraniteSWA eager: ``attn_output * sigmoid(logsumexp(scores) - sink)`` (the sink in the softmax's
+    denominator, applied after P @ V) becomes ``sinks=<the layer's sinks parameter>``, as gpt-oss's
+    column does. Its sinks start at zero: drawn wide here."""
+    cfg = transformers.GraniteSWAConfig(**_COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=64,
+                                        layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    for layer in model.model.layers:
+        torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
+    expected, got, without, backend = _feature_run(model, "int8", "sinks")
+    _assert_rewritten_and_close(backend, 2, "eager+sinks", expected, got, without)
+    for calls in backend.calls:
+        for i, args in enumerate(calls):
+            sinks = args[11]
+            assert sinks.op == "placeholder" and f"layers_modules_{i}_modules_self_attn_parameters_sinks" in sinks.name
+            assert tuple(sinks.meta["example_value"].shape) == (cfg.num_attention_heads,) and args[10] == 0.0
+
+
 # ---------------------------------------------------------------------------------------------
 # rotation: a hand-built graph (the rotated dequantize is the cache's, branch-independent)
 # ---------------------------------------------------------------------------------------------

@@ -15,9 +15,11 @@ something the op does not). ``softcap`` and ``sinks`` are stages of the eager ch
 * ``softcap`` (Gemma 2): ``scores / c -> tanh -> * c`` right after the scaling, before the mask;
 * ``sinks`` (gpt-oss): in place of the softmax, ``cat([scores, sink column], dim=-1)``
   [``- max(dim=-1, keepdim=True)``] ``-> softmax -> [..., :-1]``, the column a ``[Hq]`` tensor
-  reshaped to ``[1, Hq, 1, 1]`` and expanded.
+  reshaped to ``[1, Hq, 1, 1]`` and expanded; or (GraniteSWA) after attention: the masked scores
+  read by ``logsumexp(dim=-1)`` and the softmax, and ``P @ V`` multiplied by
+  ``sigmoid(lse - sinks.view(1, -1, 1)).unsqueeze(-1)`` (:func:`lse_sinks`; the same sink logit).
 
-Every intermediate of a form must have exactly one reader: an attention whose probabilities are
+Every intermediate of a form but the scores GraniteSWA's sinks read must have exactly one reader: an attention whose probabilities are
 returned (``output_attentions=True``) or read by anything else is left alone, with the reason.
 Anything else on the scores (a second additive term such as an ALiBi or position bias, a
 ``masked_fill``, a different normalisation) does not match and is reported.
@@ -42,6 +44,7 @@ from .spellings import KVChain, index_entries, is_full
 SDPA = F.scaled_dot_product_attention
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 SOFTMAX = (F.softmax, torch.softmax, "softmax")
+LOGSUMEXP = (torch.logsumexp, "logsumexp")
 DROPOUT = (F.dropout, torch.dropout)
 
 
@@ -131,7 +134,14 @@ def eager(k: KVChain, v: KVChain) -> Optional[AttentionCall]:
     x = softcap(x, call)
     x = _where_mask(x, call)
     x = _mask(x, call)
-    nxt = only_user(x, "the attention scores")
+    readers = value_users(x)
+    sink_scale = None
+    if len(readers) == 2 and any(is_call(u, *LOGSUMEXP) for u in readers):
+        sink_scale, nxt = lse_sinks(x, readers, call)
+    else:
+        nxt = only_user(x, "the attention scores")
+    if sink_scale is not None and not (is_call(nxt, *SOFTMAX) and nxt.args[0] is x):
+        raise Skip(f"the attention scores with a logsumexp feed {describe(nxt)} ({nxt.name}), not softmax")
     if is_call(nxt, torch.cat):
         p = sinks(x, nxt, call)
     elif is_call(nxt, *SOFTMAX) and nxt.args[0] is x:
@@ -148,6 +158,12 @@ def eager(k: KVChain, v: KVChain) -> Optional[AttentionCall]:
         raise Skip(f"the attention probabilities feed {describe(m2)} ({m2.name}), not matmul(P, V) over the cache's V")
     call.nodes.append(m2)
     call.anchor = m2
+    if sink_scale is not None:
+        out = only_user(m2, "the attention output")
+        if not (is_call(out, *MUL) and len(out.args) == 2 and not out.kwargs and set(out.args) == {m2, sink_scale}):
+            raise Skip(f"the attention output feeds {describe(out)} ({out.name}), not its product with the sink scale")
+        call.nodes.append(out)
+        call.anchor = out
     return call
 
 
@@ -236,8 +252,8 @@ def _mask(x: fx.Node, call: AttentionCall) -> fx.Node:
     # after a where-mask both apply: the op gets one additive mask, built by the rewrite
     call.mask = other if call.mask is None else WhereMask(call.mask, other)
     call.nodes.append(nxt)
-    after = only_user(nxt, "the masked attention scores")
-    if is_call(after, *ADD, *SUB):
+    after = value_users(nxt)  # several readers: reported by the stage that reads them
+    if len(after) == 1 and is_call(after[0], *ADD, *SUB):
         raise Skip("a second additive term on the attention scores (a position bias such as ALiBi?)")
     return nxt
 
@@ -314,6 +330,42 @@ def sinks(x: fx.Node, cat: fx.Node, call: AttentionCall) -> fx.Node:
     return drop
 
 
+def lse_sinks(x: fx.Node, readers: list, call: AttentionCall) -> tuple[fx.Node, fx.Node]:
+    """Sinks applied after attention (GraniteSWA): ``lse = logsumexp(scores, -1)``, the output of the
+    plain softmax times ``sigmoid(lse - sink)`` per row, with the sink a ``[Hq]`` tensor viewed as
+    ``[1, Hq, 1]``. That factor is ``sum / (sum + exp(sink))``: the sink logit joins the softmax's
+    denominator, which is the op's ``sinks``. Returns (the factor as the output reads it, the softmax)."""
+    lse = next(u for u in readers if is_call(u, *LOGSUMEXP))
+    sm = next(u for u in readers if u is not lse)
+    if lse.args[0] is not x or arg(lse, 1, "dim") not in (-1, 3, [-1], [3], (-1,), (3,)) or arg(lse, 2, "keepdim", False):
+        raise Skip(f"logsumexp over the attention scores is not over the key dim ({lse.args[1:]!r}, {lse.kwargs})")
+    sub = only_user(lse, "the scores' logsumexp")
+    if not (is_call(sub, *SUB) and len(sub.args) == 2 and sub.args[0] is lse):
+        raise Skip(f"the scores' logsumexp feeds {describe(sub)} ({sub.name}), not lse - sinks")
+    call.sinks = _head_vector(sub.args[1], 3, "the logit subtracted from the logsumexp", call)
+    call.form += "+sinks"
+    call.nodes.extend([lse, sub])
+    node, seen = sub, []
+    while True:  # casts, then sigmoid, then casts and the unsqueeze that makes it a column, in any order
+        nxt = only_user(node, "the sink scale")
+        if nxt.op == "call_method" and nxt.target in ("to", "type") or cast_dtype(nxt, node) is not None:
+            if cast_dtype(nxt, node) not in (torch.float32, getattr(val(call.q), "dtype", None)):
+                raise Skip(f"the sink scale is converted with {describe(nxt)}{nxt.args[1:]}")
+        elif is_call(nxt, torch.sigmoid, "sigmoid", F.sigmoid) and "sigmoid" not in seen:
+            seen.append("sigmoid")
+        elif is_call(nxt, "unsqueeze", torch.unsqueeze) and "sigmoid" in seen and "unsqueeze" not in seen:
+            if arg(nxt, 1, "dim") not in (-1, 3):
+                raise Skip(f"the sink scale is unsqueezed at dim {arg(nxt, 1, 'dim')!r}, not as a column")
+            seen.append("unsqueeze")
+        else:
+            break
+        call.nodes.append(nxt)
+        node = nxt
+    if seen != ["sigmoid", "unsqueeze"]:
+        raise Skip(f"the scores' logsumexp minus the sinks feeds {describe(nxt)} ({nxt.name}), not sigmoid(...).unsqueeze(-1)")
+    return node, sm
+
+
 def _max_subtracted(cat: fx.Node, users: list, call: AttentionCall) -> fx.Node:
     """``c - c.max(dim=-1, keepdim=True).values`` (softmax is invariant to it): returns its reader."""
     sub = next((u for u in users if is_call(u, *SUB) and len(u.args) == 2 and u.args[0] is cat), None)
@@ -334,28 +386,39 @@ def _max_subtracted(cat: fx.Node, users: list, call: AttentionCall) -> fx.Node:
 
 
 def _sink_source(col: Any, call: AttentionCall) -> fx.Node:
-    """The ``[Hq]`` tensor a sink column [B, Hq, Tq, 1] is broadcast from, through reshape / view /
-    unsqueeze (keeping one non-unit dim, Hq) and expand (broadcasting unit dims only)."""
+    """The ``[Hq]`` tensor a sink column [B, Hq, Tq, 1] is broadcast from (:func:`_head_vector`)."""
     q = val(call.q)
     hq = q.shape[1]
     c = shape(col)
     if not (isinstance(col, fx.Node) and c is not None and len(c) == 4 and known_eq(c[1], hq) and c[3] == 1):
         raise Skip(f"the column concatenated to the scores has shape {c}, not [B, Hq={hq}, Tq, 1]")
+    return _head_vector(col, 4, "the sink column", call)
+
+
+def _head_vector(col: Any, rank: int, what: str, call: AttentionCall) -> fx.Node:
+    """The ``[Hq]`` tensor ``col`` (of ``rank`` dims, heads at dim 1, every other dim 1 or broadcast)
+    is made from, through reshape / view / unsqueeze (keeping one non-unit dim, Hq) and expand
+    (broadcasting unit dims only)."""
+    hq = val(call.q).shape[1]
+    c = shape(col)
+    if not (isinstance(col, fx.Node) and c is not None and len(c) == rank and known_eq(c[1], hq)
+            and (rank != 3 or c[0] == c[2] == 1)):
+        raise Skip(f"{what} has shape {c}, not per query head")
     node = col
     while True:
         s = shape(node)
         if s is not None and len(s) == 1 and known_eq(s[0], hq):
             return node
         if not (node.op == "call_method" and node.target in ("expand", "reshape", "view", "unsqueeze")):
-            raise Skip(f"the sink column comes from {describe(node)} ({node.name}), not a [Hq] tensor")
+            raise Skip(f"{what} comes from {describe(node)} ({node.name}), not a [Hq] tensor")
         src = shape(node.args[0])
         if src is None:
-            raise Skip(f"the sink column's {node.target} input has no shape")
+            raise Skip(f"{what}'s {node.target} input has no shape")
         if node.target == "expand":
             if len(src) != len(s) or not all(known_eq(a, b) or a == 1 for a, b in zip(src, s)):
-                raise Skip(f"the sink column is expanded from {src} to {s}")
+                raise Skip(f"{what} is expanded from {src} to {s}")
         elif [d for d in s if d != 1] != [hq] or len(s) == 4 and not known_eq(s[1], hq):
-            raise Skip(f"the sink column is reshaped to {s}")
+            raise Skip(f"{what} is reshaped to {s}")
         call.nodes.append(node)
         node = node.args[0]
 
