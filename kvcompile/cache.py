@@ -242,9 +242,10 @@ class QuantizedCache(Cache):
         calib = {}
         if calibration is not None:
             if len(set(shapes)) != 1:
+                name = type(hf.text_config(config)).__name__
                 raise ValueError(
-                    f"kvcompile.QuantizedCache: the layers of {type(hf.text_config(config)).__name__} differ in (kv heads, "
-                    f"head dim): {sorted(set(shapes))}, and a calibration holds one [layers, kv heads(, head_dim)] shape; "
+                    f"kvcompile.QuantizedCache: the layers of {name} differ in (kv heads, head dim): "
+                    f"{sorted(set(shapes))}, and a calibration holds one [layers, kv heads(, head_dim)] shape; "
                     "build this model's cache without calibration (per-token scales need none)"
                 )
             (kv_heads, head_dim), = set(shapes)

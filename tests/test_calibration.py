@@ -169,7 +169,8 @@ def test_layers_of_different_shapes_are_served_without_calibration():
     from models import tiny_model
 
     model = tiny_model("gemma4", sliding_window=4)
-    with pytest.raises(ValueError, match=r"kvcompile.calibrate: the layers of this model differ .*\(1, 64\), \(2, 32\)"):
+    differ = r"kvcompile.calibrate: the layers of this model differ .*\(1, 64\), \(2, 32\)"
+    with pytest.raises(ValueError, match=differ):
         kvcompile.calibrate(model, [torch.arange(3, 19)])
     with pytest.raises(ValueError, match=r"differ in \(kv heads, head dim\).*without calibration"):
         kvcompile.QuantizedCache(model.config, max_cache_len=16, kv_dtype="fp8_e4m3",

@@ -19,8 +19,9 @@ something the op does not). ``softcap`` and ``sinks`` are stages of the eager ch
   read by ``logsumexp(dim=-1)`` and the softmax, and ``P @ V`` multiplied by
   ``sigmoid(lse - sinks.view(1, -1, 1)).unsqueeze(-1)`` (:func:`lse_sinks`; the same sink logit).
 
-Every intermediate of a form but the scores GraniteSWA's sinks read must have exactly one reader: an attention whose probabilities are
-returned (``output_attentions=True``) or read by anything else is left alone, with the reason.
+Every intermediate of a form (but the scores that GraniteSWA's sinks read) must have one reader:
+an attention whose probabilities are returned (``output_attentions=True``) or read by anything
+else is left alone, with the reason.
 Anything else on the scores (a second additive term such as an ALiBi or position bias, a
 ``masked_fill``, a different normalisation) does not match and is reported.
 """
@@ -337,7 +338,8 @@ def lse_sinks(x: fx.Node, readers: list, call: AttentionCall) -> tuple[fx.Node, 
     denominator, which is the op's ``sinks``. Returns (the factor as the output reads it, the softmax)."""
     lse = next(u for u in readers if is_call(u, *LOGSUMEXP))
     sm = next(u for u in readers if u is not lse)
-    if lse.args[0] is not x or arg(lse, 1, "dim") not in (-1, 3, [-1], [3], (-1,), (3,)) or arg(lse, 2, "keepdim", False):
+    dim, keepdim = arg(lse, 1, "dim"), arg(lse, 2, "keepdim", False)
+    if lse.args[0] is not x or dim not in (-1, 3, [-1], [3], (-1,), (3,)) or keepdim:
         raise Skip(f"logsumexp over the attention scores is not over the key dim ({lse.args[1:]!r}, {lse.kwargs})")
     sub = only_user(lse, "the scores' logsumexp")
     if not (is_call(sub, *SUB) and len(sub.args) == 2 and sub.args[0] is lse):
@@ -362,7 +364,8 @@ def lse_sinks(x: fx.Node, readers: list, call: AttentionCall) -> tuple[fx.Node, 
         call.nodes.append(nxt)
         node = nxt
     if seen != ["sigmoid", "unsqueeze"]:
-        raise Skip(f"the scores' logsumexp minus the sinks feeds {describe(nxt)} ({nxt.name}), not sigmoid(...).unsqueeze(-1)")
+        raise Skip(f"the scores' logsumexp minus the sinks feeds {describe(nxt)} ({nxt.name}), "
+                   "not sigmoid(...).unsqueeze(-1)")
     return node, sm
 
 
