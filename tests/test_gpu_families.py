@@ -19,11 +19,18 @@ SHAPES = {  # per layer: falcon-7b's heads and head_dim; GPT-J's and GPT-2's hea
     "falcon": dict(hidden_size=71 * 64, num_attention_heads=71),
     "gptj": dict(hidden_size=8 * 256, num_attention_heads=8, rotary_dim=64),
     "gpt2": dict(hidden_size=12 * 64, num_attention_heads=12),
+    # Gemma 4's layer shapes at a quarter of its head dims: a window layer of 2 kv heads x 64, a full one of
+    # 1 x 128 (a cache shape per layer); its per-layer input embeddings cover the vocabulary
+    "gemma4": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=16,
+                   vocab_size_per_layer_input=1024, per_layer_config={1: dict(head_dim=128, num_key_value_heads=1)}),
+    # GraniteSWA: a window layer and a full one, the sinks applied after attention (drawn wide below)
+    "granite_swa": dict(hidden_size=4 * 128, num_attention_heads=4, num_key_value_heads=2, sliding_window=16),
 }
 
 
 # GPT-J's float32 scores are its eager attention (the device's transformers 5.17 has no SDPA path for it)
-CASES = [("falcon", "sdpa"), ("falcon", "eager"), ("gptj", "eager"), ("gpt2", "sdpa"), ("gpt2", "eager")]
+CASES = [("falcon", "sdpa"), ("falcon", "eager"), ("gptj", "eager"), ("gpt2", "sdpa"), ("gpt2", "eager"),
+         ("gemma4", "sdpa"), ("granite_swa", "eager")]
 
 
 @pytest.mark.parametrize("family, attn", CASES)
@@ -36,6 +43,9 @@ def test_compiled_decode_matches_eager(family, attn):
     torch._dynamo.reset()
     model = tiny_model(family, attn, dtype=torch.bfloat16, device="cuda", vocab_size=1024, num_hidden_layers=2,
                        max_position_embeddings=256, **SHAPES[family])
+    for layer in model.model.layers:
+        if hasattr(layer.self_attn, "sinks"):
+            torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
     kw = cache_kwarg(model)
     backend = kvcompile.backend("int8")
     compiled = torch.compile(model.forward, backend=backend, fullgraph=True)
@@ -52,3 +62,30 @@ def test_compiled_decode_matches_eager(family, attn):
     report = backend.report()
     assert report and all(r["found"] == r["rewritten"] == 2 and not r["skipped"] for r in report), report
     assert worst < 1e-1, f"compiled vs eager logits: {worst:.3e}"
+
+
+def test_head_dim_without_a_kernel_runs_the_models_attention():
+    """Gemma 4's full-attention layers have head_dim 512, which the Triton kernels do not serve: the
+    pass leaves that layer's attention to the model (over the dequantized cache) with the reason and
+    rewrites the window layer; the compiled logits stay within the bound above of eager's."""
+    torch._dynamo.reset()
+    shapes = dict(SHAPES["gemma4"], per_layer_config={1: dict(head_dim=512, num_key_value_heads=1)})
+    model = tiny_model("gemma4", "sdpa", dtype=torch.bfloat16, device="cuda", vocab_size=1024, num_hidden_layers=2,
+                       max_position_embeddings=256, **shapes)
+    kw = cache_kwarg(model)
+    backend = kvcompile.backend("int8")
+    compiled = torch.compile(model.forward, backend=backend, fullgraph=True)
+    caches = [kvcompile.QuantizedCache(model.config, max_batch_size=2, max_cache_len=64, kv_dtype="int8",
+                                       device="cuda") for _ in range(2)]
+    assert [layer.head_dim for layer in caches[0].layers] == [64, 512]
+    ids = torch.randint(3, 1024, (2, 24), device="cuda")
+    with torch.no_grad():
+        outs = [fn(input_ids=ids, **{kw: c}).logits[:, -1].float() for fn, c in zip((model.forward, compiled), caches)]
+        tok = outs[0].argmax(-1, keepdim=True)
+        outs += [fn(input_ids=tok, **{kw: c}).logits[:, -1].float() for fn, c in zip((model.forward, compiled), caches)]
+    for r in backend.report():
+        assert (r["found"], r["rewritten"]) == (2, 1), r
+        (site, reason), = r["skipped"]
+        assert "layers.1." in site and "head_dim 512" in reason, r
+    for eager, comp in (outs[:2], outs[2:]):
+        assert ((comp - eager).norm() / eager.norm()).item() < 1e-1
