@@ -206,7 +206,8 @@ def _bytes_per_element(name: str, model) -> float:
     k, v = formats.resolve_kv_dtypes(opts.get("kv_dtype"), opts.get("k_dtype"), opts.get("v_dtype"))
     g = opts.get("granularity")
     kf, vf = formats.get_format(k, g), formats.get_format(v, g)
-    shapes = per_layer_shapes(model.config)  # weighted by each layer's elements where the layers differ
+    # weighted by each layer's elements where the layers differ (a layer without K/V of its own: none)
+    shapes = [s for s in per_layer_shapes(model.config) if s is not None]
     total = sum(h * d for h, d in shapes)
     return sum(h * d * (kf.bytes_per_element(d) + vf.bytes_per_element(d)) / 2 for h, d in shapes) / total
 

@@ -11,7 +11,7 @@ a kernel runs, so the package imports on machines without a GPU.
 
 from . import ops  # noqa: F401  (registers torch.ops.kvcompile.*)
 from .cache import QuantizedCache
-from .cache_layer import QuantizedLayer
+from .cache_layer import NoKVLayer, QuantizedLayer
 from .calibration import calibrate, load_calibration, save_calibration
 from .formats import DEFAULT_KV_DTYPE, KV_DTYPES, KVFormat, format_of, get_format
 from .graphs import BatchPaddedForward, default_capture_sizes
@@ -21,6 +21,7 @@ __all__ = [
     "DEFAULT_KV_DTYPE",
     "KV_DTYPES",
     "KVFormat",
+    "NoKVLayer",
     "QuantizedCache",
     "QuantizedLayer",
     "calibrate",

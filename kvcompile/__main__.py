@@ -171,7 +171,7 @@ def cache_size_lines(config, *, max_cache_len=None, batch=1, kv_dtype=None, gran
     measured on the meta device (nothing is allocated). ``kv_dtype=None``: the cache's default format."""
     import warnings
 
-    from .cache import CacheSizeWarning, QuantizedCache
+    from .cache import CacheSizeWarning, NoKVLayer, QuantizedCache
 
     fmt_kw = {} if kv_dtype is None else {"kv_dtype": kv_dtype}
     with warnings.catch_warnings():
@@ -190,9 +190,13 @@ def cache_size_lines(config, *, max_cache_len=None, batch=1, kv_dtype=None, gran
         if i == len(sizes) or sizes[i] != sizes[start]:
             layer = cache.layers[start]
             span = f"layer {start}" if i - start == 1 else f"layers {start}-{i - 1}"
-            lines.append(f"  {span:14s} {sizes[start]:>14,d} bytes ({_mib(sizes[start])}) each: "
-                         f"{layer.num_heads} kv heads x head_dim {layer.head_dim} x {layer.slots} positions"
-                         + (f" (a ring: sliding window {layer.sliding_window})" if layer.ring else ""))
+            if isinstance(layer, NoKVLayer):
+                lines.append(f"  {span:14s} {0:>14,d} bytes: no K/V of their own (they reuse an earlier layer's "
+                             "K/V, or have no attention)")
+            else:
+                lines.append(f"  {span:14s} {sizes[start]:>14,d} bytes ({_mib(sizes[start])}) each: "
+                             f"{layer.num_heads} kv heads x head_dim {layer.head_dim} x {layer.slots} positions"
+                             + (f" (a ring: sliding window {layer.sliding_window})" if layer.ring else ""))
             start = i
     lines.append(f"  total          {total:>14,d} bytes ({_mib(total)}); a bf16 cache of the same capacity: "
                  f"{_mib(bf16)} ({total / bf16:.3f}x)")

@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from . import formats, hf, rotation, tp
-from .cache_layer import QuantizedLayer, v_codes_buffer  # re-exported: kvcompile.cache names them too
+from .cache_layer import NoKVLayer, QuantizedLayer, v_codes_buffer  # re-exported: kvcompile.cache names them too
 
 __all__ = ["CacheSizeWarning", "QuantizedCache", "QuantizedLayer", "v_codes_buffer"]
 
@@ -102,7 +102,9 @@ class QuantizedCache(Cache):
         config: the model config (``model.config``). Its layer shapes, attention types and sliding
             windows are read as transformers' own caches read them (:mod:`kvcompile.hf`); a model the
             cache cannot serve (encoder-decoder, cross-attention, multi-head latent attention, ALiBi,
-            chunked or linear attention, K/V shared across layers) raises ``ValueError`` naming why.
+            chunked or linear attention) raises ``ValueError`` naming why. Layers may differ in shape
+            (Gemma 4), and a layer that stores no K/V of its own (Gemma 3n / 4's shared layers, which
+            attend over the K/V an earlier layer returned) holds a :class:`NoKVLayer`.
             Sliding-window layers (Mistral, Qwen2 with ``use_sliding_window``, Phi-3, Gemma 2/3,
             gpt-oss, Cohere2) are served and store only their window (see ``ring``).
         max_batch_size: the largest batch the cache serves (a smaller batch uses its leading rows).
@@ -212,8 +214,9 @@ class QuantizedCache(Cache):
                 )
         max_cache_len = _positive_int("max_cache_len", max_cache_len)
         device = _checked_device(device)
-        shapes = hf.per_layer_shapes(config)  # (kv heads, head_dim) per layer; refuses what the cache cannot serve
-        num_layers, head_dims = len(shapes), sorted({d for _, d in shapes})
+        # (kv heads, head_dim) per layer, None for a layer without K/V of its own; refuses what the cache cannot serve
+        shapes = hf.per_layer_shapes(config)
+        num_layers, head_dims = len(shapes), sorted({s[1] for s in shapes if s is not None})
         windows = hf.layer_windows(config)
         hf.check_cache_length(config, max_cache_len)
         for head_dim in head_dims:
@@ -245,7 +248,7 @@ class QuantizedCache(Cache):
                 name = type(hf.text_config(config)).__name__
                 raise ValueError(
                     f"kvcompile.QuantizedCache: the layers of {name} differ in (kv heads, head dim): "
-                    f"{sorted(set(shapes))}, and a calibration holds one [layers, kv heads(, head_dim)] shape; "
+                    f"{hf._shape_list(shapes)}, and a calibration holds one [layers, kv heads(, head_dim)] shape; "
                     "build this model's cache without calibration (per-token scales need none)"
                 )
             (kv_heads, head_dim), = set(shapes)
@@ -258,8 +261,8 @@ class QuantizedCache(Cache):
                 "calibration=kvcompile.calibrate(model, texts) (or the safetensors file it saved)"
             )
         layers = [
-            QuantizedLayer(
-                k_fmt, max_batch_size, max_cache_len, kv_heads, head_dim, i,
+            NoKVLayer(i, max_batch_size, max_cache_len) if shape is None else QuantizedLayer(
+                k_fmt, max_batch_size, max_cache_len, shape[0], shape[1], i,
                 k_static_scale=calib["k_scale"][i] if fmt.is_static else None,
                 v_static_scale=calib["v_scale"][i] if fmt.is_static else None,
                 k_offset=calib["k_offset"][i] if "k_offset" in calib else None,
@@ -267,9 +270,9 @@ class QuantizedCache(Cache):
                 v_fmt=v_fmt, k_rotate=k_rotate, v_rotate=v_rotate,
                 sliding_window=windows[i], ring=ring,
             )
-            for i, (kv_heads, head_dim) in enumerate(shapes)
+            for i, shape in enumerate(shapes)
         ]
-        for layer in layers:  # this rank's kv heads under tensor parallelism
+        for layer in self._kv_layers(layers):  # this rank's kv heads under tensor parallelism
             tp.shard_layer(layer, tp.shard(layer.num_heads, tp_size))
         super().__init__(layers=layers)
         self.fmt = self.k_fmt = k_fmt  # ``fmt``: K's format, as before K and V could differ
@@ -286,6 +289,11 @@ class QuantizedCache(Cache):
         if device is not None:
             for layer in self.layers:
                 layer.allocate(device)
+
+    @staticmethod
+    def _kv_layers(layers) -> list[QuantizedLayer]:
+        """The layers that store K/V (every one but the :class:`NoKVLayer` placeholders)."""
+        return [layer for layer in layers if isinstance(layer, QuantizedLayer)]
 
     def _warn_size_from_config(self, stacklevel: int) -> None:
         total = self.planned_nbytes()
@@ -316,7 +324,7 @@ class QuantizedCache(Cache):
     def bytes_per_element(self) -> float:
         """Bytes per cached K or V element (mean of K and V; where the layers' shapes differ, weighted by
         each layer's elements per position), scales included (see KVFormat)."""
-        per_pos = [(l.num_heads * l.head_dim, l.head_dim) for l in self.layers]  # elements per position
+        per_pos = [(l.num_heads * l.head_dim, l.head_dim) for l in self._kv_layers(self.layers)]  # per position
         total = sum(n for n, _ in per_pos)
         return sum(n * (self.k_fmt.bytes_per_element(D) + self.v_fmt.bytes_per_element(D)) / 2
                    for n, D in per_pos) / total
@@ -365,6 +373,6 @@ class QuantizedCache(Cache):
                    else "(each stores max_cache_len positions: ring=False)")
             )
         return (
-            f"kvcompile.QuantizedCache({self.layers[0].format_name}, layers={len(self.layers)}, "
+            f"kvcompile.QuantizedCache({self._kv_layers(self.layers)[0].format_name}, layers={len(self.layers)}, "
             f"max_batch_size={self.max_batch_size}, max_cache_len={self.max_cache_len}{extra})"
         )

@@ -22,7 +22,12 @@ from transformers.cache_utils import CacheLayerMixin
 
 from . import formats, ops, rotation, tp
 
-__all__ = ["QuantizedLayer", "V_LAYOUTS", "v_codes_buffer"]
+__all__ = ["NoKVLayer", "QuantizedLayer", "V_LAYOUTS", "v_codes_buffer"]
+
+try:  # transformers' placeholder for a layer without a K/V store of its own (masks and offloading skip it)
+    from transformers.cache_utils import DummyLayer as _DummyLayer
+except ImportError:  # older transformers: kvcompile.hf refuses such layers there (hf.HAS_NO_KV_LAYERS)
+    _DummyLayer = object
 
 
 _KV_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -408,3 +413,60 @@ class QuantizedLayer(CacheLayerMixin):
             f"QuantizedLayer({self.format_name}, B={self.max_batch_size}, Hkv={self.num_heads}, L={self.max_cache_len}, "
             f"D={self.head_dim}{window})"
         )
+
+
+class NoKVLayer(_DummyLayer):
+    """A decoder layer that stores no K/V in the cache (transformers' ``"dummy"`` cache layer): a layer
+    that reuses an earlier layer's K/V (Gemma 3n's and Gemma 4's ``num_kv_shared_layers``: the model
+    hands it the K/V the earlier layer's ``update`` returned) or has no attention. It holds nothing
+    and is never updated; the sizes below are zero so the cache's totals count it as nothing."""
+
+    num_heads = head_dim = slots = sliding_window = nbytes = 0
+    ring = False
+
+    def __init__(self, layer_idx: int, max_batch_size: int, max_cache_len: int):
+        self.layer_idx, self.max_batch_size, self.max_cache_len = layer_idx, max_batch_size, max_cache_len
+        self.is_initialized = True
+        self.keys = self.values = None
+
+    def allocate(self, device, layout_device=None) -> None:
+        pass
+
+    def buffers(self) -> list:
+        return []
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if key_states is None and value_states is None:  # transformers' DummyLayer contract
+            return None, None
+        raise ValueError(
+            f"kvcompile.QuantizedCache: layer {self.layer_idx} stores no K/V (its config makes it reuse an earlier "
+            "layer's K/V, or gives it no attention), but the model wrote K/V into it; build the cache from this "
+            "model's own config (QuantizedCache(model.config, ...))"
+        )
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        pass
+
+    def crop(self, tokens_to_remove: int) -> None:
+        pass
+
+    def reorder_cache(self, beam_idx) -> None:
+        pass
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        pass
+
+    def batch_select_indices(self, indices) -> None:
+        pass
+
+    def offload(self) -> None:
+        pass
+
+    def prefetch(self) -> None:
+        pass

@@ -38,7 +38,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from .hf import cache_kwarg, per_layer_shapes
+from .hf import _shape_list, cache_kwarg, per_layer_shapes
 
 __all__ = ["calibrate", "load_calibration", "save_calibration", "shipped_calibrations", "CALIBRATION_KEYS",
            "FILE_METADATA"]
@@ -283,7 +283,7 @@ def calibrate(
     shapes = per_layer_shapes(model.config)
     if len(set(shapes)) != 1:
         raise ValueError(
-            f"kvcompile.calibrate: the layers of this model differ in (kv heads, head dim): {sorted(set(shapes))}, "
+            f"kvcompile.calibrate: the layers of this model differ in (kv heads, head dim): {_shape_list(shapes)}, "
             "and a calibration holds one [layers, kv heads(, head_dim)] shape; serve it without calibration "
             "(per-token scales need none)"
         )

@@ -31,6 +31,7 @@ __all__ = [
     "layer_shapes",
     "layer_types",
     "layer_windows",
+    "NO_KV_LAYER_TYPE",
     "per_layer_shapes",
     "text_config",
 ]
@@ -39,6 +40,20 @@ __all__ = [
 #: ring, :mod:`kvcompile.ring`); the window is applied by the model's mask in eager mode and by the
 #: kvcompile attention ops in compiled code.
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+#: transformers' cache-layer type of a layer with no K/V store of its own (a layer that reuses an earlier
+#: layer's K/V, or has no attention): the cache holds a placeholder there (:class:`kvcompile.NoKVLayer`).
+NO_KV_LAYER_TYPE = "dummy"
+
+
+def _has_no_kv_layers() -> bool:
+    """Whether this transformers has the placeholder layer (``DummyLayer``, with ``kv_sharing_modes``:
+    the sharing layers take the K/V the earlier layer's ``update`` returned, not the cache's storage)."""
+    try:
+        from transformers.cache_utils import DummyLayer  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 _USE_HF_CACHE = "use transformers' own cache (DynamicCache / StaticCache) for this model"
 
@@ -221,7 +236,7 @@ def check_config(config) -> None:
             "query"
         )
     shared = _attr(text, "num_kv_shared_layers", 0)
-    if shared:
+    if shared and not (_has_no_kv_layers() and getattr(text, "kv_sharing_modes", None) is not None):
         raise UnsupportedModelError(
             f"{name} shares K/V across layers (num_kv_shared_layers={shared}: Gemma 3n, Gemma 4): those layers "
             "read another layer's cache entries directly"
@@ -233,6 +248,8 @@ def check_config(config) -> None:
         )
     types, kwargs = _types_and_kwargs(text)
     for i, (t, kw) in enumerate(zip(types, kwargs)):
+        if t == NO_KV_LAYER_TYPE and _has_no_kv_layers():
+            continue
         if t in SUPPORTED_LAYER_TYPES:
             if t == "sliding_attention":
                 w = kw.get("sliding_window")
@@ -266,11 +283,14 @@ def _kv_heads(cfg, heads: int) -> int:
     return getattr(cfg, "num_kv_heads", None) or heads
 
 
-def _per_layer_shapes(text) -> list[tuple[int, int]]:
+def _per_layer_shapes(text) -> list[tuple[int, int] | None]:
     name = type(text).__name__
     shapes = []
     types, _ = _types_and_kwargs(text)
     for cfg, layer_type in zip(_layer_configs(text), types):
+        if layer_type == NO_KV_LAYER_TYPE:
+            shapes.append(None)
+            continue
         heads = cfg.num_attention_heads
         kv_heads = _kv_heads(cfg, heads)
         if getattr(text, "model_type", "") == "mimo_v2_flash" and layer_type == "sliding_attention":
@@ -285,10 +305,12 @@ def _per_layer_shapes(text) -> list[tuple[int, int]]:
     return shapes
 
 
-def per_layer_shapes(config) -> list[tuple[int, int]]:
+def per_layer_shapes(config) -> list[tuple[int, int] | None]:
     """``(kv_heads, head_dim)`` of each decoder layer, which may differ between layers (Gemma 4's
     global layers have twice the head dim of its sliding ones, MiMo-V2-Flash's sliding layers twice
-    the kv heads); refuses (:class:`UnsupportedModelError`) what the cache cannot serve."""
+    the kv heads); ``None`` for a layer that stores no K/V of its own (:data:`NO_KV_LAYER_TYPE`: it
+    reuses an earlier layer's, or has no attention). Refuses (:class:`UnsupportedModelError`) what
+    the cache cannot serve."""
     check_config(config)
     return _per_layer_shapes(text_config(config))
 
@@ -301,10 +323,16 @@ def layer_shapes(config) -> tuple[int, int, int]:
     if len(set(shapes)) != 1:
         raise ValueError(
             f"kvcompile: the layers of {type(text_config(config)).__name__} differ in (kv heads, head dim): "
-            f"{sorted(set(shapes))}; layer_shapes describes one shape for every layer (kvcompile.hf.per_layer_shapes "
+            f"{_shape_list(shapes)}; layer_shapes describes one shape for every layer (kvcompile.hf.per_layer_shapes "
             "gives each layer's)"
         )
     return len(shapes), shapes[0][0], shapes[0][1]
+
+
+def _shape_list(shapes: list) -> str:
+    """The distinct shapes of :func:`per_layer_shapes`, a layer without K/V named as such."""
+    names = sorted({s for s in shapes if s is not None})
+    return str(names) + (" and layers that store no K/V" if None in shapes else "")
 
 
 def layer_windows(config) -> list[int]:

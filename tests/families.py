@@ -64,6 +64,14 @@ ROWS: list[Row] = [
     Row("gemma4", "gemma4", "Gemma 4 (text)", "Gemma4TextConfig's defaults", dict(sliding_window=W),
         no_window=dict(sliding_window=WIDE),
         note="head_dim 256 on the sliding layers, 512 on the full ones: each layer's cache has its own shape"),
+    Row("gemma4_shared", "gemma4", "Gemma 4 (text), num_kv_shared_layers", "Gemma4TextConfig(num_kv_shared_layers=10)",
+        dict(sliding_window=W, num_hidden_layers=4, num_kv_shared_layers=1,
+             per_layer_config={i: dict(head_dim=64, num_key_value_heads=1) for i in (1, 3)}),
+        no_window=dict(sliding_window=WIDE), real=dict(num_kv_shared_layers=10),
+        note="the reading layers store no K/V"),
+    Row("gemma3n", "gemma3n", "Gemma 3n (text)", "gemma-3n-E4B", dict(sliding_window=W),
+        no_window=dict(sliding_window=WIDE),
+        note="the reading layers store no K/V"),
     Row("gpt_oss", "gpt_oss", "gpt-oss", "gpt-oss-20b", dict(sliding_window=W), no_window=dict(layer_types=_FULL2),
         real=dict(num_hidden_layers=24, sliding_window=128), attn=("eager",), note="a learned sink logit per head"),
     Row("granite", "granite", "Granite", "granite-3.0-8b", {}, real=dict(num_hidden_layers=40)),
@@ -90,9 +98,14 @@ ROWS: list[Row] = [
 
 
 def _in_this_transformers(row: Row) -> bool:
-    from models import FAMILIES
+    """The row's config class exists here, and (K/V shared across layers) transformers hands the
+    sharing layers the K/V the earlier layer's update returned (kvcompile.hf refuses it before)."""
+    from kvcompile import hf
+    from models import FAMILIES, tiny_config
 
-    return hasattr(transformers, FAMILIES[row.family][0])
+    if not hasattr(transformers, FAMILIES[row.family][0]):
+        return False
+    return hf._has_no_kv_layers() or not getattr(tiny_config(row.family, **row.tiny), "num_kv_shared_layers", 0)
 
 
 ROWS = [row for row in ROWS if _in_this_transformers(row)]  # an older release lacks the newest families
@@ -123,7 +136,6 @@ REFUSED: list[Refused] = [
     Refused("Bloom", "bloom-7b1", _cfg("BloomConfig"), "ALiBi"),
     Refused("MPT", "mpt-7b", _cfg("MptConfig"), "ALiBi"),
     Refused("Falcon (alibi=True)", "falcon-rw-1b", _cfg("FalconConfig", alibi=True), "ALiBi"),
-    Refused("Gemma 3n", "gemma-3n-E4B", _cfg("Gemma3nTextConfig"), "shares K/V"),
     Refused("Moshi", "moshiko-pytorch-bf16", _cfg("MoshiConfig"), "masks them as full causal"),
     Refused("BERT / RoBERTa as a causal LM, is_decoder=False", "bert-base-uncased", _cfg("BertConfig"),
             "attends bidirectionally unless"),
@@ -144,14 +156,18 @@ def real_config(row: Row):
 def attention_summary(row: Row) -> str:
     from kvcompile import hf
 
-    windows = hf.layer_windows(real_config(row))
+    cfg = real_config(row)
+    windows, no_kv = hf.layer_windows(cfg), sum(shape is None for shape in hf.per_layer_shapes(cfg))
     n, sliding = len(windows), [w for w in windows if w]
+    full = n - len(sliding) - no_kv
     if not sliding:
         text = f"full attention, {n} layers"
     else:
         text = f"window {'/'.join(str(w) for w in sorted(set(sliding)))} on {len(sliding)} of {n} layers"
-        if len(sliding) < n:
-            text += f", full on {n - len(sliding)}"
+        if full:
+            text += f", full on {full}"
+    if no_kv:
+        text += f", {no_kv} reading an earlier layer's K/V"
     return text + (f"; {row.note}" if row.note else "")
 
 

@@ -58,6 +58,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma4": ("Gemma4TextConfig", dict(num_hidden_layers=2, layer_types=_TWO, vocab_size_per_layer_input=96,
                                         hidden_size_per_layer_input=16,
                                         per_layer_config={1: dict(head_dim=64, num_key_value_heads=1)})),
+    # Gemma 3n (text; gemma-3n-E4B): hidden 2048, 35 layers, 4 window-512 layers per global one, 8 q / 2 kv
+    # heads, head_dim 256, AltUp and Laurel blocks, per-layer input embeddings; its last 15 layers store no
+    # K/V and read the K/V of the last earlier layer of their type. Tiny: 4 layers, the last (full) reading
+    # layer 1's
+    "gemma3n": ("Gemma3nTextConfig", dict(num_hidden_layers=4, layer_types=_TWO, num_kv_shared_layers=1,
+                                          vocab_size_per_layer_input=96, hidden_size_per_layer_input=16,
+                                          altup_num_inputs=2, laurel_rank=8, activation_sparsity_pattern=[0.0] * 4,
+                                          intermediate_size=[128] * 4)),
     # gpt-oss-20b: hidden 2880, 24 layers alternating window-128 / global, 64 q / 8 kv heads,
     # head_dim 64, a learned sink logit per head, 32 experts top-4 (eager only in transformers)
     "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=2, layer_types=_TWO, num_local_experts=4,

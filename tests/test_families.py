@@ -45,7 +45,10 @@ from utils import max_rel_err
 
 KV_DTYPES = [k for k in ("fp8_e4m3", "q8_0", "int8") if k in kvcompile.KV_DTYPES]
 B, PROMPT, STEPS, MAX_LEN, PAD = 2, 8, 3, 16, 3
-ATOL = RTOL = 1e-4  # compiled vs eager over the same cache (see the module docstring)
+# compiled vs eager over the same cache (see the module docstring). Same codes only while every earlier layer
+# rounds alike: a float32 difference in a layer's input can flip one code of a later layer (seen on a 6-layer
+# Gemma 3n with q8_0: one K code of layer 3, 1.2e-4 in the logits), so the rows keep to 4 layers or fewer
+ATOL = RTOL = 1e-4
 # eager over QuantizedCache vs HF's DynamicCache holding the same dequantized values: both
 # attention paths run in float32 on equal K/V; ours attends over all 16 slots with the padding and
 # window masked, HF's over the tokens it keeps; measured <= 6e-7 of max|logits| over the whole
@@ -175,7 +178,8 @@ def _pass_then_eager():
 
 @dataclasses.dataclass
 class Result:
-    layers: int
+    layers: int  # layers that store K/V (a layer that reads an earlier layer's stores none)
+    shared: int  # layers whose K/V later layers read too: their sites stay with the model's attention
     eager: dict  # "nomask" / "mask" -> logits per call, over QuantizedCache
     hf: dict  # the same over ReplayDynamicCache (the same 8-bit values)
     control: list | None  # window removed, unmasked, over QuantizedCache
@@ -208,7 +212,8 @@ def _result(case: Case) -> Result:
     qcache = lambda: kvcompile.QuantizedCache(cfg, max_batch_size=B, max_cache_len=MAX_LEN, kv_dtype=kv)  # noqa: E731
     ids, mask = _prompt()
     toks = _greedy_tokens(model, qcache(), ids)
-    res = Result(layers=cfg.num_hidden_layers, eager={}, hf={}, control=None)
+    res = Result(layers=sum(shape is not None for shape in kvcompile.hf.per_layer_shapes(cfg)),
+                 shared=_shared_producers(cfg), eager={}, hf={}, control=None)
     for m, mk in (("nomask", None), ("mask", mask)):
         recording = RecordingCache(cfg, max_batch_size=B, max_cache_len=MAX_LEN, kv_dtype=kv)
         res.eager[m] = _steps(model.forward, model, recording, ids, mk, toks)
@@ -238,6 +243,17 @@ def _result(case: Case) -> Result:
     return res
 
 
+def _shared_producers(cfg) -> int:
+    """Layers whose K/V later layers read (transformers' kv_sharing_modes: "store" where a "reuse"
+    layer of the same type follows)."""
+    modes = getattr(cfg, "kv_sharing_modes", None)
+    if not modes:
+        return 0
+    types = kvcompile.hf.text_config(cfg).layer_types
+    read = {t for t, m in zip(types, modes) if m == "reuse"}
+    return sum(1 for t, m in zip(types, modes) if m == "store" and t in read)
+
+
 def _compiled(res: Result) -> Result:
     if res.error is not None:
         raise AssertionError(f"the compiled run failed: {type(res.error).__name__}: {res.error}") from res.error
@@ -251,14 +267,19 @@ def _compiled(res: Result) -> Result:
 
 @pytest.mark.parametrize("case", _cases())
 def test_every_graph_is_rewritten(case):
+    """Every attention over the cache is rewritten, but where later layers read a layer's K/V too
+    (Gemma 3n / 4's num_kv_shared_layers): the pass leaves those sites, the layer's and its readers',
+    to the model's attention, each with that reason."""
     res = _compiled(_result(case))
     bad = []
+    want = res.layers - res.shared
     for call, reports in res.reports.items():
         with_cache = [r for r in reports if r["found"]]
         assert len(with_cache) >= 2, f"{call}: expected a prefill and a decode graph over the cache, got {reports}"
         for i, r in enumerate(reports):
-            if (r["found"], r["rewritten"], r["skipped"]) != (res.layers, res.layers, []):
-                reasons = sorted({reason for _, reason in r["skipped"]})
+            reasons = sorted({reason for _, reason in r["skipped"]})
+            shared = all("is read by several nodes" in reason for reason in reasons)
+            if (r["found"], r["rewritten"], len(r["skipped"])) != (res.layers, want, res.shared) or not shared:
                 bad.append(f"{call} graph {i}: {r['rewritten']}/{r['found']} of {res.layers} rewritten; {reasons}")
     assert not bad, "\n".join(bad)
 

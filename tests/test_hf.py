@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def _windows_of_static_cache(config, max_cache_len: int = 1 << 20) -> list[int]:
     """transformers' StaticCache: a sliding layer holds min(window, max_cache_len) positions."""
     cache = transformers.StaticCache(config=config, max_cache_len=max_cache_len)
-    return [layer.max_cache_len if layer.is_sliding else 0 for layer in cache.layers]
+    return [layer.max_cache_len if getattr(layer, "is_sliding", False) else 0 for layer in cache.layers]
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
@@ -35,7 +35,9 @@ def test_windows_match_transformers_static_cache(row):
         configs.append(tiny_config(row.family, **{**row.tiny, **row.no_window}))
     for cfg in configs:
         assert hf.layer_windows(cfg) == _windows_of_static_cache(cfg)
-        assert hf.layer_types(cfg) == ["sliding_attention" if w else "full_attention" for w in hf.layer_windows(cfg)]
+        types = ["sliding_attention" if w else "full_attention" for w in hf.layer_windows(cfg)]
+        no_kv = [shape is None for shape in hf.per_layer_shapes(cfg)]  # a layer reading another's K/V
+        assert hf.layer_types(cfg) == [hf.NO_KV_LAYER_TYPE if n else t for t, n in zip(types, no_kv)]
     tiny, control = hf.layer_windows(configs[0]), hf.layer_windows(configs[-1])
     if row.windowed:  # the test matrix's window rows slide somewhere, and their controls nowhere in its caches
         assert any(tiny) and all(w == 0 or w >= WIDE for w in control)
@@ -52,10 +54,11 @@ def test_layer_shapes_are_what_the_model_writes(row):
     cache = transformers.DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=torch.tensor([[3, 4, 5]]), use_cache=True, **{cache_kwarg(model): cache})
-    written = [(layer.keys.shape[1], layer.keys.shape[3]) for layer in cache.layers]
+    written = [None if layer.keys is None else (layer.keys.shape[1], layer.keys.shape[3]) for layer in cache.layers]
     assert hf.per_layer_shapes(model.config) == written
     built = kvcompile.QuantizedCache(model.config, max_cache_len=8, kv_dtype="fp8_e4m3")
-    assert [(layer.num_heads, layer.head_dim) for layer in built.layers] == written
+    assert [None if isinstance(layer, kvcompile.NoKVLayer) else (layer.num_heads, layer.head_dim)
+            for layer in built.layers] == written
     if len(set(written)) == 1:
         assert hf.layer_shapes(model.config) == (len(written), *written[0])
     else:
@@ -298,3 +301,22 @@ def test_kvcompile_has_no_import_cycle():
     for node in sorted(graph):
         if node not in state:
             visit(node, [])
+
+
+@pytest.mark.skipif(not hf._has_no_kv_layers(), reason="this transformers has no placeholder for a layer without K/V")
+def test_layers_that_store_no_kv_hold_a_placeholder():
+    """Gemma 3n's shared layers store no K/V (the model hands them the K/V the last earlier layer of
+    their type returned): the cache holds a NoKVLayer there, which transformers counts as a dummy
+    layer, which holds no bytes, and which names the problem when written to; a calibration (one
+    shape for every layer) is refused."""
+    cfg = tiny_config("gemma3n", sliding_window=4)
+    assert hf.per_layer_shapes(cfg) == [(2, 32), (2, 32), (2, 32), None]
+    cache = kvcompile.QuantizedCache(cfg, max_batch_size=1, max_cache_len=16, kv_dtype="int8")
+    assert [isinstance(layer, kvcompile.NoKVLayer) for layer in cache.layers] == [False, False, False, True]
+    assert cache.is_dummy == [False, False, False, True]
+    sizes = cache.planned_nbytes(per_layer=True, device="cpu")
+    assert sizes[3] == 0 and all(sizes[:3])
+    with pytest.raises(ValueError, match="layer 3 stores no K/V"):
+        cache.update(torch.randn(1, 2, 3, 32), torch.randn(1, 2, 3, 32), 3)
+    with pytest.raises(ValueError, match="layers that store no K/V.*without calibration"):
+        kvcompile.QuantizedCache(cfg, max_cache_len=16, kv_dtype="fp8_e4m3", calibration={"k_offset": torch.zeros(4, 2, 32)})
