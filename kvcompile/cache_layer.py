@@ -26,7 +26,7 @@ __all__ = ["NoKVLayer", "QuantizedLayer", "V_LAYOUTS", "v_codes_buffer"]
 
 try:  # transformers' placeholder for a layer without a K/V store of its own (masks and offloading skip it)
     from transformers.cache_utils import DummyLayer as _DummyLayer
-except ImportError:  # older transformers: kvcompile.hf refuses such layers there (hf.HAS_NO_KV_LAYERS)
+except ImportError:  # older transformers: kvcompile.hf refuses such layers there (hf._has_no_kv_layers)
     _DummyLayer = object
 
 
