@@ -295,7 +295,8 @@ def _per_layer_shapes(text) -> list[tuple[int, int] | None]:
         kv_heads = _kv_heads(cfg, heads)
         if getattr(text, "model_type", "") == "mimo_v2_flash" and layer_type == "sliding_attention":
             kv_heads *= 2  # MiMo-V2-Flash's sliding layers: twice the config's kv heads (its modeling code)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        # CPM-Ant names it dim_head
+        head_dim = getattr(cfg, "head_dim", None) or getattr(cfg, "dim_head", None) or cfg.hidden_size // heads
         v_head_dim = getattr(cfg, "v_head_dim", None)
         if v_head_dim is not None and v_head_dim != head_dim:
             raise UnsupportedModelError(

@@ -31,6 +31,12 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+# what a family needs beyond BASE to build tiny (its defaults assume the real sizes)
+TINY = {
+    "CodeGenConfig": dict(rotary_dim=16),  # rotary dims within head_dim 32
+    "DoryConfig": dict(num_hidden_layers=3, n_input_layers=1, n_recurrent_layers=1, n_output_layers=1),
+}
+
 
 def _classes(include_matrix: bool) -> list[str]:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
@@ -58,6 +64,7 @@ def _one(name: str, kv_dtype: str) -> dict:
     # a family without num_key_value_heads (MHA: GPT-NeoX, OPT, ...) must not get BASE's, which its
     # config would keep as a stray attribute that the cache reads
     extra = {} if models._has_field(cls, "num_key_value_heads") else {"num_key_value_heads": None}
+    extra.update(TINY.get(name, {}))
     models.FAMILIES["sweep"] = (name, extra)
     try:
         cfg = models.tiny_config("sweep")

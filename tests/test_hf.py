@@ -320,3 +320,17 @@ def test_layers_that_store_no_kv_hold_a_placeholder():
         cache.update(torch.randn(1, 2, 3, 32), torch.randn(1, 2, 3, 32), 3)
     with pytest.raises(ValueError, match="layers that store no K/V.*without calibration"):
         kvcompile.QuantizedCache(cfg, max_cache_len=16, kv_dtype="fp8_e4m3", calibration={"k_offset": torch.zeros(4, 2, 32)})
+
+
+def test_cpmant_head_dim_is_its_dim_head():
+    """CPM-Ant's config names the head dim dim_head (not hidden_size / heads): the K its model writes."""
+    from models import BASE
+
+    cfg = transformers.CpmAntConfig(**{**BASE, "num_key_value_heads": None, "dim_head": 16, "prompt_length": 2})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    ref = transformers.DynamicCache(config=cfg)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[3, 4, 5]]), **{cache_kwarg(model): ref})
+    written = [(layer.keys.shape[1], layer.keys.shape[3]) for layer in ref.layers]
+    assert written == [(4, 16)] == hf.per_layer_shapes(cfg)
