@@ -244,14 +244,9 @@ class QuantizedCache(Cache):
 
         calib = {}
         if calibration is not None:
-            if len(set(shapes)) != 1:
-                name = type(hf.text_config(config)).__name__
-                raise ValueError(
-                    f"kvcompile.QuantizedCache: the layers of {name} differ in (kv heads, head dim): "
-                    f"{hf._shape_list(shapes)}, and a calibration holds one [layers, kv heads(, head_dim)] shape; "
-                    "build this model's cache without calibration (per-token scales need none)"
-                )
-            (kv_heads, head_dim), = set(shapes)
+            kv_heads, head_dim = hf.one_shape(
+                config, shapes, "kvcompile.QuantizedCache", "a calibration holds one [layers, kv heads(, head_dim)] "
+                "shape: build this model's cache without calibration (per-token scales need none)")
             calib = tp.load_calibration(
                 calibration, num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim, tp_size=tp_size
             )

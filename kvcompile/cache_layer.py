@@ -20,14 +20,10 @@ import warnings
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from . import formats, ops, rotation, tp
+from . import formats, hf, ops, rotation, tp
 
 __all__ = ["NoKVLayer", "QuantizedLayer", "V_LAYOUTS", "v_codes_buffer"]
 
-try:  # transformers' placeholder for a layer without a K/V store of its own (masks and offloading skip it)
-    from transformers.cache_utils import DummyLayer as _DummyLayer
-except ImportError:  # older transformers: kvcompile.hf refuses such layers there (hf._has_no_kv_layers)
-    _DummyLayer = object
 
 
 _KV_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -415,19 +411,19 @@ class QuantizedLayer(CacheLayerMixin):
         )
 
 
-class NoKVLayer(_DummyLayer):
-    """A decoder layer that stores no K/V in the cache (transformers' ``"dummy"`` cache layer): a layer
-    that reuses an earlier layer's K/V (Gemma 3n's and Gemma 4's ``num_kv_shared_layers``: the model
-    hands it the K/V the earlier layer's ``update`` returned) or has no attention. It holds nothing
-    and is never updated; the sizes below are zero so the cache's totals count it as nothing."""
+class NoKVLayer(hf.NO_KV_LAYER_BASE or object):  # no base before transformers has one: refused there
+    """A decoder layer that stores no K/V in the cache (transformers' ``DummyLayer``, which masks and
+    offloading skip and whose reset / crop / reorder do nothing): a layer that reuses an earlier layer's
+    K/V (Gemma 3n's and Gemma 4's ``num_kv_shared_layers``: the model hands it the K/V the earlier
+    layer's ``update`` returned) or has no attention. Its sizes are zero, so the cache's totals count
+    it as nothing, and a write into it names the problem."""
 
     num_heads = head_dim = slots = sliding_window = nbytes = 0
     ring = False
 
     def __init__(self, layer_idx: int, max_batch_size: int, max_cache_len: int):
+        super().__init__()
         self.layer_idx, self.max_batch_size, self.max_cache_len = layer_idx, max_batch_size, max_cache_len
-        self.is_initialized = True
-        self.keys = self.values = None
 
     def allocate(self, device, layout_device=None) -> None:
         pass
@@ -446,27 +442,3 @@ class NoKVLayer(_DummyLayer):
 
     def get_seq_length(self) -> int:
         return 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        pass
-
-    def crop(self, tokens_to_remove: int) -> None:
-        pass
-
-    def reorder_cache(self, beam_idx) -> None:
-        pass
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        pass
-
-    def batch_select_indices(self, indices) -> None:
-        pass
-
-    def offload(self) -> None:
-        pass
-
-    def prefetch(self) -> None:
-        pass

@@ -38,7 +38,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from .hf import _shape_list, cache_kwarg, per_layer_shapes
+from .hf import cache_kwarg, one_shape, per_layer_shapes
 
 __all__ = ["calibrate", "load_calibration", "save_calibration", "shipped_calibrations", "CALIBRATION_KEYS",
            "FILE_METADATA"]
@@ -281,13 +281,10 @@ def calibrate(
         raise ValueError("kvcompile.calibrate: no tokens to calibrate on")
 
     shapes = per_layer_shapes(model.config)
-    if len(set(shapes)) != 1:
-        raise ValueError(
-            f"kvcompile.calibrate: the layers of this model differ in (kv heads, head dim): {_shape_list(shapes)}, "
-            "and a calibration holds one [layers, kv heads(, head_dim)] shape; serve it without calibration "
-            "(per-token scales need none)"
-        )
-    num_layers, (kv_heads, head_dim) = len(shapes), shapes[0]
+    kv_heads, head_dim = one_shape(model.config, shapes, "kvcompile.calibrate", "a calibration holds one [layers, "
+                                   "kv heads(, head_dim)] shape: serve this model without calibration (per-token "
+                                   "scales need none)")
+    num_layers = len(shapes)
     device = next(model.parameters()).device
     kwarg = cache_kwarg(model)
     stats: dict[int, _KVStats] = {}

@@ -32,6 +32,7 @@ __all__ = [
     "layer_types",
     "layer_windows",
     "NO_KV_LAYER_TYPE",
+    "one_shape",
     "per_layer_shapes",
     "text_config",
 ]
@@ -46,14 +47,15 @@ SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 NO_KV_LAYER_TYPE = "dummy"
 
 
+try:  # transformers' placeholder cache layer (with kv_sharing_modes: a sharing layer takes the K/V the earlier
+    # layer's update returned, not the cache's storage); older releases have neither, and are refused such layers
+    from transformers.cache_utils import DummyLayer as NO_KV_LAYER_BASE
+except ImportError:
+    NO_KV_LAYER_BASE = None
+
+
 def _has_no_kv_layers() -> bool:
-    """Whether this transformers has the placeholder layer (``DummyLayer``, with ``kv_sharing_modes``:
-    the sharing layers take the K/V the earlier layer's ``update`` returned, not the cache's storage)."""
-    try:
-        from transformers.cache_utils import DummyLayer  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return NO_KV_LAYER_BASE is not None
 
 _USE_HF_CACHE = "use transformers' own cache (DynamicCache / StaticCache) for this model"
 
@@ -321,19 +323,21 @@ def layer_shapes(config) -> tuple[int, int, int]:
     (:class:`UnsupportedModelError`) what the cache cannot serve (see :func:`check_config`), and raises
     ``ValueError`` for layers of different shapes (:func:`per_layer_shapes` describes those)."""
     shapes = per_layer_shapes(config)
-    if len(set(shapes)) != 1:
-        raise ValueError(
-            f"kvcompile: the layers of {type(text_config(config)).__name__} differ in (kv heads, head dim): "
-            f"{_shape_list(shapes)}; layer_shapes describes one shape for every layer (kvcompile.hf.per_layer_shapes "
-            "gives each layer's)"
-        )
-    return len(shapes), shapes[0][0], shapes[0][1]
+    return (len(shapes), *one_shape(config, shapes, "kvcompile",
+                                    "layer_shapes describes one shape for every layer (kvcompile.hf.per_layer_shapes "
+                                    "gives each layer's)"))
 
 
-def _shape_list(shapes: list) -> str:
-    """The distinct shapes of :func:`per_layer_shapes`, a layer without K/V named as such."""
-    names = sorted({s for s in shapes if s is not None})
-    return str(names) + (" and layers that store no K/V" if None in shapes else "")
+def one_shape(config, shapes: list, who: str, why: str) -> tuple[int, int]:
+    """The ``(kv_heads, head_dim)`` every layer of :func:`per_layer_shapes` shares; ``ValueError`` from
+    ``who`` naming the shapes (a layer without K/V among them) and ``why`` one shape is needed."""
+    if len(set(shapes)) == 1 and shapes[0] is not None:
+        return shapes[0]
+    names = str(sorted({s for s in shapes if s is not None}))
+    if None in shapes:
+        names += " and layers that store no K/V"
+    raise ValueError(f"{who}: the layers of {type(text_config(config)).__name__} differ in (kv heads, head dim): "
+                     f"{names}; {why}")
 
 
 def layer_windows(config) -> list[int]:

@@ -169,7 +169,7 @@ def test_layers_of_different_shapes_are_served_without_calibration():
     from models import tiny_model
 
     model = tiny_model("gemma4", sliding_window=4)
-    differ = r"kvcompile.calibrate: the layers of this model differ .*\(1, 64\), \(2, 32\)"
+    differ = r"kvcompile.calibrate: the layers of Gemma4TextConfig differ .*\(1, 64\), \(2, 32\).*without calibration"
     with pytest.raises(ValueError, match=differ):
         kvcompile.calibrate(model, [torch.arange(3, 19)])
     with pytest.raises(ValueError, match=r"differ in \(kv heads, head dim\).*without calibration"):

@@ -141,8 +141,6 @@ def eager(k: KVChain, v: KVChain) -> Optional[AttentionCall]:
         sink_scale, nxt = lse_sinks(x, readers, call)
     else:
         nxt = only_user(x, "the attention scores")
-    if sink_scale is not None and not (is_call(nxt, *SOFTMAX) and nxt.args[0] is x):
-        raise Skip(f"the attention scores with a logsumexp feed {describe(nxt)} ({nxt.name}), not softmax")
     if is_call(nxt, torch.cat):
         p = sinks(x, nxt, call)
     elif is_call(nxt, *SOFTMAX) and nxt.args[0] is x:
@@ -338,6 +336,8 @@ def lse_sinks(x: fx.Node, readers: list, call: AttentionCall) -> tuple[fx.Node, 
     denominator, which is the op's ``sinks``. Returns (the factor as the output reads it, the softmax)."""
     lse = next(u for u in readers if is_call(u, *LOGSUMEXP))
     sm = next(u for u in readers if u is not lse)
+    if not (is_call(sm, *SOFTMAX) and sm.args[0] is x):
+        raise Skip(f"the attention scores with a logsumexp feed {describe(sm)} ({sm.name}), not softmax")
     dim, keepdim = arg(lse, 1, "dim"), arg(lse, 2, "keepdim", False)
     if lse.args[0] is not x or dim not in (-1, 3, [-1], [3], (-1,), (3,)) or keepdim:
         raise Skip(f"logsumexp over the attention scores is not over the key dim ({lse.args[1:]!r}, {lse.kwargs})")

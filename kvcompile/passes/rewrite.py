@@ -110,8 +110,11 @@ def _check_kernel_head_dim(q: torch.Tensor) -> None:
     """Where the op would run the Triton kernels (a GPU), its head dim must be one they serve; another
     (Gemma 4's 512-dim global layers) stays with the graph's own attention over the dequantized cache."""
     D = q.shape[3]
-    if isinstance(D, int) and D not in tiles.SUPPORTED_HEAD_DIMS and ops.kernel_backend(q.device) == "triton":
-        raise Skip(f"head_dim {D}: the Triton attention kernels serve head_dim in {list(tiles.SUPPORTED_HEAD_DIMS)}")
+    if isinstance(D, int) and ops.kernel_backend(q.device) == "triton":
+        try:
+            tiles.check_head_dim(D)
+        except ValueError as e:
+            raise Skip(f"head_dim {D}: {e}") from None
 
 
 def _query(q: fx.Node) -> fx.Node:
