@@ -11,7 +11,7 @@ a kernel runs, so the package imports on machines without a GPU.
 
 from . import ops  # noqa: F401  (registers torch.ops.kvcompile.*)
 from .cache import QuantizedCache
-from .cache_layer import NoKVLayer, QuantizedLayer
+from .cache_layer import HybridLayer, NoKVLayer, QuantizedLayer, StateLayer
 from .calibration import calibrate, load_calibration, save_calibration
 from .formats import DEFAULT_KV_DTYPE, KV_DTYPES, KVFormat, format_of, get_format
 from .graphs import BatchPaddedForward, default_capture_sizes
@@ -19,9 +19,11 @@ from .graphs import BatchPaddedForward, default_capture_sizes
 __all__ = [
     "BatchPaddedForward",
     "DEFAULT_KV_DTYPE",
+    "HybridLayer",
     "KV_DTYPES",
     "KVFormat",
     "NoKVLayer",
+    "StateLayer",
     "QuantizedCache",
     "QuantizedLayer",
     "calibrate",

@@ -171,7 +171,7 @@ def cache_size_lines(config, *, max_cache_len=None, batch=1, kv_dtype=None, gran
     measured on the meta device (nothing is allocated). ``kv_dtype=None``: the cache's default format."""
     import warnings
 
-    from .cache import CacheSizeWarning, NoKVLayer, QuantizedCache
+    from .cache import CacheSizeWarning, HybridLayer, NoKVLayer, QuantizedCache, StateLayer
 
     fmt_kw = {} if kv_dtype is None else {"kv_dtype": kv_dtype}
     with warnings.catch_warnings():
@@ -186,17 +186,21 @@ def cache_size_lines(config, *, max_cache_len=None, batch=1, kv_dtype=None, gran
     lines.append(f"  kv_dtype {cache.fmt.name}, max_batch_size {cache.max_batch_size}, "
                  f"max_cache_len {cache.max_cache_len} ({src})")
     start = 0
-    for i in range(1, len(sizes) + 1):  # runs of layers of one size
-        if i == len(sizes) or sizes[i] != sizes[start]:
+    for i in range(1, len(sizes) + 1):  # runs of layers of one size and kind
+        if i == len(sizes) or sizes[i] != sizes[start] or type(cache.layers[i]) is not type(cache.layers[start]):
             layer = cache.layers[start]
             span = f"layer {start}" if i - start == 1 else f"layers {start}-{i - 1}"
             if isinstance(layer, NoKVLayer):
                 lines.append(f"  {span:14s} {0:>14,d} bytes: no K/V of their own (they reuse an earlier layer's "
                              "K/V, or have no attention)")
+            elif isinstance(layer, StateLayer):
+                lines.append(f"  {span:14s} {0:>14,d} bytes: no K/V; a recurrent / conv state instead, which "
+                             "transformers' own layer allocates on the first forward (not quantized; not in the totals)")
             else:
                 lines.append(f"  {span:14s} {sizes[start]:>14,d} bytes ({_mib(sizes[start])}) each: "
                              f"{layer.num_heads} kv heads x head_dim {layer.head_dim} x {layer.slots} positions"
-                             + (f" (a ring: sliding window {layer.sliding_window})" if layer.ring else ""))
+                             + (f" (a ring: sliding window {layer.sliding_window})" if layer.ring else "")
+                             + (", and a recurrent state (not in the totals)" if isinstance(layer, HybridLayer) else ""))
             start = i
     lines.append(f"  total          {total:>14,d} bytes ({_mib(total)}); a bf16 cache of the same capacity: "
                  f"{_mib(bf16)} ({total / bf16:.3f}x)")

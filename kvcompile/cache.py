@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from . import formats, hf, rotation, tp
-from .cache_layer import NoKVLayer, QuantizedLayer, v_codes_buffer  # re-exported: kvcompile.cache names them too
+from .cache_layer import HybridLayer, NoKVLayer, QuantizedLayer, StateLayer, v_codes_buffer  # re-exported: kvcompile.cache names them too
 
 __all__ = ["CacheSizeWarning", "QuantizedCache", "QuantizedLayer", "v_codes_buffer"]
 
@@ -87,8 +87,8 @@ def _checked_device(device):
 
 def _layer_nbytes(layer: "QuantizedLayer", device=None) -> int:
     """Bytes ``layer`` holds once allocated on ``device``, measured by allocating a copy on the meta
-    device (no memory)."""
-    if layer.is_initialized:
+    device (no memory); a layer without K/V, what it holds now."""
+    if not isinstance(layer, QuantizedLayer) or layer.is_initialized:
         return layer.nbytes
     ghost = copy.copy(layer)
     ghost.allocate(torch.device("meta"), layout_device=device)
@@ -104,7 +104,11 @@ class QuantizedCache(Cache):
             cache cannot serve (encoder-decoder, cross-attention, multi-head latent attention, ALiBi,
             chunked or linear attention) raises ``ValueError`` naming why. Layers may differ in shape
             (Gemma 4), and a layer that stores no K/V of its own (Gemma 3n / 4's shared layers, which
-            attend over the K/V an earlier layer returned) holds a :class:`NoKVLayer`.
+            attend over the K/V an earlier layer returned) holds a :class:`NoKVLayer`, and a layer that
+            keeps a recurrent or convolution state instead of K/V (the Mamba / gated-delta-net layers
+            of Qwen3-Next, Qwen3.5, Jamba, Bamba, Nemotron-H) holds transformers' own
+            linear-attention layer (:class:`StateLayer`, not quantized); a layer with both (Falcon-H1,
+            Zamba2's shared blocks) holds a :class:`HybridLayer`.
             Sliding-window layers (Mistral, Qwen2 with ``use_sliding_window``, Phi-3, Gemma 2/3,
             gpt-oss, Cohere2) are served and store only their window (see ``ring``).
         max_batch_size: the largest batch the cache serves (a smaller batch uses its leading rows).
@@ -216,6 +220,7 @@ class QuantizedCache(Cache):
         device = _checked_device(device)
         # (kv heads, head_dim) per layer, None for a layer without K/V of its own; refuses what the cache cannot serve
         shapes = hf.per_layer_shapes(config)
+        states = hf.state_layers(config)  # layer -> number of states, for layers that keep a state instead of K/V
         num_layers, head_dims = len(shapes), sorted({s[1] for s in shapes if s is not None})
         windows = hf.layer_windows(config)
         hf.check_cache_length(config, max_cache_len)
@@ -255,16 +260,22 @@ class QuantizedCache(Cache):
                 "kvcompile.QuantizedCache: granularity='static' needs calibrated scales: pass "
                 "calibration=kvcompile.calibrate(model, texts) (or the safetensors file it saved)"
             )
-        layers = [
-            NoKVLayer(i, max_batch_size, max_cache_len) if shape is None else QuantizedLayer(
+        def kv_layer(i: int, shape: tuple[int, int]) -> QuantizedLayer:
+            cls, extra = (HybridLayer, {"number_of_states": states[i]}) if i in states else (QuantizedLayer, {})
+            return cls(
                 k_fmt, max_batch_size, max_cache_len, shape[0], shape[1], i,
                 k_static_scale=calib["k_scale"][i] if fmt.is_static else None,
                 v_static_scale=calib["v_scale"][i] if fmt.is_static else None,
                 k_offset=calib["k_offset"][i] if "k_offset" in calib else None,
                 v_layout=v_layout,
                 v_fmt=v_fmt, k_rotate=k_rotate, v_rotate=v_rotate,
-                sliding_window=windows[i], ring=ring,
+                sliding_window=windows[i], ring=ring, **extra,
             )
+
+        layers = [
+            kv_layer(i, shape) if shape is not None
+            else StateLayer(i, max_batch_size, max_cache_len, states[i]) if i in states
+            else NoKVLayer(i, max_batch_size, max_cache_len)
             for i, shape in enumerate(shapes)
         ]
         for layer in self._kv_layers(layers):  # this rank's kv heads under tensor parallelism
@@ -282,12 +293,12 @@ class QuantizedCache(Cache):
         if size_from_config:
             self._warn_size_from_config(stacklevel=3)
         if device is not None:
-            for layer in self.layers:
+            for layer in self._kv_layers(self.layers):
                 layer.allocate(device)
 
     @staticmethod
     def _kv_layers(layers) -> list[QuantizedLayer]:
-        """The layers that store K/V (every one but the :class:`NoKVLayer` placeholders)."""
+        """The layers that store K/V (every one but :class:`NoKVLayer` and :class:`StateLayer`)."""
         return [layer for layer in layers if isinstance(layer, QuantizedLayer)]
 
     def _warn_size_from_config(self, stacklevel: int) -> None:
@@ -313,7 +324,8 @@ class QuantizedCache(Cache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the cache: codes, scales, offsets and lengths of every layer."""
+        """Bytes held by the cache: codes, scales, offsets and lengths of every layer, and the states of
+        :class:`StateLayer` layers once the first forward has allocated them."""
         return sum(layer.nbytes for layer in self.layers)
 
     def bytes_per_element(self) -> float:
@@ -348,7 +360,7 @@ class QuantizedCache(Cache):
 
     def early_initialization(self, batch_size, num_heads, head_dim, dtype, device):
         for i, layer in enumerate(self.layers):
-            if not layer.is_initialized:  # transformers passes each tensor-parallel rank's head count
+            if isinstance(layer, QuantizedLayer) and not layer.is_initialized:  # each tensor-parallel rank's heads
                 tp.shard_to_local_heads(layer, num_heads[i] if isinstance(num_heads, (list, tuple)) else num_heads)
                 layer.allocate(torch.device(device))
 

@@ -411,25 +411,31 @@ class QuantizedLayer(CacheLayerMixin):
         )
 
 
-class NoKVLayer(hf.NO_KV_LAYER_BASE or object):  # no base before transformers has one: refused there
-    """A decoder layer that stores no K/V in the cache (transformers' ``DummyLayer``, which masks and
-    offloading skip and whose reset / crop / reorder do nothing): a layer that reuses an earlier layer's
-    K/V (Gemma 3n's and Gemma 4's ``num_kv_shared_layers``: the model hands it the K/V the earlier
-    layer's ``update`` returned) or has no attention. Its sizes are zero, so the cache's totals count
-    it as nothing, and a write into it names the problem."""
+class _HoldsNoKV:
+    """The cache's bookkeeping of a layer that stores no K/V: zero heads, positions and window."""
 
-    num_heads = head_dim = slots = sliding_window = nbytes = 0
+    num_heads = head_dim = slots = sliding_window = 0
     ring = False
-
-    def __init__(self, layer_idx: int, max_batch_size: int, max_cache_len: int):
-        super().__init__()
-        self.layer_idx, self.max_batch_size, self.max_cache_len = layer_idx, max_batch_size, max_cache_len
 
     def allocate(self, device, layout_device=None) -> None:
         pass
 
     def buffers(self) -> list:
         return []
+
+
+class NoKVLayer(_HoldsNoKV, hf.NO_KV_LAYER_BASE or object):  # no base before transformers has one: refused there
+    """A decoder layer that stores no K/V in the cache (transformers' ``DummyLayer``, which masks and
+    offloading skip and whose reset / crop / reorder do nothing): a layer that reuses an earlier layer's
+    K/V (Gemma 3n's and Gemma 4's ``num_kv_shared_layers``: the model hands it the K/V the earlier
+    layer's ``update`` returned) or has no attention. Its sizes are zero, so the cache's totals count
+    it as nothing, and a write into it names the problem."""
+
+    nbytes = 0
+
+    def __init__(self, layer_idx: int, max_batch_size: int, max_cache_len: int):
+        super().__init__()
+        self.layer_idx, self.max_batch_size, self.max_cache_len = layer_idx, max_batch_size, max_cache_len
 
     def update(self, key_states, value_states, *args, **kwargs):
         if key_states is None and value_states is None:  # transformers' DummyLayer contract
@@ -442,3 +448,69 @@ class NoKVLayer(hf.NO_KV_LAYER_BASE or object):  # no base before transformers h
 
     def get_seq_length(self) -> int:
         return 0
+
+
+class StateLayer(_HoldsNoKV, hf.STATE_LAYER_BASE or object):  # no base before transformers has one: refused there
+    """A decoder layer that keeps a recurrent or convolution state instead of K/V (the Mamba and
+    gated-delta-net layers of hybrid models, short convolutions): transformers' own
+    ``LinearAttentionLayer``, which the model updates through the cache's ``update_conv_state`` /
+    ``update_recurrent_state``. Its state has a fixed size per sequence, is allocated on the first
+    forward in the model's dtype (its shape comes from the model, not the config) and is not quantized:
+    :attr:`nbytes` counts it once it exists. A write of K/V into it names the problem."""
+
+    def __init__(self, layer_idx: int, max_batch_size: int, max_cache_len: int, number_of_states: int = 1):
+        super().__init__(number_of_states=number_of_states)
+        self.layer_idx, self.max_batch_size, self.max_cache_len = layer_idx, max_batch_size, max_cache_len
+
+    @property
+    def nbytes(self) -> int:
+        states = (*self.conv_states.values(), *self.recurrent_states.values())
+        return sum(t.numel() * t.element_size() for t in states if isinstance(t, torch.Tensor))
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise ValueError(
+            f"kvcompile.QuantizedCache: layer {self.layer_idx} keeps a recurrent / convolution state (its config "
+            "makes it a linear-attention or conv layer), but the model wrote K/V into it; build the cache from this "
+            "model's own config (QuantizedCache(model.config, ...))"
+        )
+
+
+class HybridLayer(QuantizedLayer, hf.STATE_LAYER_BASE or object):  # no base before transformers has one: refused
+    """A decoder layer that stores K/V *and* keeps a recurrent state (an attention and a Mamba mixer in
+    one layer: Falcon-H1, Zamba2's shared blocks; transformers' ``hybrid`` / ``hybrid_sliding`` layer
+    types): a :class:`QuantizedLayer` for the K/V and transformers' ``LinearAttentionLayer`` for the
+    state (:class:`StateLayer`'s), as transformers' own ``LinearAttentionAndStaticFullAttentionLayer``
+    pairs them. The K/V side answers the cache contract (length, masks, batch, offload); reset and
+    beam reordering reach both sides."""
+
+    def __init__(self, *args, number_of_states: int = 1, **kwargs):
+        hf.STATE_LAYER_BASE.__init__(self, number_of_states=number_of_states)
+        QuantizedLayer.__init__(self, *args, **kwargs)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        if args:  # update(key_states, value_states): the K/V side
+            QuantizedLayer.lazy_initialization(self, *args, **kwargs)
+        else:  # update_conv_state / update_recurrent_state: the state side, by keyword. It moves its own
+            # counters to the states' device only while `device` is unset, which the K/V side may have set
+            device, self.device = self.device, None
+            hf.STATE_LAYER_BASE.lazy_initialization(self, **kwargs)
+            self.device = device if device is not None else self.device
+
+    def reset(self) -> None:
+        hf.STATE_LAYER_BASE.reset(self)
+        QuantizedLayer.reset(self)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        hf.STATE_LAYER_BASE.reorder_cache(self, beam_idx)
+        QuantizedLayer.reorder_cache(self, beam_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        hf.STATE_LAYER_BASE.crop(self, tokens_to_remove)  # raises unless transformers records the states' past
+        QuantizedLayer.crop(self, tokens_to_remove)
+
+    @property
+    def nbytes(self) -> int:
+        return QuantizedLayer.nbytes.fget(self) + StateLayer.nbytes.fget(self)
+
+    def __repr__(self):
+        return "Hybrid" + QuantizedLayer.__repr__(self)

@@ -34,6 +34,9 @@ __all__ = [
     "NO_KV_LAYER_TYPE",
     "one_shape",
     "per_layer_shapes",
+    "HYBRID_LAYER_TYPES",
+    "STATE_LAYER_TYPES",
+    "state_layers",
     "text_config",
 ]
 
@@ -57,6 +60,23 @@ except ImportError:
 def _has_no_kv_layers() -> bool:
     return NO_KV_LAYER_BASE is not None
 
+
+#: transformers' cache-layer types that keep a recurrent or convolution state: instead of K/V (Mamba and
+#: gated-delta-net layers of hybrid models such as Qwen3-Next, Qwen3.5, Jamba, Bamba, Nemotron-H; short
+#: convolutions of LFM-style models), or beside it (:data:`HYBRID_LAYER_TYPES`). The state is kept by
+#: transformers' own linear-attention layer (:class:`kvcompile.StateLayer`, or the state half of a
+#: :class:`kvcompile.HybridLayer`), at its fixed size and in the model's dtype.
+STATE_LAYER_TYPES = ("linear_attention", "conv", "hybrid", "hybrid_sliding")
+
+#: state layer types that store K/V too (an attention and a Mamba mixer in one layer: Falcon-H1, Zamba2's
+#: shared blocks), and the attention each applies over its K/V.
+HYBRID_LAYER_TYPES = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
+
+try:  # transformers' linear-attention cache layer (conv / recurrent states); releases without it refuse such layers
+    from transformers.cache_utils import LinearAttentionLayer as STATE_LAYER_BASE
+except ImportError:
+    STATE_LAYER_BASE = None
+
 _USE_HF_CACHE = "use transformers' own cache (DynamicCache / StaticCache) for this model"
 
 # layer type -> why the cache cannot serve it
@@ -65,11 +85,13 @@ _REFUSED_LAYER_TYPES = {
         "chunked attention (attention_chunk_size, Llama 4): each query sees only the keys of its own "
         "chunk, a mask kvcompile::attention does not apply"
     ),
-    "linear_attention": "a recurrent / linear-attention (Mamba, GDN, lightning) layer: it keeps a state, not K/V",
-    "conv": "a convolution layer: it keeps a conv state, not K/V",
-    "hybrid": "an attention layer fused with a recurrent state (Zamba2, Falcon-H1): the cache keeps K/V only",
-    "hybrid_sliding": ("a sliding-window attention layer with a linear-attention state beside its K/V (transformers' "
-                       "LinearAttentionAndSlidingWindowAttentionLayer): the cache keeps K/V only"),
+    "linear_attention": ("a recurrent / linear-attention (Mamba, GDN, lightning) layer, whose state this release of "
+                         "transformers has no cache layer for"),
+    "conv": "a convolution layer, whose state this release of transformers has no cache layer for",
+    "hybrid": ("an attention layer with a recurrent state beside its K/V (Zamba2, Falcon-H1), whose state this release "
+               "of transformers has no cache layer for"),
+    "hybrid_sliding": ("a sliding-window attention layer with a recurrent state beside its K/V, whose state this "
+                       "release of transformers has no cache layer for"),
     "dummy": (
         "a layer without a K/V cache of its own (it reuses another layer's K/V, or has no attention); "
         "the cache needs one K/V store per layer"
@@ -129,7 +151,8 @@ def _types_and_kwargs(text) -> tuple[list[str], list[dict]]:
         if get_layer_types_and_kwargs is not None and hasattr(text, "per_layer_config"):
             types, kwargs = get_layer_types_and_kwargs(text)
             if isinstance(kwargs, dict):  # transformers <= 5.17: one kwargs dict shared by every layer
-                kwargs = [kwargs if t == "sliding_attention" else {} for t in types]
+                kwargs = [_layer_kwargs(t, kwargs.get("sliding_window"), kwargs.get("number_of_states", 1))
+                          for t in types]
             return list(types), list(kwargs)
         return _types_and_kwargs_fallback(text)
     except AttributeError as e:  # e.g. sliding_attention layers in a config without sliding_window
@@ -151,8 +174,24 @@ def _types_and_kwargs_fallback(text) -> tuple[list[str], list[dict]]:
             types = ["full_attention"] * n
     remap = {"mamba": "linear_attention", "attention": "full_attention", "moe": "dummy", "mlp": "dummy"}
     types = [remap.get(t, t) for t in types]
-    kwargs = [{"sliding_window": text.sliding_window} if t == "sliding_attention" else {} for t in types]
-    return types, kwargs
+    window, states = getattr(text, "sliding_window", None), getattr(text, "number_of_conv_states", 1)
+    return types, [_layer_kwargs(t, window, states) for t in types]
+
+
+def _layer_kwargs(layer_type: str, sliding_window, number_of_states) -> dict:
+    """What a layer of ``layer_type`` is built from: a sliding layer's window, a state layer's count of states."""
+    kwargs = {"sliding_window": sliding_window} if _attention_type(layer_type) == "sliding_attention" else {}
+    if layer_type in STATE_LAYER_TYPES:
+        kwargs["number_of_states"] = number_of_states or 1
+    return kwargs
+
+
+def _attention_type(layer_type: str) -> str | None:
+    """The attention a layer of ``layer_type`` applies over its K/V (a hybrid layer's, see
+    :data:`HYBRID_LAYER_TYPES`); None for a layer that stores no K/V (a state or a dummy layer)."""
+    if layer_type == NO_KV_LAYER_TYPE or (layer_type in STATE_LAYER_TYPES and layer_type not in HYBRID_LAYER_TYPES):
+        return None
+    return HYBRID_LAYER_TYPES.get(layer_type, layer_type)
 
 
 def layer_types(config) -> list[str]:
@@ -224,6 +263,12 @@ def check_config(config) -> None:
             "build the model from a config with is_decoder=True (transformers asks for it too when a causal-LM "
             "head runs on its own)",
         )
+    if _attr(text, "d_rel") is not None:
+        raise UnsupportedModelError(
+            f"{name} adds a learned relative-position bias to its attention scores (d_rel={_attr(text, 'd_rel')}: "
+            "Inkling), computed over key positions read from the cache's layout, which kvcompile::attention does "
+            "not apply"
+        )
     last_loop = _attr(text, "recurrent_kv_cache_mode") == "last_loop"
     if model_type == "dory" and _attr(text, "n_recurrent_layers", 0) and last_loop:
         raise UnsupportedModelError(
@@ -250,10 +295,13 @@ def check_config(config) -> None:
         )
     types, kwargs = _types_and_kwargs(text)
     for i, (t, kw) in enumerate(zip(types, kwargs)):
-        if t == NO_KV_LAYER_TYPE and _has_no_kv_layers():
+        served = _has_no_kv_layers() if t == NO_KV_LAYER_TYPE else (
+            STATE_LAYER_BASE is not None if t in STATE_LAYER_TYPES else True)
+        attention = _attention_type(t)
+        if served and attention is None:
             continue
-        if t in SUPPORTED_LAYER_TYPES:
-            if t == "sliding_attention":
+        if served and attention in SUPPORTED_LAYER_TYPES:
+            if attention == "sliding_attention":
                 w = kw.get("sliding_window")
                 if not isinstance(w, int) or isinstance(w, bool) or w < 1:
                     raise UnsupportedModelError(
@@ -265,6 +313,11 @@ def check_config(config) -> None:
         raise UnsupportedModelError(
             f"layer {i} of {name} has type {t!r}: {why}; the cache serves "
             f"{' and '.join(SUPPORTED_LAYER_TYPES)} layers only"
+        )
+    if not any(_attention_type(t) in SUPPORTED_LAYER_TYPES for t in types):
+        raise UnsupportedModelError(
+            f"no layer of {name} stores K/V (its layer types are {sorted(set(types))}): there is nothing to quantize",
+            "run it without kvcompile (transformers' DynamicCache keeps its states)",
         )
     _per_layer_shapes(text)  # raises for K and V of different head dims
 
@@ -290,15 +343,19 @@ def _per_layer_shapes(text) -> list[tuple[int, int] | None]:
     shapes = []
     types, _ = _types_and_kwargs(text)
     for cfg, layer_type in zip(_layer_configs(text), types):
-        if layer_type == NO_KV_LAYER_TYPE:
+        if _attention_type(layer_type) is None:
             shapes.append(None)
             continue
         heads = cfg.num_attention_heads
         kv_heads = _kv_heads(cfg, heads)
-        if getattr(text, "model_type", "") == "mimo_v2_flash" and layer_type == "sliding_attention":
-            kv_heads *= 2  # MiMo-V2-Flash's sliding layers: twice the config's kv heads (its modeling code)
         # CPM-Ant names it dim_head
         head_dim = getattr(cfg, "head_dim", None) or getattr(cfg, "dim_head", None) or cfg.hidden_size // heads
+        if _attention_type(layer_type) == "sliding_attention":
+            if getattr(text, "model_type", "") == "mimo_v2_flash":
+                kv_heads *= 2  # MiMo-V2-Flash's sliding layers: twice the config's kv heads (its modeling code)
+            # Inkling's sliding layers have their own kv heads and head dim
+            kv_heads = getattr(cfg, "swa_num_key_value_heads", None) or kv_heads
+            head_dim = getattr(cfg, "swa_head_dim", None) or head_dim
         v_head_dim = getattr(cfg, "v_head_dim", None)
         if v_head_dim is not None and v_head_dim != head_dim:
             raise UnsupportedModelError(
@@ -312,10 +369,21 @@ def per_layer_shapes(config) -> list[tuple[int, int] | None]:
     """``(kv_heads, head_dim)`` of each decoder layer, which may differ between layers (Gemma 4's
     global layers have twice the head dim of its sliding ones, MiMo-V2-Flash's sliding layers twice
     the kv heads); ``None`` for a layer that stores no K/V of its own (:data:`NO_KV_LAYER_TYPE`: it
-    reuses an earlier layer's, or has no attention). Refuses (:class:`UnsupportedModelError`) what
+    reuses an earlier layer's, or has no attention; a :data:`STATE_LAYER_TYPES` layer but a hybrid one:
+    it keeps a recurrent or convolution state instead, :func:`state_layers`). Refuses (:class:`UnsupportedModelError`) what
     the cache cannot serve."""
     check_config(config)
     return _per_layer_shapes(text_config(config))
+
+
+def state_layers(config) -> dict[int, int]:
+    """Layer index -> number of states, for each layer of :data:`STATE_LAYER_TYPES` (a recurrent or
+    convolution state instead of K/V, or beside it; transformers' ``number_of_conv_states``, 1 for
+    most models).
+    Refuses (:class:`UnsupportedModelError`) what the cache cannot serve."""
+    check_config(config)
+    types, kwargs = _types_and_kwargs(text_config(config))
+    return {i: kw["number_of_states"] for i, (t, kw) in enumerate(zip(types, kwargs)) if t in STATE_LAYER_TYPES}
 
 
 def layer_shapes(config) -> tuple[int, int, int]:
@@ -346,7 +414,8 @@ def layer_windows(config) -> list[int]:
     :func:`check_config`)."""
     check_config(config)
     types, kwargs = _types_and_kwargs(text_config(config))
-    return [int(kw["sliding_window"]) if t == "sliding_attention" else 0 for t, kw in zip(types, kwargs)]
+    return [int(kw["sliding_window"]) if _attention_type(t) == "sliding_attention" else 0
+            for t, kw in zip(types, kwargs)]
 
 
 def check_cache_length(config, max_cache_len: int) -> None:

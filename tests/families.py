@@ -91,6 +91,18 @@ ROWS: list[Row] = [
     Row("gptj", "gptj", "GPT-J", "gpt-j-6b", {}, real=dict(n_layer=28), note="scores in float32"),
     Row("gpt_neo", "gpt_neo", "GPT-Neo", "gpt-neo-1.3B", {}, real=dict(num_layers=24), attn=("eager",),
         note="12 of them local (window 256), served up to max_cache_len 256"),
+    Row("qwen3_5", "qwen3_5", "Qwen3.5 (text)", "Qwen3_5TextConfig's defaults", {},
+        note="gated delta nets in the state layers; transformers' own cache layer keeps their state (not quantized)"),
+    Row("qwen3_next", "qwen3_next", "Qwen3-Next", "Qwen3-Next-80B-A3B", {}, attn=("sdpa",),
+        note="gated delta nets in the state layers; transformers' own cache layer keeps their state (not quantized)"),
+    Row("jamba", "jamba", "Jamba", "Jamba-v0.1", {}, attn=("sdpa",),
+        note="Mamba in the state layers; transformers' own cache layer keeps their state (not quantized)"),
+    Row("nemotron_h", "nemotron_h", "Nemotron-H", "NemotronHConfig's defaults", {}, attn=("sdpa",),
+        note="Mamba2 in the state layers; transformers' own cache layer keeps their state (not quantized)"),
+    Row("lfm3", "lfm3", "LFM3", "Lfm3Config's defaults", dict(sliding_window=W), no_window=dict(sliding_window=WIDE),
+        attn=("sdpa",), note="short convolutions in the state layers; transformers' own cache layer keeps their state (not quantized)"),
+    Row("falcon_h1", "falcon_h1", "Falcon-H1", "Falcon-H1-7B", {}, attn=("sdpa",),
+        note="each layer also runs Mamba2, whose state transformers' own cache layer keeps beside the K/V"),
     Row("falcon", "falcon", "Falcon", "falcon-7b", {}, real=dict(num_hidden_layers=32, num_attention_heads=71,
                                                                  hidden_size=4544), note="one kv head (multi-query)"),
 ]
@@ -98,14 +110,18 @@ ROWS: list[Row] = [
 
 
 def _in_this_transformers(row: Row) -> bool:
-    """The row's config class exists here, and (K/V shared across layers) transformers hands the
-    sharing layers the K/V the earlier layer's update returned (kvcompile.hf refuses it before)."""
+    """The row's config class exists here, and transformers has the cache layers its layer types need
+    (K/V shared across layers: the sharing layers get the K/V the earlier layer's update returned;
+    state layers: a linear-attention cache layer); kvcompile.hf refuses the model before."""
     from kvcompile import hf
     from models import FAMILIES, tiny_config
 
     if not hasattr(transformers, FAMILIES[row.family][0]):
         return False
-    return hf._has_no_kv_layers() or not getattr(tiny_config(row.family, **row.tiny), "num_kv_shared_layers", 0)
+    cfg = tiny_config(row.family, **row.tiny)
+    if getattr(cfg, "num_kv_shared_layers", 0) and not hf._has_no_kv_layers():
+        return False
+    return hf.STATE_LAYER_BASE is not None or not set(hf.layer_types(cfg)) & set(hf.STATE_LAYER_TYPES)
 
 
 ROWS = [row for row in ROWS if _in_this_transformers(row)]  # an older release lacks the newest families
@@ -139,9 +155,6 @@ REFUSED: list[Refused] = [
     Refused("Moshi", "moshiko-pytorch-bf16", _cfg("MoshiConfig"), "masks them as full causal"),
     Refused("BERT / RoBERTa as a causal LM, is_decoder=False", "bert-base-uncased", _cfg("BertConfig"),
             "attends bidirectionally unless"),
-    Refused("Jamba", "Jamba-v0.1", _cfg("JambaConfig"), "recurrent / linear-attention"),
-    Refused("Qwen3-Next", "Qwen3-Next-80B-A3B", _cfg("Qwen3NextConfig"), "recurrent / linear-attention"),
-    Refused("Falcon-H1", "Falcon-H1-7B", _cfg("FalconH1Config"), "recurrent state"),
     Refused("Mamba", "mamba-2.8b", _cfg("MambaConfig"), "no attention heads"),
 ]
 
@@ -157,17 +170,21 @@ def attention_summary(row: Row) -> str:
     from kvcompile import hf
 
     cfg = real_config(row)
-    windows, no_kv = hf.layer_windows(cfg), sum(shape is None for shape in hf.per_layer_shapes(cfg))
+    windows, states = hf.layer_windows(cfg), len(hf.state_layers(cfg))
+    no_kv = sum(shape is None for shape in hf.per_layer_shapes(cfg)) - states
     n, sliding = len(windows), [w for w in windows if w]
-    full = n - len(sliding) - no_kv
-    if not sliding:
-        text = f"full attention, {n} layers"
-    else:
+    full = n - len(sliding) - no_kv - states
+    if sliding:
         text = f"window {'/'.join(str(w) for w in sorted(set(sliding)))} on {len(sliding)} of {n} layers"
         if full:
             text += f", full on {full}"
+    else:
+        text = f"full attention, {n} layers" if full == n else f"full attention on {full} of {n} layers"
+    if states:
+        text += f", {states} keeping a state instead of K/V"
     if no_kv:
-        text += f", {no_kv} reading an earlier layer's K/V"
+        shared = getattr(hf.text_config(cfg), "num_kv_shared_layers", 0)
+        text += f", {no_kv} reading an earlier layer's K/V" if shared else f", {no_kv} without attention"
     return text + (f"; {row.note}" if row.note else "")
 
 

@@ -29,6 +29,7 @@ BASE = dict(
 )
 
 _TWO = ["sliding_attention", "full_attention"]  # a local/global pair: the smallest hybrid
+_STATE = ["linear_attention", "full_attention"]  # a state layer (Mamba / gated delta net) and an attention layer
 
 # family -> (transformers config class, what the architecture needs beyond BASE)
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -100,6 +101,26 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # local layers are served up to window_size positions (kvcompile.hf.check_cache_length)
     "gpt_neo": ("GPTNeoConfig", dict(num_key_value_heads=None, num_hidden_layers=2,
                                      attention_types=[[["global", "local"], 1]], window_size=256)),
+    # Qwen3.5 (text; transformers' default Qwen3_5TextConfig): 32 layers, 3 gated-delta-net layers (a
+    # recurrent state, no K/V) per attention layer; attention: 16 q / 4 kv heads, head_dim 256, q/k RMSNorm,
+    # an output gate. Tiny: one of each
+    "qwen3_5": ("Qwen3_5TextConfig", dict(num_hidden_layers=2, layer_types=_STATE)),
+    # Qwen3-Next-80B-A3B: 48 layers, 3 gated-delta-net layers per attention layer, 512 experts top-10
+    "qwen3_next": ("Qwen3NextConfig", dict(num_hidden_layers=2, layer_types=_STATE, num_experts=4,
+                                           num_experts_per_tok=2, moe_intermediate_size=64)),
+    # Jamba-v0.1: 32 layers, one attention layer per 8 (offset 4), the rest Mamba; no positional encoding
+    # in attention; 16 experts top-2 on every other layer. Tiny: Mamba then attention
+    "jamba": ("JambaConfig", dict(num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1,
+                                  expert_layer_period=2, expert_layer_offset=1, num_experts=4)),
+    # Nemotron-H (transformers' default NemotronHConfig): Mamba2, MoE, attention and MLP layers, one of each;
+    # the MoE and MLP layers have no attention (no K/V: kvcompile.NoKVLayer)
+    "nemotron_h": ("NemotronHConfig", dict(num_hidden_layers=4)),
+    # LFM3 (transformers' default Lfm3Config): 24 layers, short convolutions (a conv state) between
+    # attention layers that alternate full and window-256; 16 q / 4 kv heads. Tiny: one of each
+    "lfm3": ("Lfm3Config", dict(num_hidden_layers=3, layer_types=["conv", "sliding_attention", "full_attention"])),
+    # Falcon-H1 (transformers' default FalconH1Config, Falcon-H1-7B's layout): 32 layers, each an attention
+    # and a Mamba2 mixer side by side (a hybrid cache layer: K/V and a recurrent state)
+    "falcon_h1": ("FalconH1Config", dict(num_hidden_layers=2)),
     # falcon-7b: hidden 4544, 32 layers, 71 q heads over one kv head (multi_query, broadcast without
     # enable_gqa); its config names kv heads num_kv_heads; eager divides the scores in place
     "falcon": ("FalconConfig", dict(num_key_value_heads=None)),

@@ -35,6 +35,21 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TINY = {
     "CodeGenConfig": dict(rotary_dim=16),  # rotary dims within head_dim 32
     "DoryConfig": dict(num_hidden_layers=3, n_input_layers=1, n_recurrent_layers=1, n_output_layers=1),
+    # hybrids: a state layer (Mamba / gated delta net / conv) and an attention layer, in the family's own terms
+    **{name: dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+       for name in ("Qwen3NextConfig", "Qwen3_5TextConfig", "Qwen3_5MoeTextConfig", "GraniteMoeHybridConfig",
+                    "LaraMiniConfig")},
+    "Lfm3Config": dict(num_hidden_layers=2, layer_types=["conv", "full_attention"]),
+    "JambaConfig": dict(num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                        expert_layer_offset=1),
+    "BambaConfig": dict(num_hidden_layers=2, attn_layer_indices=[1]),
+    "RecurrentGemmaConfig": dict(num_hidden_layers=3),
+    "OlmoHybridConfig": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
+    "ZambaConfig": dict(num_hidden_layers=2, layers_block_type=["linear_attention", "hybrid"]),
+    "Zamba2Config": dict(num_hidden_layers=2, layers_block_type=["linear_attention", "hybrid"], hybrid_layer_ids=[1]),
+    "ZayaConfig": dict(num_hidden_layers=2, layer_types=["hybrid", "hybrid"]),
+    **{name: dict(num_hidden_layers=2, layer_types=["hybrid_sliding", "hybrid"])
+       for name in ("InklingTextConfig", "Inkling2TextConfig", "Inkling2LoopTextConfig")},
 }
 
 

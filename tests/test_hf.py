@@ -35,9 +35,13 @@ def test_windows_match_transformers_static_cache(row):
         configs.append(tiny_config(row.family, **{**row.tiny, **row.no_window}))
     for cfg in configs:
         assert hf.layer_windows(cfg) == _windows_of_static_cache(cfg)
-        types = ["sliding_attention" if w else "full_attention" for w in hf.layer_windows(cfg)]
-        no_kv = [shape is None for shape in hf.per_layer_shapes(cfg)]  # a layer reading another's K/V
-        assert hf.layer_types(cfg) == [hf.NO_KV_LAYER_TYPE if n else t for t, n in zip(types, no_kv)]
+        states = hf.state_layers(cfg)
+        for i, (t, w, shape) in enumerate(zip(hf.layer_types(cfg), hf.layer_windows(cfg), hf.per_layer_shapes(cfg))):
+            assert (i in states) == (t in hf.STATE_LAYER_TYPES), (i, t)
+            if shape is None:  # no K/V: a layer reading another's K/V, or one keeping a state instead
+                assert t == hf.NO_KV_LAYER_TYPE or (i in states and t not in hf.HYBRID_LAYER_TYPES), (i, t)
+            else:  # a hybrid layer attends like its attention type
+                assert hf.HYBRID_LAYER_TYPES.get(t, t) == ("sliding_attention" if w else "full_attention"), (i, t)
     tiny, control = hf.layer_windows(configs[0]), hf.layer_windows(configs[-1])
     if row.windowed:  # the test matrix's window rows slide somewhere, and their controls nowhere in its caches
         assert any(tiny) and all(w == 0 or w >= WIDE for w in control)
@@ -54,10 +58,11 @@ def test_layer_shapes_are_what_the_model_writes(row):
     cache = transformers.DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=torch.tensor([[3, 4, 5]]), use_cache=True, **{cache_kwarg(model): cache})
-    written = [None if layer.keys is None else (layer.keys.shape[1], layer.keys.shape[3]) for layer in cache.layers]
+    keys = [getattr(layer, "keys", None) for layer in cache.layers]  # a state layer has none
+    written = [None if k is None else (k.shape[1], k.shape[3]) for k in keys]
     assert hf.per_layer_shapes(model.config) == written
     built = kvcompile.QuantizedCache(model.config, max_cache_len=8, kv_dtype="fp8_e4m3")
-    assert [None if isinstance(layer, kvcompile.NoKVLayer) else (layer.num_heads, layer.head_dim)
+    assert [(layer.num_heads, layer.head_dim) if isinstance(layer, kvcompile.QuantizedLayer) else None
             for layer in built.layers] == written
     if len(set(written)) == 1:
         assert hf.layer_shapes(model.config) == (len(written), *written[0])

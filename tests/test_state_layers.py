@@ -1,0 +1,128 @@
+"""Layers that keep a recurrent or convolution state (hybrid models: Qwen3.5, Qwen3-Next, Jamba,
+Nemotron-H, LFM3, Falcon-H1): what the cache builds for each layer type, what it refuses, and the
+state side's bookkeeping. Whole models run through the family matrix (tests/test_families.py rows
+qwen3_5, qwen3_next, jamba, nemotron_h, lfm3, falcon_h1: compiled = eager = transformers' own cache)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import kvcompile
+from kvcompile import hf
+from models import cache_kwarg, tiny_config, tiny_model
+
+pytestmark = pytest.mark.skipif(hf.STATE_LAYER_BASE is None, reason="transformers without LinearAttentionLayer")
+
+
+def _kinds(cache) -> list[str]:
+    return [type(layer).__name__ for layer in cache.layers]
+
+
+def test_each_layer_type_gets_its_cache_layer():
+    """A state layer holds transformers' linear-attention layer, an attention layer 8-bit K/V, a layer
+    with both a HybridLayer, a layer without attention a NoKVLayer; shapes and windows follow."""
+    qwen = tiny_config("qwen3_5")  # gated delta net, attention
+    assert hf.state_layers(qwen) == {0: 1}
+    assert hf.per_layer_shapes(qwen) == [None, (2, 32)]
+    assert _kinds(kvcompile.QuantizedCache(qwen, max_cache_len=16)) == ["StateLayer", "QuantizedLayer"]
+
+    nemotron = tiny_config("nemotron_h")  # Mamba2, MoE, attention, MLP
+    assert hf.state_layers(nemotron) == {0: 1}
+    assert _kinds(kvcompile.QuantizedCache(nemotron, max_cache_len=16)) == [
+        "StateLayer", "NoKVLayer", "QuantizedLayer", "NoKVLayer"]
+
+    falcon = tiny_config("falcon_h1")  # attention and Mamba2 in every layer
+    assert hf.state_layers(falcon) == {0: 1, 1: 1}
+    assert hf.per_layer_shapes(falcon) == [(2, 32), (2, 32)]
+    assert _kinds(kvcompile.QuantizedCache(falcon, max_cache_len=16)) == ["HybridLayer", "HybridLayer"]
+
+    # a hybrid layer with a window: the K/V side is a ring of the window, the state side as above
+    cfg = tiny_config("qwen3_5", layer_types=["hybrid_sliding", "full_attention"], sliding_window=4)
+    assert hf.layer_windows(cfg) == [4, 0] and hf.state_layers(cfg) == {0: 1}
+    layer = kvcompile.QuantizedCache(cfg, max_cache_len=16).layers[0]
+    assert isinstance(layer, kvcompile.HybridLayer) and layer.ring and layer.slots == 4
+
+
+def test_number_of_states_reaches_the_layer():
+    cfg = tiny_config("qwen3_5", number_of_conv_states=2)
+    assert hf.state_layers(cfg) == {0: 2}
+    assert kvcompile.QuantizedCache(cfg, max_cache_len=16).layers[0].number_of_states == 2
+
+
+@pytest.mark.parametrize("layer_types, match", [
+    (["linear_attention", "linear_attention"], "no layer of .* stores K/V"),
+    (["conv", "linear_attention"], "no layer of .* stores K/V"),
+])
+def test_a_model_with_no_kv_is_refused(layer_types, match):
+    with pytest.raises(ValueError, match=match):
+        kvcompile.QuantizedCache(tiny_config("qwen3_5", layer_types=layer_types), max_cache_len=16)
+
+
+@pytest.mark.parametrize("layer_types", [["linear_attention", "full_attention"], ["hybrid", "full_attention"]])
+def test_state_layers_are_refused_without_transformers_layer(monkeypatch, layer_types):
+    """A transformers release without LinearAttentionLayer: the config is refused by name, not served
+    with a missing state."""
+    monkeypatch.setattr(hf, "STATE_LAYER_BASE", None)
+    with pytest.raises(ValueError, match=f"type '{layer_types[0]}'.*no cache layer for"):
+        hf.check_config(tiny_config("qwen3_5", layer_types=layer_types))
+
+
+def test_relative_position_bias_is_refused():
+    """Inkling adds a learned relative-position bias over the cache's key positions."""
+    if not hasattr(transformers, "InklingTextConfig"):
+        pytest.skip("transformers without Inkling")
+    with pytest.raises(ValueError, match="relative-position bias"):
+        hf.check_config(transformers.InklingTextConfig())
+
+
+def test_writing_kv_into_a_state_layer_names_the_problem():
+    cache = kvcompile.QuantizedCache(tiny_config("qwen3_5"), max_cache_len=16)
+    k = torch.randn(1, 2, 3, 32)
+    with pytest.raises(ValueError, match="layer 0 keeps a recurrent / convolution state"):
+        cache.update(k, k, 0)
+
+
+def test_states_are_counted_once_allocated_and_reset_with_the_cache():
+    """A forward allocates the state (nbytes grows by exactly its bytes), decode reads it
+    (has_previous_state), and reset() zeroes both the state and the K/V length."""
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_5")
+    cache = kvcompile.QuantizedCache(model.config, max_batch_size=1, max_cache_len=16, device="cpu")
+    kv_bytes = cache.nbytes
+    state = cache.layers[0]
+    assert kv_bytes > 0 and state.nbytes == 0
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 96, (1, 6)), **{cache_kwarg(model): cache})
+    held = [t for t in (*state.conv_states.values(), *state.recurrent_states.values()) if t is not None]
+    assert held and state.nbytes == sum(t.numel() * t.element_size() for t in held) > 0
+    assert cache.nbytes == kv_bytes + state.nbytes
+    assert cache.has_previous_state(0) and int(cache.layers[1].cumulative_length) == 6
+    assert any(t.abs().sum() > 0 for t in held)
+    cache.reset()
+    assert not cache.has_previous_state(0) and int(cache.layers[1].cumulative_length) == 0
+    assert all(t.abs().sum() == 0 for t in held)
+
+
+def test_hybrid_layer_reset_and_reorder_reach_both_sides():
+    """HybridLayer: the K/V side and the state side are one layer; beam reordering permutes the rows
+    of both, reset clears both."""
+    cache = kvcompile.QuantizedCache(tiny_config("falcon_h1"), max_batch_size=3, max_cache_len=16, device="cpu")
+    layer = cache.layers[0]
+    k, v = torch.randn(3, 2, 5, 32), torch.randn(3, 2, 5, 32)
+    cache.update(k, v, 0)
+    conv = torch.randn(3, 8, 4)
+    cache.update_conv_state(conv, 0)
+    rec = torch.randn(3, 2, 4, 4)
+    cache.update_recurrent_state(rec, 0)
+    assert layer.conv_states[0].device == layer.k_codes.device
+    codes, state = layer.k_codes.clone(), layer.conv_states[0].clone()
+    beams = torch.tensor([2, 0, 1])
+    cache.reorder_cache(beams)
+    torch.testing.assert_close(layer.k_codes, codes[beams], rtol=0, atol=0)
+    torch.testing.assert_close(layer.conv_states[0], state[beams], rtol=0, atol=0)
+    assert layer.nbytes == cache.layers[0].nbytes > kvcompile.QuantizedLayer.nbytes.fget(layer)
+    cache.reset()
+    assert int(layer.cumulative_length) == 0 and not cache.has_previous_state(0)
+    assert layer.conv_states[0].abs().sum() == 0 and layer.recurrent_states[0].abs().sum() == 0
