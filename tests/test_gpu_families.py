@@ -1,7 +1,8 @@
 """Families whose attention the pass reaches through less common spellings, on a GPU in bf16: the
 Triton kernels behind every rewritten site. GPT-J computes its scores in float32 from
 ``query.to(torch.float32)`` (the op takes the bf16 query), Falcon-7b's 71 query heads share one kv
-head (broadcast, not ``enable_gqa``), GPT-2 casts P with ``.type``. Skipped without CUDA (CPU CI
+head (broadcast, not ``enable_gqa``), GPT-2 casts P with ``.type``; Qwen3.5 and Falcon-H1 keep recurrent states beside (or in) their
+attention layers. Skipped without CUDA (CPU CI
 covers the same graphs with the reference op: tests/test_families.py); run on the device machine.
 """
 
@@ -25,12 +26,21 @@ SHAPES = {  # per layer: falcon-7b's heads and head_dim; GPT-J's and GPT-2's hea
                    vocab_size_per_layer_input=1024, per_layer_config={1: dict(head_dim=128, num_key_value_heads=1)}),
     # GraniteSWA: a window layer and a full one, the sinks applied after attention (drawn wide below)
     "granite_swa": dict(hidden_size=4 * 128, num_attention_heads=4, num_key_value_heads=2, sliding_window=16),
+    # Qwen3.5: a gated-delta-net layer (its recurrent state in transformers' layer) and an attention layer
+    "qwen3_5": dict(hidden_size=4 * 128, num_attention_heads=4, num_key_value_heads=2, head_dim=128),
+    # Falcon-H1: Mamba2 and attention in every layer (kvcompile.HybridLayer)
+    "falcon_h1": dict(hidden_size=4 * 128, num_attention_heads=4, num_key_value_heads=2, head_dim=128),
 }
 
 
+# Gemma 4 scales its q/k-normed scores by 1, not 1/sqrt(d): with random weights the softmax is so peaked that bf16
+# rounding of one key (the eager path dequantizes to bf16) moves which key wins (0.10-0.13 between eager and
+# compiled on an H100), so Gemma 4 runs in float32 here, which the kernels take too, and the bound keeps its meaning
+DTYPE = {"gemma4": torch.float32}
+
 # GPT-J's float32 scores are its eager attention (the device's transformers 5.17 has no SDPA path for it)
 CASES = [("falcon", "sdpa"), ("falcon", "eager"), ("gptj", "eager"), ("gpt2", "sdpa"), ("gpt2", "eager"),
-         ("gemma4", "sdpa"), ("granite_swa", "eager")]
+         ("gemma4", "sdpa"), ("granite_swa", "eager"), ("qwen3_5", "sdpa"), ("falcon_h1", "sdpa")]
 
 
 @pytest.mark.parametrize("family, attn", CASES)
@@ -41,11 +51,11 @@ def test_compiled_decode_matches_eager(family, attn):
     the bound is the one tests/test_cudagraphs.py measures for that difference (1e-1: catches O(1)
     defects such as a wrong head mapping, not rounding)."""
     torch._dynamo.reset()
-    model = tiny_model(family, attn, dtype=torch.bfloat16, device="cuda", vocab_size=1024, num_hidden_layers=2,
-                       max_position_embeddings=256, **SHAPES[family])
-    for layer in model.model.layers:
-        if hasattr(layer.self_attn, "sinks"):
-            torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
+    model = tiny_model(family, attn, dtype=DTYPE.get(family, torch.bfloat16), device="cuda", vocab_size=1024,
+                       num_hidden_layers=2, max_position_embeddings=256, **SHAPES[family])
+    for module in model.modules():
+        if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+            torch.nn.init.normal_(module.sinks, std=1.0)
     kw = cache_kwarg(model)
     backend = kvcompile.backend("int8")
     compiled = torch.compile(model.forward, backend=backend, fullgraph=True)
@@ -60,7 +70,8 @@ def test_compiled_decode_matches_eager(family, attn):
             tok = outs[0].argmax(-1, keepdim=True)
             outs = [fn(input_ids=tok, **{kw: c}).logits[:, -1].float() for fn, c in zip((model.forward, compiled), caches)]
     report = backend.report()
-    assert report and all(r["found"] == r["rewritten"] == 2 and not r["skipped"] for r in report), report
+    kv_layers = sum(shape is not None for shape in kvcompile.hf.per_layer_shapes(model.config))
+    assert report and all(r["found"] == r["rewritten"] == kv_layers and not r["skipped"] for r in report), report
     assert worst < 1e-1, f"compiled vs eager logits: {worst:.3e}"
 
 
@@ -70,7 +81,7 @@ def test_head_dim_without_a_kernel_runs_the_models_attention():
     rewrites the window layer; the compiled logits stay within the bound above of eager's."""
     torch._dynamo.reset()
     shapes = dict(SHAPES["gemma4"], per_layer_config={1: dict(head_dim=512, num_key_value_heads=1)})
-    model = tiny_model("gemma4", "sdpa", dtype=torch.bfloat16, device="cuda", vocab_size=1024, num_hidden_layers=2,
+    model = tiny_model("gemma4", "sdpa", dtype=DTYPE["gemma4"], device="cuda", vocab_size=1024, num_hidden_layers=2,
                        max_position_embeddings=256, **shapes)
     kw = cache_kwarg(model)
     backend = kvcompile.backend("int8")
