@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+import weakref
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -450,6 +451,25 @@ class NoKVLayer(_HoldsNoKV, hf.NO_KV_LAYER_BASE or object):  # no base before tr
         return 0
 
 
+# every live layer that keeps a state: transformers allocates a state on its first update and marks its address
+# static for CUDA graphs only outside a compiled graph, so a state first allocated inside one (a compiled prefill)
+# is not marked; the compile backend marks it when a later graph takes it as an input (static_state_tensors)
+_STATE_HOLDERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def static_state_tensors() -> dict[int, torch.Tensor]:
+    """``id -> tensor`` of every allocated state of a live :class:`StateLayer` / :class:`HybridLayer` that
+    keeps its address (transformers updates it in place unless it records the past for cropping)."""
+    out = {}
+    for layer in list(_STATE_HOLDERS):
+        if getattr(layer, "record_past", False):
+            continue
+        for t in (*layer.conv_states.values(), *layer.recurrent_states.values()):
+            if isinstance(t, torch.Tensor):
+                out[id(t)] = t
+    return out
+
+
 class StateLayer(_HoldsNoKV, hf.STATE_LAYER_BASE or object):  # no base before transformers has one: refused there
     """A decoder layer that keeps a recurrent or convolution state instead of K/V (the Mamba and
     gated-delta-net layers of hybrid models, short convolutions): transformers' own
@@ -461,6 +481,7 @@ class StateLayer(_HoldsNoKV, hf.STATE_LAYER_BASE or object):  # no base before t
     def __init__(self, layer_idx: int, max_batch_size: int, max_cache_len: int, number_of_states: int = 1):
         super().__init__(number_of_states=number_of_states)
         self.layer_idx, self.max_batch_size, self.max_cache_len = layer_idx, max_batch_size, max_cache_len
+        _STATE_HOLDERS.add(self)
 
     @property
     def nbytes(self) -> int:
@@ -486,6 +507,7 @@ class HybridLayer(QuantizedLayer, hf.STATE_LAYER_BASE or object):  # no base bef
     def __init__(self, *args, number_of_states: int = 1, **kwargs):
         hf.STATE_LAYER_BASE.__init__(self, number_of_states=number_of_states)
         QuantizedLayer.__init__(self, *args, **kwargs)
+        _STATE_HOLDERS.add(self)
 
     def lazy_initialization(self, *args, **kwargs) -> None:
         if args:  # update(key_states, value_states): the K/V side

@@ -123,6 +123,7 @@ class KVCompileBackend:
         else:
             log.info("kvcompile: graph %d: no kvcompile cache, compiled as plain Inductor", index)
 
+        _mark_states_static(gm, example_inputs)
         patches = dict(list_mode_options(mode)) if mode not in (None, "default") else {}
         patches.update(self.config_patches)
         patches.update(options or {})
@@ -147,6 +148,22 @@ class KVCompileBackend:
         if self.k_dtype == self.v_dtype:
             return f"kvcompile.backend(kv_dtype={self.kv_dtype!r})"
         return f"kvcompile.backend(k_dtype={self.k_dtype!r}, v_dtype={self.v_dtype!r})"
+
+
+def _mark_states_static(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> int:
+    """Mark the graph inputs that are recurrent / conv states of a kvcompile cache as static addresses
+    (what transformers does for a state allocated outside a compiled graph), so CUDA graphs replay
+    them in place rather than skipping the graph for its mutated inputs. Returns how many."""
+    from .cache_layer import static_state_tensors
+
+    states = static_state_tensors()
+    marked = 0
+    for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
+        if isinstance(value, torch.Tensor) and states.get(id(value)) is value:
+            torch._dynamo.mark_static_address(value, guard=False)
+            node.meta.setdefault("tensor_dict", {})["_dynamo_static_input_type"] = "unguarded"
+            marked += 1
+    return marked
 
 
 def _raise_when_run(error: Exception):

@@ -126,3 +126,45 @@ def test_hybrid_layer_reset_and_reorder_reach_both_sides():
     cache.reset()
     assert int(layer.cumulative_length) == 0 and not cache.has_previous_state(0)
     assert layer.conv_states[0].abs().sum() == 0 and layer.recurrent_states[0].abs().sum() == 0
+
+
+def test_states_allocated_in_a_compiled_graph_become_static_inputs():
+    """transformers marks a state's address static (for CUDA graphs) only when it is allocated outside
+    a compiled graph. After a compiled prefill allocates it, the backend marks the decode graph's state
+    inputs static, as it finds the K/V buffers: the decode graph's placeholders for the states carry
+    the mark Inductor's cudagraphs read, and the tensors themselves do. Control: without the backend's
+    marking (patched out) they carry none."""
+    from unittest import mock
+
+    from kvcompile import compile_backend
+
+    def run(mark):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = tiny_model("qwen3_5")
+        cache = kvcompile.QuantizedCache(model.config, max_batch_size=1, max_cache_len=16, device="cpu")
+        graphs = []
+
+        def capture(gm, example_inputs, **kwargs):
+            graphs.append(gm)
+            return gm.forward
+
+        with mock.patch("torch._inductor.compile_fx.compile_fx", capture), \
+                mock.patch.object(compile_backend, "_mark_states_static", mark):
+            fn = torch.compile(model.forward, backend=kvcompile.backend("int8"), fullgraph=True)
+            with torch.no_grad():
+                out = fn(input_ids=torch.randint(3, 96, (1, 6)), **{cache_kwarg(model): cache}).logits
+                fn(input_ids=out[:, -1:].argmax(-1), **{cache_kwarg(model): cache})
+        torch._dynamo.reset()
+        layer = cache.layers[0]
+        states = [t for t in (*layer.conv_states.values(), *layer.recurrent_states.values()) if t is not None]
+        marks = {n.name: n.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")
+                 for n in graphs[-1].graph.find_nodes(op="placeholder") if "_states_" in n.name}
+        return states, marks
+
+    states, marks = run(compile_backend._mark_states_static)
+    assert len(marks) == len(states) == 2 and set(marks.values()) == {"unguarded"}, marks
+    assert all(getattr(t, "_dynamo_static_input_type", None) == "unguarded" for t in states)
+    states, marks = run(lambda gm, example_inputs: 0)
+    assert len(marks) == 2 and set(marks.values()) == {None}, marks
+    assert not any(hasattr(t, "_dynamo_static_input_type") for t in states)
