@@ -4,6 +4,7 @@ cache keyword, and the checks that refuse a model the cache cannot serve.
     num_layers, kv_heads, head_dim = layer_shapes(config)   # one shape for every layer (refuses others)
     shapes = per_layer_shapes(config)      # per layer: (kv heads, head_dim), which may differ (Gemma 4)
     windows = layer_windows(config)        # per layer: 0 = full attention, W = sliding window W
+    states = state_layers(config)          # layer -> states, for a layer keeping a recurrent / conv state
     kwarg = cache_kwarg(model)             # "cache" (transformers >= 5.2x) or "past_key_values"
 
 Layer types come from transformers' own rules (``get_layer_types_and_kwargs``, what

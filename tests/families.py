@@ -102,7 +102,7 @@ ROWS: list[Row] = [
     Row("lfm3", "lfm3", "LFM3", "Lfm3Config's defaults", dict(sliding_window=W), no_window=dict(sliding_window=WIDE),
         attn=("sdpa",), note="short convolutions in the state layers; transformers' own cache layer keeps their state (not quantized)"),
     Row("falcon_h1", "falcon_h1", "Falcon-H1", "Falcon-H1-7B", {}, attn=("sdpa",),
-        note="each layer also runs Mamba2, whose state transformers' own cache layer keeps beside the K/V"),
+        note="Mamba2 beside attention in each layer; transformers' own cache layer keeps its state (not quantized)"),
     Row("falcon", "falcon", "Falcon", "falcon-7b", {}, real=dict(num_hidden_layers=32, num_attention_heads=71,
                                                                  hidden_size=4544), note="one kv head (multi-query)"),
 ]
@@ -170,8 +170,10 @@ def attention_summary(row: Row) -> str:
     from kvcompile import hf
 
     cfg = real_config(row)
-    windows, states = hf.layer_windows(cfg), len(hf.state_layers(cfg))
-    no_kv = sum(shape is None for shape in hf.per_layer_shapes(cfg)) - states
+    windows, shapes, with_state = hf.layer_windows(cfg), hf.per_layer_shapes(cfg), hf.state_layers(cfg)
+    states = sum(shapes[i] is None for i in with_state)  # a state instead of K/V (the rest: beside it)
+    hybrid = len(with_state) - states
+    no_kv = sum(shape is None for shape in shapes) - states
     n, sliding = len(windows), [w for w in windows if w]
     full = n - len(sliding) - no_kv - states
     if sliding:
@@ -182,6 +184,8 @@ def attention_summary(row: Row) -> str:
         text = f"full attention, {n} layers" if full == n else f"full attention on {full} of {n} layers"
     if states:
         text += f", {states} keeping a state instead of K/V"
+    if hybrid:
+        text += f", {'all' if hybrid == n else hybrid} keeping a state beside their K/V"
     if no_kv:
         shared = getattr(hf.text_config(cfg), "num_kv_shared_layers", 0)
         text += f", {no_kv} reading an earlier layer's K/V" if shared else f", {no_kv} without attention"
