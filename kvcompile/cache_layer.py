@@ -470,7 +470,30 @@ def static_state_tensors() -> dict[int, torch.Tensor]:
     return out
 
 
-class StateLayer(_HoldsNoKV, hf.STATE_LAYER_BASE or object):  # no base before transformers has one: refused there
+class _StateBatch:
+    """transformers allocates a layer's states for the batch of its first update and copies every later
+    update into them: a later batch of another size names the problem here rather than failing in a copy."""
+
+    def _check_state_batch(self, states, held: dict, state_idx: int) -> None:
+        new = states if isinstance(states, torch.Tensor) else states[-1]
+        old = held.get(state_idx)
+        if isinstance(old, torch.Tensor) and new.shape[0] != old.shape[0]:
+            raise ValueError(
+                f"kvcompile.QuantizedCache: layer {self.layer_idx} keeps a recurrent state for a batch of "
+                f"{old.shape[0]} (the batch of the cache's first forward; transformers sizes a state then), but "
+                f"this forward has {new.shape[0]} rows; build a new QuantizedCache for another batch size"
+            )
+
+    def update_conv_state(self, conv_states, state_idx: int = 0, *args, **kwargs):
+        self._check_state_batch(conv_states, self.conv_states, state_idx)
+        return super().update_conv_state(conv_states, state_idx, *args, **kwargs)
+
+    def update_recurrent_state(self, recurrent_states, state_idx: int = 0, *args, **kwargs):
+        self._check_state_batch(recurrent_states, self.recurrent_states, state_idx)
+        return super().update_recurrent_state(recurrent_states, state_idx, *args, **kwargs)
+
+
+class StateLayer(_StateBatch, _HoldsNoKV, hf.STATE_LAYER_BASE or object):  # no base before transformers has one: refused there
     """A decoder layer that keeps a recurrent or convolution state instead of K/V (the Mamba and
     gated-delta-net layers of hybrid models, short convolutions): transformers' own
     ``LinearAttentionLayer``, which the model updates through the cache's ``update_conv_state`` /
@@ -496,7 +519,7 @@ class StateLayer(_HoldsNoKV, hf.STATE_LAYER_BASE or object):  # no base before t
         )
 
 
-class HybridLayer(QuantizedLayer, hf.STATE_LAYER_BASE or object):  # no base before transformers has one: refused
+class HybridLayer(_StateBatch, QuantizedLayer, hf.STATE_LAYER_BASE or object):  # no base before transformers has one: refused
     """A decoder layer that stores K/V *and* keeps a recurrent state (an attention and a Mamba mixer in
     one layer: Falcon-H1, Zamba2's shared blocks; transformers' ``hybrid`` / ``hybrid_sliding`` layer
     types): a :class:`QuantizedLayer` for the K/V and transformers' ``LinearAttentionLayer`` for the

@@ -168,3 +168,19 @@ def test_states_allocated_in_a_compiled_graph_become_static_inputs():
     states, marks = run(lambda gm, example_inputs: 0)
     assert len(marks) == 2 and set(marks.values()) == {None}, marks
     assert not any(hasattr(t, "_dynamo_static_input_type") for t in states)
+
+
+def test_a_state_keeps_the_batch_of_the_first_forward():
+    """transformers sizes a state by the first forward's batch; a later forward of another batch gets an
+    error naming it (not a failed copy), while the K/V layers would serve the smaller batch."""
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_5")
+    cache = kvcompile.QuantizedCache(model.config, max_batch_size=2, max_cache_len=16, device="cpu")
+    kw = {cache_kwarg(model): cache}
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 96, (2, 5)), **kw)
+        cache.reset()
+        model(input_ids=torch.randint(3, 96, (2, 5)), **kw)  # the same batch after a reset: served
+        cache.reset()
+        with pytest.raises(ValueError, match="layer 0 keeps a recurrent state for a batch of 2 .* 1 rows"):
+            model(input_ids=torch.randint(3, 96, (1, 5)), **kw)
