@@ -157,6 +157,17 @@ def _load_config(src: str):
         ) from None
 
 
+def _layer_span(idx: list[int]) -> str:
+    """``layer 3``, ``layers 0-29``, or for layers that recur in a pattern ``layers 0-2, 4-6, 8-10 (9)``."""
+    runs, first = [], idx[0]
+    for prev, cur in zip(idx, idx[1:] + [None]):
+        if cur != prev + 1 if cur is not None else True:
+            runs.append(f"{first}" if first == prev else f"{first}-{prev}")
+            first = cur
+    text = ("layer " if len(idx) == 1 else "layers ") + ", ".join(runs)
+    return text + (f" ({len(idx)})" if len(runs) > 1 else "")
+
+
 def _mib(n: float) -> str:
     """Bytes in the binary unit that reads best (KiB / MiB / GiB)."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
@@ -185,23 +196,27 @@ def cache_size_lines(config, *, max_cache_len=None, batch=1, kv_dtype=None, gran
     src = "given" if max_cache_len is not None else "from max_position_embeddings: pass --max-cache-len to choose"
     lines.append(f"  kv_dtype {cache.fmt.name}, max_batch_size {cache.max_batch_size}, "
                  f"max_cache_len {cache.max_cache_len} ({src})")
-    start = 0
-    for i in range(1, len(sizes) + 1):  # runs of layers of one size and kind
-        if i == len(sizes) or sizes[i] != sizes[start] or type(cache.layers[i]) is not type(cache.layers[start]):
-            layer = cache.layers[start]
-            span = f"layer {start}" if i - start == 1 else f"layers {start}-{i - 1}"
-            if isinstance(layer, NoKVLayer):
-                lines.append(f"  {span:14s} {0:>14,d} bytes: no K/V of their own (they reuse an earlier layer's "
-                             "K/V, or have no attention)")
-            elif isinstance(layer, StateLayer):
-                lines.append(f"  {span:14s} {0:>14,d} bytes: no K/V; a recurrent / conv state instead, which "
-                             "transformers' own layer allocates on the first forward (not quantized; not in the totals)")
-            else:
-                lines.append(f"  {span:14s} {sizes[start]:>14,d} bytes ({_mib(sizes[start])}) each: "
-                             f"{layer.num_heads} kv heads x head_dim {layer.head_dim} x {layer.slots} positions"
-                             + (f" (a ring: sliding window {layer.sliding_window})" if layer.ring else "")
-                             + (", and a recurrent state (not in the totals)" if isinstance(layer, HybridLayer) else ""))
-            start = i
+    groups: dict = {}  # layers alike (kind, bytes, shape, window), in order of first appearance
+    for i, (layer, size) in enumerate(zip(cache.layers, sizes)):
+        key = (type(layer), size, layer.num_heads, layer.head_dim, layer.slots, layer.ring, layer.sliding_window)
+        groups.setdefault(key, []).append(i)
+    for (_, size, *_), idx in groups.items():
+        layer = cache.layers[idx[0]]
+        span = _layer_span(idx)
+        if len(span) > 14:  # a recurring pattern: the layers on a line of their own, the bytes under them
+            lines.append(f"  {span}:")
+            span = ""
+        if isinstance(layer, NoKVLayer):
+            lines.append(f"  {span:14s} {0:>14,d} bytes: no K/V of their own (they reuse an earlier layer's "
+                         "K/V, or have no attention)")
+        elif isinstance(layer, StateLayer):
+            lines.append(f"  {span:14s} {0:>14,d} bytes: no K/V; a recurrent / conv state instead, which "
+                         "transformers' own layer allocates on the first forward (not quantized; not in the totals)")
+        else:
+            lines.append(f"  {span:14s} {size:>14,d} bytes ({_mib(size)}) each: "
+                         f"{layer.num_heads} kv heads x head_dim {layer.head_dim} x {layer.slots} positions"
+                         + (f" (a ring: sliding window {layer.sliding_window})" if layer.ring else "")
+                         + (", and a recurrent state (not in the totals)" if isinstance(layer, HybridLayer) else ""))
     lines.append(f"  total          {total:>14,d} bytes ({_mib(total)}); a bf16 cache of the same capacity: "
                  f"{_mib(bf16)} ({total / bf16:.3f}x)")
     per_row = total / cache.max_batch_size

@@ -184,3 +184,17 @@ def test_a_state_keeps_the_batch_of_the_first_forward():
         cache.reset()
         with pytest.raises(ValueError, match="layer 0 keeps a recurrent state for a batch of 2 .* 1 rows"):
             model(input_ids=torch.randint(3, 96, (1, 5)), **kw)
+
+
+def test_info_groups_the_layers_of_a_pattern():
+    """`python -m kvcompile info`: a hybrid's recurring pattern is one line per kind of layer, with the
+    layers named as runs (Qwen3.5: three state layers per attention layer), and the totals count the
+    K/V layers only."""
+    from kvcompile.__main__ import cache_size_lines
+
+    cfg = tiny_config("qwen3_5", num_hidden_layers=8, layer_types=["linear_attention"] * 3 + ["full_attention"])
+    out = "\n".join(cache_size_lines(cfg, max_cache_len=64))
+    per_layer = kvcompile.QuantizedCache(cfg, max_cache_len=64, device="meta").planned_nbytes(per_layer=True)
+    assert "layers 0-2, 4-6 (6):" in out and "a recurrent / conv state instead" in out, out
+    assert "layers 3, 7 (2):" in out and f"{per_layer[3]:,d} bytes" in out, out
+    assert f"total          {sum(per_layer):>14,d} bytes" in out and sum(per_layer) == 2 * per_layer[3], out
