@@ -143,6 +143,9 @@ def _num_layers(text) -> int:
     return n
 
 
+_NO_ATTENTION = {"moe": NO_KV_LAYER_TYPE, "mlp": NO_KV_LAYER_TYPE}  # layer types without attention, as transformers maps them
+
+
 def _types_and_kwargs(text) -> tuple[list[str], list[dict]]:
     try:
         from transformers.cache_utils import get_layer_types_and_kwargs
@@ -154,7 +157,8 @@ def _types_and_kwargs(text) -> tuple[list[str], list[dict]]:
             if isinstance(kwargs, dict):  # transformers <= 5.17: one kwargs dict shared by every layer
                 kwargs = [_layer_kwargs(t, kwargs.get("sliding_window"), kwargs.get("number_of_states", 1))
                           for t in types]
-            return list(types), list(kwargs)
+            # layers without attention ("moe" / "mlp"): transformers >= 5.2x names them "dummy" itself
+            return [_NO_ATTENTION.get(t, t) for t in types], list(kwargs)
         return _types_and_kwargs_fallback(text)
     except AttributeError as e:  # e.g. sliding_attention layers in a config without sliding_window
         raise UnsupportedModelError(
@@ -173,7 +177,7 @@ def _types_and_kwargs_fallback(text) -> tuple[list[str], list[dict]]:
             types = ["chunked_attention"] * n
         else:
             types = ["full_attention"] * n
-    remap = {"mamba": "linear_attention", "attention": "full_attention", "moe": "dummy", "mlp": "dummy"}
+    remap = {"mamba": "linear_attention", "attention": "full_attention", **_NO_ATTENTION}
     types = [remap.get(t, t) for t in types]
     window, states = getattr(text, "sliding_window", None), getattr(text, "number_of_conv_states", 1)
     return types, [_layer_kwargs(t, window, states) for t in types]

@@ -111,15 +111,16 @@ ROWS: list[Row] = [
 
 def _in_this_transformers(row: Row) -> bool:
     """The row's config class exists here, and transformers has the cache layers its layer types need
-    (K/V shared across layers: the sharing layers get the K/V the earlier layer's update returned;
-    state layers: a linear-attention cache layer); kvcompile.hf refuses the model before."""
+    (layers without K/V of their own, or sharing another's: its DummyLayer; state layers: its
+    linear-attention cache layer); kvcompile.hf refuses the model before."""
     from kvcompile import hf
     from models import FAMILIES, tiny_config
 
     if not hasattr(transformers, FAMILIES[row.family][0]):
         return False
     cfg = tiny_config(row.family, **row.tiny)
-    if getattr(cfg, "num_kv_shared_layers", 0) and not hf._has_no_kv_layers():
+    no_kv = getattr(cfg, "num_kv_shared_layers", 0) or hf.NO_KV_LAYER_TYPE in hf.layer_types(cfg)
+    if no_kv and not hf._has_no_kv_layers():
         return False
     return hf.STATE_LAYER_BASE is not None or not set(hf.layer_types(cfg)) & set(hf.STATE_LAYER_TYPES)
 

@@ -28,10 +28,11 @@ def test_each_layer_type_gets_its_cache_layer():
     assert hf.per_layer_shapes(qwen) == [None, (2, 32)]
     assert _kinds(kvcompile.QuantizedCache(qwen, max_cache_len=16)) == ["StateLayer", "QuantizedLayer"]
 
-    nemotron = tiny_config("nemotron_h")  # Mamba2, MoE, attention, MLP
-    assert hf.state_layers(nemotron) == {0: 1}
-    assert _kinds(kvcompile.QuantizedCache(nemotron, max_cache_len=16)) == [
-        "StateLayer", "NoKVLayer", "QuantizedLayer", "NoKVLayer"]
+    if hf.NO_KV_LAYER_BASE is not None:  # transformers with DummyLayer (before: the MoE / MLP layers are refused)
+        nemotron = tiny_config("nemotron_h")  # Mamba2, MoE, attention, MLP
+        assert hf.state_layers(nemotron) == {0: 1}
+        assert _kinds(kvcompile.QuantizedCache(nemotron, max_cache_len=16)) == [
+            "StateLayer", "NoKVLayer", "QuantizedLayer", "NoKVLayer"]
 
     falcon = tiny_config("falcon_h1")  # attention and Mamba2 in every layer
     assert hf.state_layers(falcon) == {0: 1, 1: 1}
