@@ -124,6 +124,19 @@ RUNS = {
         "h100_s25_run3_e2e.csv", S25, H100, "session 25, run 3",
         "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024,1x4096 --steps 10 "
         "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs"),
+    # session 27: one call on an H100, kernels as at 55f1f31 (dfb77e6's tree: no kernel change since)
+    "s27-decode": Run(
+        "h100_s27_run1_decode.csv", "dfb77e6", H100, "session 27, run 1",
+        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8+krot "
+        "--decode-shapes 1x4096,8x4096,4x8192,1x32768,8x32768,32x8192,4x131072"),
+    "s27-prefill": Run(
+        "h100_s27_run1_prefill.csv", "dfb77e6", H100, "session 27, run 1",
+        "python benchmarks/bench_kv.py --subjects prefill --prefill-q 16384,4096,2048,1024,512 "
+        "--prefill-formats fp8,int8+krot"),
+    "s27-e2e": Run(
+        "h100_s27_run1_e2e.csv", "dfb77e6", H100, "session 27, run 1",
+        "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024,1x4096 --steps 10 "
+        "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs"),
     "s17-decode": Run(
         "h200_s17_run1_decode_window.csv", "8a31ed1", H200, "session 17, run 1",
         "python benchmarks/bench_kv.py --subjects decode,window --formats fp8,int8+krot "
@@ -491,6 +504,27 @@ def s25_e2e(results: str = RESULTS) -> str:
     return "\n".join(lines + _e2e_rows(ms, cols))
 
 
+def s27_decode(results: str = RESULTS) -> str:
+    """BENCHMARKS: the default format beside fp8 token at the seven shapes, session 27 (H100)."""
+    return _default_vs_fp8("s27-decode", results)
+
+
+def s27_prefill(results: str = RESULTS) -> str:
+    """BENCHMARKS: fused and dense prefill of fp8 token and the default format, session 27 (H100)."""
+    return _prefill("s27-prefill", results, formats=(("fp8", "fp8 token"), ("int8+krot", "int8, K rotated")))
+
+
+def s27_e2e(results: str = RESULTS) -> str:
+    """BENCHMARKS: one decode step of the model, fp8 and int8 (K rotated), session 27 (H100)."""
+    run = RUNS["s27-e2e"]
+    ms = {(r["B"], r["ctx"], r["provider"]): float(r["ms_per_step"]) for r in read(run, results)}
+    cols = (("hf-static-compiled", "HF StaticCache bf16, compiled"), ("kvc-fp8_e4m3-graphs", "fp8 token"),
+            ("kvc-int8-graphs", "int8, K rotated (the default)"))
+    lines = [f"ms per decode step, CUDA graphs, Llama-3-8B shape, 4 layers, 10 steps (median); the last column is "
+             f"fp8's step over int8's (> 1: int8 faster). {run.caption()}", ""]
+    return "\n".join(lines + _e2e_rows(ms, cols))
+
+
 def s17_decode(results: str = RESULTS) -> str:
     """BENCHMARKS: the default format beside fp8 token in session 17 (int8 K widened, both sides biased)."""
     return _default_vs_fp8("s17-decode", results)
@@ -831,6 +865,10 @@ TABLES: dict[str, Callable[[str], str]] = {
     "s25-decode": s25_decode,
     "s25-e2e": s25_e2e,
     "s25-command": command("s25-ab", "s25-decode", "s25-e2e"),
+    "s27-decode": s27_decode,
+    "s27-prefill": s27_prefill,
+    "s27-e2e": s27_e2e,
+    "s27-command": command("s27-decode", "s27-prefill", "s27-e2e"),
     "s24-decode-command": command("s24-decode"),
     "s22-e2e": s22_e2e,
     "s22-command": command("default-decode", "s22-e2e", "s22-e2e-old"),
