@@ -44,6 +44,13 @@ TINY = {
                         expert_layer_offset=1),
     "BambaConfig": dict(num_hidden_layers=2, attn_layer_indices=[1]),
     "RecurrentGemmaConfig": dict(num_hidden_layers=3),
+    # multimodal wrappers of a hybrid text model: a tiny text config (their defaults build the full size)
+    **{name: dict(text_config=dict(vocab_size=96, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+                                   num_experts_per_tok=2, moe_intermediate_size=64,
+                                   layer_types=["linear_attention", "full_attention"]),
+                  vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=128))
+       for name in ("Qwen3_5Config", "Qwen3_5MoeConfig")},
     "OlmoHybridConfig": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
     "ZambaConfig": dict(num_hidden_layers=2, layers_block_type=["linear_attention", "hybrid"]),
     "Zamba2Config": dict(num_hidden_layers=2, layers_block_type=["linear_attention", "hybrid"], hybrid_layer_ids=[1]),
