@@ -470,9 +470,11 @@ def static_state_tensors() -> dict[int, torch.Tensor]:
     return out
 
 
-class _StateBatch:
-    """transformers allocates a layer's states for the batch of its first update and copies every later
-    update into them: a later batch of another size names the problem here rather than failing in a copy."""
+class _StateRows:
+    """The batch rows of a layer's states. transformers allocates them for the batch of the first update
+    and copies every later update into them: a later batch of another size names the problem here
+    rather than failing in a copy. Beam search reorders them in place, so they keep the static
+    addresses CUDA graphs replay (transformers' own reorder allocates new tensors)."""
 
     def _check_state_batch(self, states, held: dict, state_idx: int) -> None:
         new = states if isinstance(states, torch.Tensor) else states[-1]
@@ -492,8 +494,13 @@ class _StateBatch:
         self._check_state_batch(recurrent_states, self.recurrent_states, state_idx)
         return super().update_recurrent_state(recurrent_states, state_idx, *args, **kwargs)
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for t in (*self.conv_states.values(), *self.recurrent_states.values()):
+            if isinstance(t, torch.Tensor):
+                t.copy_(t.index_select(0, beam_idx.to(t.device)))
 
-class StateLayer(_StateBatch, _HoldsNoKV, hf.STATE_LAYER_BASE or object):  # no base before transformers has one: refused there
+
+class StateLayer(_StateRows, _HoldsNoKV, hf.STATE_LAYER_BASE or object):  # no base before transformers has one: refused there
     """A decoder layer that keeps a recurrent or convolution state instead of K/V (the Mamba and
     gated-delta-net layers of hybrid models, short convolutions): transformers' own
     ``LinearAttentionLayer``, which the model updates through the cache's ``update_conv_state`` /
@@ -519,7 +526,7 @@ class StateLayer(_StateBatch, _HoldsNoKV, hf.STATE_LAYER_BASE or object):  # no 
         )
 
 
-class HybridLayer(_StateBatch, QuantizedLayer, hf.STATE_LAYER_BASE or object):  # no base before transformers has one: refused
+class HybridLayer(_StateRows, QuantizedLayer, hf.STATE_LAYER_BASE or object):  # no base before transformers has one: refused
     """A decoder layer that stores K/V *and* keeps a recurrent state (an attention and a Mamba mixer in
     one layer: Falcon-H1, Zamba2's shared blocks; transformers' ``hybrid`` / ``hybrid_sliding`` layer
     types): a :class:`QuantizedLayer` for the K/V and transformers' ``LinearAttentionLayer`` for the
@@ -546,7 +553,7 @@ class HybridLayer(_StateBatch, QuantizedLayer, hf.STATE_LAYER_BASE or object):  
         QuantizedLayer.reset(self)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        hf.STATE_LAYER_BASE.reorder_cache(self, beam_idx)
+        _StateRows.reorder_cache(self, beam_idx)
         QuantizedLayer.reorder_cache(self, beam_idx)
 
     def crop(self, tokens_to_remove: int) -> None:

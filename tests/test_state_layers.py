@@ -108,7 +108,7 @@ def test_states_are_counted_once_allocated_and_reset_with_the_cache():
 
 def test_hybrid_layer_reset_and_reorder_reach_both_sides():
     """HybridLayer: the K/V side and the state side are one layer; beam reordering permutes the rows
-    of both, reset clears both."""
+    of both in place, reset clears both."""
     cache = kvcompile.QuantizedCache(tiny_config("falcon_h1"), max_batch_size=3, max_cache_len=16, device="cpu")
     layer = cache.layers[0]
     k, v = torch.randn(3, 2, 5, 32), torch.randn(3, 2, 5, 32)
@@ -118,11 +118,15 @@ def test_hybrid_layer_reset_and_reorder_reach_both_sides():
     rec = torch.randn(3, 2, 4, 4)
     cache.update_recurrent_state(rec, 0)
     assert layer.conv_states[0].device == layer.k_codes.device
-    codes, state = layer.k_codes.clone(), layer.conv_states[0].clone()
+    codes, state, rec = layer.k_codes.clone(), layer.conv_states[0].clone(), layer.recurrent_states[0].clone()
+    addresses = [t.data_ptr() for t in (layer.k_codes, layer.conv_states[0], layer.recurrent_states[0])]
     beams = torch.tensor([2, 0, 1])
     cache.reorder_cache(beams)
     torch.testing.assert_close(layer.k_codes, codes[beams], rtol=0, atol=0)
     torch.testing.assert_close(layer.conv_states[0], state[beams], rtol=0, atol=0)
+    torch.testing.assert_close(layer.recurrent_states[0], rec[beams], rtol=0, atol=0)
+    # in place: the static addresses CUDA graphs replay stay
+    assert [t.data_ptr() for t in (layer.k_codes, layer.conv_states[0], layer.recurrent_states[0])] == addresses
     assert layer.nbytes == cache.layers[0].nbytes > kvcompile.QuantizedLayer.nbytes.fget(layer)
     cache.reset()
     assert int(layer.cumulative_length) == 0 and not cache.has_previous_state(0)
@@ -199,3 +203,29 @@ def test_info_groups_the_layers_of_a_pattern():
     assert "layers 0-2, 4-6 (6):" in out and "a recurrent / conv state instead" in out, out
     assert "layers 3, 7 (2):" in out and f"{per_layer[3]:,d} bytes" in out, out
     assert f"total          {sum(per_layer):>14,d} bytes" in out and sum(per_layer) == 2 * per_layer[3], out
+
+
+def test_beam_search_reorders_the_states():
+    """Beam search over a hybrid model: the states' rows follow the beams (in place), so q8_0 picks the
+    beams transformers' own cache picks. Control: with the states' reorder disabled the beams read each
+    other's recurrent state and the result changes."""
+    from kvcompile.cache_layer import _StateRows
+
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_5")
+    ids = torch.randint(3, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=8, min_new_tokens=8, num_beams=4, do_sample=False, pad_token_id=0)
+
+    def run(cache=None):
+        extra = {} if cache is None else {cache_kwarg(model): cache}
+        with torch.no_grad():
+            return model.generate(ids, **kw, **extra)
+
+    def q8():
+        return kvcompile.QuantizedCache(model.config, max_batch_size=8, max_cache_len=24, kv_dtype="q8_0")
+
+    ref = run()
+    assert torch.equal(run(q8()), ref)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_StateRows, "reorder_cache", lambda self, beam_idx: None)
+        assert not torch.equal(run(q8()), ref)
