@@ -493,15 +493,20 @@ def s25_decode(results: str = RESULTS) -> str:
     return _default_vs_fp8("s25-decode", results)
 
 
-def s25_e2e(results: str = RESULTS) -> str:
-    """BENCHMARKS: one decode step of the model, fp8 and int8 (K rotated), session 25 (H100)."""
-    run = RUNS["s25-e2e"]
+def _e2e_default_vs_fp8(key: str, results: str) -> str:
+    """One decode step of the model in ``RUNS[key]``: HF's static cache, fp8 and int8 (K rotated)."""
+    run = RUNS[key]
     ms = {(r["B"], r["ctx"], r["provider"]): float(r["ms_per_step"]) for r in read(run, results)}
     cols = (("hf-static-compiled", "HF StaticCache bf16, compiled"), ("kvc-fp8_e4m3-graphs", "fp8 token"),
             ("kvc-int8-graphs", "int8, K rotated (the default)"))
     lines = [f"ms per decode step, CUDA graphs, Llama-3-8B shape, 4 layers, 10 steps (median); the last column is "
              f"fp8's step over int8's (> 1: int8 faster). {run.caption()}", ""]
     return "\n".join(lines + _e2e_rows(ms, cols))
+
+
+def s25_e2e(results: str = RESULTS) -> str:
+    """BENCHMARKS: one decode step of the model, fp8 and int8 (K rotated), session 25 (H100)."""
+    return _e2e_default_vs_fp8("s25-e2e", results)
 
 
 def s27_decode(results: str = RESULTS) -> str:
@@ -516,13 +521,7 @@ def s27_prefill(results: str = RESULTS) -> str:
 
 def s27_e2e(results: str = RESULTS) -> str:
     """BENCHMARKS: one decode step of the model, fp8 and int8 (K rotated), session 27 (H100)."""
-    run = RUNS["s27-e2e"]
-    ms = {(r["B"], r["ctx"], r["provider"]): float(r["ms_per_step"]) for r in read(run, results)}
-    cols = (("hf-static-compiled", "HF StaticCache bf16, compiled"), ("kvc-fp8_e4m3-graphs", "fp8 token"),
-            ("kvc-int8-graphs", "int8, K rotated (the default)"))
-    lines = [f"ms per decode step, CUDA graphs, Llama-3-8B shape, 4 layers, 10 steps (median); the last column is "
-             f"fp8's step over int8's (> 1: int8 faster). {run.caption()}", ""]
-    return "\n".join(lines + _e2e_rows(ms, cols))
+    return _e2e_default_vs_fp8("s27-e2e", results)
 
 
 def s17_decode(results: str = RESULTS) -> str:
