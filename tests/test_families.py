@@ -179,7 +179,7 @@ def _pass_then_eager():
 @dataclasses.dataclass
 class Result:
     layers: int  # layers that store K/V (a layer that reads an earlier layer's stores none)
-    shared: int  # layers whose K/V later layers read too: their sites stay with the model's attention
+    shared: int  # ring layers whose K/V later layers read too: their sites stay with the model's attention
     eager: dict  # "nomask" / "mask" -> logits per call, over QuantizedCache
     hf: dict  # the same over ReplayDynamicCache (the same 8-bit values)
     control: list | None  # window removed, unmasked, over QuantizedCache
@@ -244,14 +244,17 @@ def _result(case: Case) -> Result:
 
 
 def _shared_producers(cfg) -> int:
-    """Layers whose K/V later layers read (transformers' kv_sharing_modes: "store" where a "reuse"
-    layer of the same type follows)."""
+    """Sliding layers stored as a ring whose K/V later layers read (transformers' kv_sharing_modes: "store"
+    where a "reuse" layer of the same type follows): the pass leaves their sites to the model's attention
+    (a ring stores a chunk inside its first reader's op); a full layer's readers are all rewritten."""
     modes = getattr(cfg, "kv_sharing_modes", None)
     if not modes:
         return 0
     types = kvcompile.hf.text_config(cfg).layer_types
+    windows = kvcompile.hf.layer_windows(cfg)
     read = {t for t, m in zip(types, modes) if m == "reuse"}
-    return sum(1 for t, m in zip(types, modes) if m == "store" and t in read)
+    return sum(1 for t, m, w in zip(types, modes, windows)
+               if m == "store" and t in read and t == "sliding_attention" and 0 < w < MAX_LEN)
 
 
 def _compiled(res: Result) -> Result:
@@ -267,9 +270,9 @@ def _compiled(res: Result) -> Result:
 
 @pytest.mark.parametrize("case", _cases())
 def test_every_graph_is_rewritten(case):
-    """Every attention over the cache is rewritten, but where later layers read a layer's K/V too
-    (Gemma 3n / 4's num_kv_shared_layers): the pass leaves those sites, the layer's and its readers',
-    to the model's attention, each with that reason."""
+    """Every attention over the cache is rewritten, also where later layers read a layer's K/V (Gemma 3n
+    / 4's num_kv_shared_layers: one op per reader), but where that layer is a sliding ring: the pass
+    leaves those sites, the layer's and its readers', to the model's attention, each with the reason."""
     res = _compiled(_result(case))
     bad = []
     want = res.layers - res.shared

@@ -208,3 +208,43 @@ def test_rotation_is_applied_around_the_op(rotated):
     KVAttentionPass("fp8_e4m3").apply(plain)
     unrotated = fx.GraphModule(torch.nn.Module(), plain)(*plain_args)
     assert (unrotated - expected).abs().max() > 100 * ATOL
+
+
+def test_a_layer_read_by_later_layers_gets_one_op_per_reader_unless_it_is_a_ring():
+    """Gemma 4's num_kv_shared_layers: the last two layers attend over layer 1's and layer 2's K/V. Layer
+    1 is a sliding layer; stored as a ring (the default) its store is folded into its first reader's op, over keys a
+    later reader still needs, so its site is left to the model's attention with the reason, while full
+    layer 2 and its reader get one op each; with ring=False every reader gets its own op. Both match eager over the same kind of cache."""
+    from unittest import mock
+
+    from models import cache_kwarg, tiny_config, tiny_model
+
+    if not kvcompile.hf._has_no_kv_layers():
+        pytest.skip("transformers without DummyLayer refuses K/V shared across layers")
+    cfg = tiny_config("gemma4", num_hidden_layers=5, num_kv_shared_layers=2, sliding_window=4,
+                      layer_types=["full_attention", "sliding_attention"] * 2 + ["full_attention"],
+                      per_layer_config={i: dict(head_dim=64, num_key_value_heads=1) for i in (0, 2, 4)})
+    model = tiny_model(cfg, "sdpa")
+    kw = cache_kwarg(model)
+    ids = torch.randint(3, 96, (1, 8), generator=torch.Generator().manual_seed(0))
+    for ring in (True, False):
+        fresh_dynamo()
+        backend = kvcompile.backend("int8")
+        with mock.patch("torch._inductor.compile_fx.compile_fx", lambda gm, example_inputs, **k: gm.forward):
+            compiled = torch.compile(model.forward, backend=backend, fullgraph=True)
+            outs = []
+            for fn in (model.forward, compiled):
+                cache = kvcompile.QuantizedCache(cfg, max_cache_len=16, kv_dtype="int8", ring=ring)
+                with torch.no_grad():
+                    logits = [fn(input_ids=ids, **{kw: cache}).logits[:, -1]]
+                    for _ in range(3):
+                        logits.append(fn(input_ids=logits[-1].argmax(-1, keepdim=True), **{kw: cache}).logits[:, -1])
+                outs.append(torch.stack(logits))
+        fresh_dynamo()
+        torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
+        for r in backend.report():  # layers 0-2 store K/V; layer 3 (sliding) reads layer 1's, layer 4 (full) layer 2's
+            if ring:
+                (site, reason), = r["skipped"]
+                assert (r["found"], r["rewritten"]) == (3, 2) and "layers.1." in site and "ring=False" in reason, r
+            else:
+                assert (r["found"], r["rewritten"], r["skipped"]) == (3, 3, []), r

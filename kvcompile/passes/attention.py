@@ -18,7 +18,9 @@ How a site is found
 The pass starts from the cache, not from one spelling of attention. Every dequantize node is
 followed forward through the K/V spelling table (:mod:`.spellings`: repeat_kv, repeat_interleave,
 slicing, ...) to the node that consumes it; the two dequantize nodes of one cache layer (they
-share its ``kv_len``) form one *site*. The attention form handlers (:mod:`.forms`: SDPA, the
+share its ``kv_len``) form one *site*. A site read by several layers (Gemma 3n / 4's
+``num_kv_shared_layers``: later layers attend over this layer's K/V) gets one op per reader, all or
+none; not over a ring, whose store is folded into one reader's op. The attention form handlers (:mod:`.forms`: SDPA, the
 eager chain with optional softcap or sinks) read what the site computes from the nodes
 themselves; :mod:`.rewrite` checks what every form shares (heads, dtypes, the key range, the
 causal alignment) and emits the op. A site that is anything else, or that cannot be proven
@@ -64,7 +66,7 @@ from .. import formats
 from . import forms, graph as graph_utils, rewrite, spellings
 from .forms import ATTENTION_FORMS, SITE_FORMS
 from .graph import Skip, describe, erase_dead, site_name, val
-from .spellings import DEQUANTIZE_TARGETS, KV_SPELLINGS, KVChain, trace
+from .spellings import DEQUANTIZE_TARGETS, KV_SPELLINGS, KVChain
 
 __all__ = ["KVAttentionPass", "PassReport", "KVDtypeMismatch", "KV_SPELLINGS", "ATTENTION_FORMS"]
 
@@ -169,31 +171,63 @@ class KVAttentionPass(CustomGraphPass):
     def _rewrite_site(self, nodes: list[fx.Node]) -> str:
         if len(nodes) != 2:
             raise Skip(f"{len(nodes)} dequantize nodes share one cache length (expected K and V)")
-        chains = [trace(n) for n in nodes]
-        for first, second in (chains, chains[::-1]):
+        readers = [spellings.trace_readers(n) for n in nodes]
+        if len(readers[0]) != len(readers[1]):
+            counts = " and ".join(f"{n.name} by {len(r)}" for n, r in zip(nodes, readers))
+            raise Skip(f"the dequantized K and V are read by different numbers of nodes ({counts})")
+        if len(readers[0]) > 1 and readers[0][0].source.ring:
+            others = ", ".join(f"{describe(c.consumer)} ({c.consumer.name})" for c in readers[0])
+            raise Skip(f"the dequantized cache ({nodes[0].name}) is read by several nodes: {others}; a sliding "
+                       "layer's ring stores a chunk's tokens inside its first reader's attention, over keys the "
+                       "other readers still need (build the cache with ring=False to rewrite every reader)")
+        if len(readers[0]) == 1:
+            matched = [self._match(readers[0][0], readers[1][0])]
+        else:  # pair each reader's K with its V: the pair a form accepts
+            matched, pool = [], list(readers[1])
+            for chain in readers[0]:
+                found, why = None, None
+                for other in pool:
+                    try:
+                        found = self._match(chain, other)
+                        break
+                    except Skip as e:
+                        why = why or e
+                if found is None:
+                    raise why
+                pool.remove(other)
+                matched.append(found)
+        for _, k, v in matched:
+            self._check_format(k.source.node, "k")
+            self._check_format(v.source.node, "v")
+        plans = [rewrite.plan(call, k, v) for call, k, v in matched]  # every reader, or none
+        for (call, k, v), plan in zip(matched, plans):
+            rewrite.emit(call, k, v, plan)
+        dead = []
+        for call, k, v in matched:
+            for chain in (k, v):
+                for user, node in chain.shape_users():
+                    if node is chain.source.node:  # the dequantize node's shape is its codes' shape
+                        user.replace_input_with(node, chain.source.codes)
+            dead += [*call.nodes, *k.nodes, *v.nodes, k.source.node, v.source.node]
+        erase_dead(nodes[0].graph, dead)
+        call, k, _ = matched[0]
+        return f"{call.form}[{k.label}]" + ("@ring" if k.source.ring else "") + (f" x{len(matched)} readers"
+                                                                                if len(matched) > 1 else "")
+
+    def _match(self, first: KVChain, second: KVChain) -> tuple:
+        """The attention form the two chains (K and V of one reader, in either order) feed: ``(call, k, v)``,
+        or :class:`Skip` naming what they feed."""
+        for a, b in ((first, second), (second, first)):
             for form in SITE_FORMS:
-                call = form(first, second)
+                call = form(a, b)
                 if call is not None:
-                    return self._rewrite(call, first, second)
-        consumers = ", ".join(f"{describe(c.consumer)} ({c.consumer.name})" for c in chains)
+                    return call, a, b
+        consumers = ", ".join(f"{describe(c.consumer)} ({c.consumer.name})" for c in (first, second))
         hint = ""
-        if any("flex_attention" in describe(c.consumer) for c in chains):
+        if any("flex_attention" in describe(c.consumer) for c in (first, second)):
             hint = ("; kvcompile rewrites SDPA and eager attention: load the model with attn_implementation='sdpa' "
                     "(or 'eager') to run its kernels")
         raise Skip(f"attention form not recognised (the dequantized K/V feed {consumers}){hint}")
-
-    def _rewrite(self, call: forms.AttentionCall, k: KVChain, v: KVChain) -> str:
-        self._check_format(k.source.node, "k")
-        self._check_format(v.source.node, "v")
-        plan = rewrite.plan(call, k, v)
-        rewrite.emit(call, k, v, plan)
-        graph = call.anchor.graph
-        for chain in (k, v):
-            for user, node in chain.shape_users():
-                if node is chain.source.node:  # the dequantize node's shape is its codes' shape
-                    user.replace_input_with(node, chain.source.codes)
-        erase_dead(graph, [*call.nodes, *k.nodes, *v.nodes, k.source.node, v.source.node])
-        return f"{call.form}[{k.label}]" + ("@ring" if k.source.ring else "")
 
     def _check_format(self, node: fx.Node, role: Optional[str]) -> None:
         """``role`` None: the codes hold one of the backend's formats; "k" / "v": that operand's."""

@@ -258,18 +258,19 @@ class KVChain:
         return [(u, n) for n in [self.source.node, *self.nodes] for u in n.users if is_shape_query(u, n)]
 
 
-def trace(dequantize: fx.Node) -> KVChain:
-    """Follow a dequantize node through the spelling table to the node that consumes it."""
-    chain = KVChain(read_dequantize(dequantize), [], dequantize, dequantize)
-    x = dequantize
+def trace_readers(dequantize: fx.Node) -> list[KVChain]:
+    """Follow a dequantize node through the spelling table to each node that consumes it: one chain per
+    reader of the dequantized cache (several where later layers attend over this layer's K/V too: Gemma
+    3n / 4's ``num_kv_shared_layers``); a fork after a spelling is a :class:`Skip`."""
+    users = value_users(dequantize)
+    if not users:
+        raise Skip(f"the dequantized cache ({dequantize.name}) is not read")
+    return [_follow(KVChain(read_dequantize(dequantize), [], dequantize, dequantize), user) for user in users]
+
+
+def _follow(chain: KVChain, user: fx.Node) -> KVChain:
+    x = chain.end
     while True:
-        users = value_users(x)
-        if len(users) != 1:
-            if not users:
-                raise Skip(f"the dequantized cache ({x.name}) is not read")
-            others = ", ".join(f"{describe(u)} ({u.name})" for u in users)
-            raise Skip(f"the dequantized cache ({x.name}) is read by several nodes: {others}")
-        user = users[0]
         for spelling in KV_SPELLINGS.values():
             step = spelling.match(user, x) if spelling.match else None
             if step is not None:
@@ -283,3 +284,10 @@ def trace(dequantize: fx.Node) -> KVChain:
         if step.length is not None:
             chain.length = step.length
         x = step.nodes[-1]
+        users = value_users(x)
+        if len(users) != 1:
+            if not users:
+                raise Skip(f"the dequantized cache ({x.name}) is not read")
+            others = ", ".join(f"{describe(u)} ({u.name})" for u in users)
+            raise Skip(f"the dequantized cache ({x.name}) is read by several nodes: {others}")
+        user = users[0]
