@@ -379,7 +379,11 @@ class QuantizedCache(Cache):
                 + ("(each a ring of its window's positions)" if any(layer.ring for layer in self.layers)
                    else "(each stores max_cache_len positions: ring=False)")
             )
+        kinds = [(sum(isinstance(layer, cls) for layer in self.layers), what) for cls, what in (
+            (StateLayer, "keeping a state instead of K/V"), (HybridLayer, "keeping a state beside K/V"),
+            (NoKVLayer, "without K/V of their own"))]
+        kinds = "".join(f", {n} {what}" for n, what in kinds if n)
         return (
-            f"kvcompile.QuantizedCache({self._kv_layers(self.layers)[0].format_name}, layers={len(self.layers)}, "
-            f"max_batch_size={self.max_batch_size}, max_cache_len={self.max_cache_len}{extra})"
+            f"kvcompile.QuantizedCache({self._kv_layers(self.layers)[0].format_name}, layers={len(self.layers)}"
+            f"{kinds}, max_batch_size={self.max_batch_size}, max_cache_len={self.max_cache_len}{extra})"
         )

@@ -46,6 +46,15 @@ def test_each_layer_type_gets_its_cache_layer():
     assert isinstance(layer, kvcompile.HybridLayer) and layer.ring and layer.slots == 4
 
 
+def test_repr_counts_the_layers_of_each_kind():
+    assert "layers=2, 1 keeping a state instead of K/V," in repr(
+        kvcompile.QuantizedCache(tiny_config("qwen3_5"), max_cache_len=16))
+    assert "layers=2, 2 keeping a state beside K/V," in repr(
+        kvcompile.QuantizedCache(tiny_config("falcon_h1"), max_cache_len=16))
+    assert "layers=2, max_batch_size" in repr(kvcompile.QuantizedCache(tiny_config("llama", num_hidden_layers=2),
+                                                                      max_cache_len=16))
+
+
 def test_number_of_states_reaches_the_layer():
     cfg = tiny_config("qwen3_5", number_of_conv_states=2)
     assert hf.state_layers(cfg) == {0: 2}
