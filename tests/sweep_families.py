@@ -52,7 +52,8 @@ TINY = {
                   vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=128))
        for name in ("Qwen3_5Config", "Qwen3_5MoeConfig")},
     "OlmoHybridConfig": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
-    "ZambaConfig": dict(num_hidden_layers=2, layers_block_type=["linear_attention", "hybrid"]),
+    # Zamba ties its hybrid layers' shared block to the first one's: it builds with two of them
+    "ZambaConfig": dict(num_hidden_layers=6, attn_layer_period=2, attn_layer_offset=1),
     "Zamba2Config": dict(num_hidden_layers=2, layers_block_type=["linear_attention", "hybrid"], hybrid_layer_ids=[1]),
     "ZayaConfig": dict(num_hidden_layers=2, layer_types=["hybrid", "hybrid"]),
     **{name: dict(num_hidden_layers=2, layer_types=["hybrid_sliding", "hybrid"])
