@@ -44,6 +44,7 @@ TINY = {
                         expert_layer_offset=1),
     "BambaConfig": dict(num_hidden_layers=2, attn_layer_indices=[1]),
     "RecurrentGemmaConfig": dict(num_hidden_layers=3),
+    "Dots3NoteTextConfig": dict(num_key_value_heads=4),  # multi-head: as many kv heads as query heads
     # multimodal wrappers of a hybrid text model: a tiny text config (their defaults build the full size)
     **{name: dict(text_config=dict(vocab_size=96, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
