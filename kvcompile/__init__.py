@@ -11,7 +11,8 @@ a kernel runs, so the package imports on machines without a GPU.
 
 from . import ops  # noqa: F401  (registers torch.ops.kvcompile.*)
 from .cache import QuantizedCache
-from .cache_layer import HybridLayer, NoKVLayer, QuantizedLayer, StateLayer
+from .cache_layer import NoKVLayer, QuantizedLayer
+from .state_layers import HybridLayer, StateLayer
 from .calibration import calibrate, load_calibration, save_calibration
 from .formats import DEFAULT_KV_DTYPE, KV_DTYPES, KVFormat, format_of, get_format
 from .graphs import BatchPaddedForward, default_capture_sizes

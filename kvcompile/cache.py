@@ -21,7 +21,9 @@ import torch
 from transformers.cache_utils import Cache
 
 from . import formats, hf, rotation, tp
-from .cache_layer import HybridLayer, NoKVLayer, QuantizedLayer, StateLayer, v_codes_buffer  # re-exported: kvcompile.cache names them too
+# re-exported: kvcompile.cache names them too
+from .cache_layer import NoKVLayer, QuantizedLayer, v_codes_buffer
+from .state_layers import HybridLayer, StateLayer
 
 __all__ = ["CacheSizeWarning", "QuantizedCache", "QuantizedLayer", "v_codes_buffer"]
 
@@ -324,8 +326,8 @@ class QuantizedCache(Cache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the cache: codes, scales, offsets and lengths of every layer, and the states of
-        :class:`StateLayer` layers once the first forward has allocated them."""
+        """Bytes held by the cache: codes, scales, offsets and lengths of every layer, and the recurrent /
+        conv states of :class:`StateLayer` and :class:`HybridLayer` layers once a forward has allocated them."""
         return sum(layer.nbytes for layer in self.layers)
 
     def bytes_per_element(self) -> float:

@@ -154,7 +154,7 @@ def _mark_states_static(gm: torch.fx.GraphModule, example_inputs: Sequence[Any])
     """Mark the graph inputs that are recurrent / conv states of a kvcompile cache as static addresses
     (what transformers does for a state allocated outside a compiled graph), so CUDA graphs replay
     them in place rather than skipping the graph for its mutated inputs. Returns how many."""
-    from .cache_layer import static_state_tensors
+    from .state_layers import static_state_tensors
 
     states = static_state_tensors()
     marked = 0

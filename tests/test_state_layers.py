@@ -218,7 +218,7 @@ def test_beam_search_reorders_the_states():
     """Beam search over a hybrid model: the states' rows follow the beams (in place), so q8_0 picks the
     beams transformers' own cache picks. Control: with the states' reorder disabled the beams read each
     other's recurrent state and the result changes."""
-    from kvcompile.cache_layer import _StateRows
+    from kvcompile.state_layers import _StateRows
 
     torch.manual_seed(0)
     model = tiny_model("qwen3_5")

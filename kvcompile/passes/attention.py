@@ -180,22 +180,19 @@ class KVAttentionPass(CustomGraphPass):
             raise Skip(f"the dequantized cache ({nodes[0].name}) is read by several nodes: {others}; a sliding "
                        "layer's ring stores a chunk's tokens inside its first reader's attention, over keys the "
                        "other readers still need (build the cache with ring=False to rewrite every reader)")
-        if len(readers[0]) == 1:
-            matched = [self._match(readers[0][0], readers[1][0])]
-        else:  # pair each reader's K with its V: the pair a form accepts
-            matched, pool = [], list(readers[1])
-            for chain in readers[0]:
-                found, why = None, None
-                for other in pool:
-                    try:
-                        found = self._match(chain, other)
-                        break
-                    except Skip as e:
-                        why = why or e
-                if found is None:
-                    raise why
-                pool.remove(other)
-                matched.append(found)
+        matched, pool = [], list(readers[1])  # each reader's K paired with its V: the pair a form accepts
+        for chain in readers[0]:
+            found, why = None, None
+            for other in pool:
+                try:
+                    found = self._match(chain, other)
+                    break
+                except Skip as e:
+                    why = why or e
+            if found is None:
+                raise why
+            pool.remove(other)
+            matched.append(found)
         for _, k, v in matched:
             self._check_format(k.source.node, "k")
             self._check_format(v.source.node, "v")
