@@ -15,6 +15,7 @@ import copy
 import operator
 import os
 import warnings
+import weakref
 from typing import Any, Mapping
 
 import torch
@@ -26,6 +27,33 @@ from .cache_layer import NoKVLayer, QuantizedLayer, v_codes_buffer
 from .state_layers import HybridLayer, StateLayer
 
 __all__ = ["CacheSizeWarning", "QuantizedCache", "QuantizedLayer", "v_codes_buffer"]
+
+# every QuantizedCache alive (layers_allocated_by)
+_LIVE_CACHES: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def layers_allocated_by(graph_inputs) -> list[int]:
+    """The layers of live caches whose storage a compiled graph with these inputs allocates: the K/V of
+    a cache built with ``device=None`` and the recurrent / conv states of a hybrid model's layers, each
+    allocated by the layer's first forward. A graph over a cache reads some tensor of it (K/V buffers,
+    length counters) as an input, which ties the graph to the cache. Under CUDA graphs a tensor the graph
+    allocates lives in the graph's memory pool, which the next replay reuses, so the backend compiles
+    such a graph without them."""
+    ids = {id(t) for t in graph_inputs if isinstance(t, torch.Tensor)}
+    out = []
+    for cache in list(_LIVE_CACHES):
+        pending, held = [], []
+        for i, layer in enumerate(cache.layers):
+            if isinstance(layer, QuantizedLayer):
+                held += layer.buffers() if layer.is_initialized else [layer.cumulative_length]
+                pending += [i] if not layer.is_initialized else []
+            if isinstance(layer, (StateLayer, HybridLayer)):
+                # transformers >= 5.25 keeps a length counter on the layer; 5.17 has none
+                held += [*layer.states(), getattr(layer, "cumulative_length_linear", None)]
+                pending += [i] if not layer.states() and i not in pending else []
+        if pending and any(id(t) in ids for t in held if t is not None):
+            out += pending
+    return out
 
 
 class CacheSizeWarning(UserWarning):
@@ -297,6 +325,7 @@ class QuantizedCache(Cache):
         if device is not None:
             for layer in self._kv_layers(self.layers):
                 layer.allocate(device)
+        _LIVE_CACHES.add(self)
 
     @staticmethod
     def _kv_layers(layers) -> list[QuantizedLayer]:

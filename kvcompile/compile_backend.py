@@ -127,6 +127,7 @@ class KVCompileBackend:
         patches = dict(list_mode_options(mode)) if mode not in (None, "default") else {}
         patches.update(self.config_patches)
         patches.update(options or {})
+        _no_cudagraphs_where_storage_is_allocated(patches, example_inputs, index)
         return compile_fx(gm, example_inputs, config_patches=patches)
 
     def _dump(self, gm: torch.fx.GraphModule, index: int, stage: str) -> None:
@@ -164,6 +165,25 @@ def _mark_states_static(gm: torch.fx.GraphModule, example_inputs: Sequence[Any])
             node.meta.setdefault("tensor_dict", {})["_dynamo_static_input_type"] = "unguarded"
             marked += 1
     return marked
+
+
+def _no_cudagraphs_where_storage_is_allocated(patches: dict, example_inputs: Sequence[Any], index: int) -> None:
+    """Turn CUDA graphs off (in ``patches``) for a graph that allocates a cache's storage: a hybrid
+    model's recurrent state on its first forward, or the K/V of a cache built with ``device=None``.
+    Under CUDA graphs that tensor would live in the graph pool, and the next replay would reuse its memory
+    while the cache still holds it. Only a fresh cache's first forward runs that graph, a compute-bound
+    prefill; later graphs read the storage as static inputs and replay as usual."""
+    from torch._inductor import config as inductor_config
+
+    from .cache import layers_allocated_by
+
+    if not patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs):
+        return
+    layers = layers_allocated_by(example_inputs)
+    if layers:
+        patches["triton.cudagraphs"] = False
+        log.info("kvcompile: graph %d allocates the cache storage of layers %s (their first forward): compiled "
+                 "without CUDA graphs, whose memory pool the next replay reuses", index, layers)
 
 
 def _raise_when_run(error: Exception):

@@ -150,6 +150,37 @@ def test_mode_and_options_are_forwarded(monkeypatch):
     assert seen[0] == {"max_autotune": False}
 
 
+@pytest.mark.parametrize("family, device, prefill_graphs", [
+    ("qwen3_5", "cpu", False),  # the gated-delta-net layer's state is allocated by the first forward
+    ("llama", None, False),  # device=None: the first forward allocates the K/V
+    ("llama", "cpu", True),  # control: storage allocated at construction, so the prefill keeps CUDA graphs
+])
+def test_a_graph_that_allocates_cache_storage_runs_without_cuda_graphs(monkeypatch, family, device, prefill_graphs):
+    """Under mode="reduce-overhead" a tensor a graph allocates lives in the CUDA-graph pool, which the next
+    replay reuses: a cache state allocated there would be overwritten (on the H100 it raised "accessing
+    tensor output of CUDAGraphs that has been overwritten"). The backend compiles the graph that
+    allocates a cache's storage without CUDA graphs; the decode graph after it keeps them."""
+    if family == "qwen3_5" and kvcompile.hf.STATE_LAYER_BASE is None:
+        pytest.skip("transformers without LinearAttentionLayer")
+    import torch._inductor.compile_fx as cfx
+
+    patches = []
+
+    def capture(gm, ex, config_patches=None, **kw):
+        patches.append(dict(config_patches or {}))
+        return gm.forward
+
+    monkeypatch.setattr(cfx, "compile_fx", capture)
+    torch.manual_seed(0)
+    model = tiny_model(family)
+    cache = kvcompile.QuantizedCache(model.config, max_batch_size=1, max_cache_len=16, device=device)
+    fn = torch.compile(model.forward, backend=kvcompile.backend("int8"), mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        out = fn(input_ids=torch.randint(3, 96, (1, 6)), **{cache_kwarg(model): cache}).logits
+        fn(input_ids=out[:, -1:].argmax(-1), **{cache_kwarg(model): cache})
+    assert [p["triton.cudagraphs"] for p in patches] == [prefill_graphs, True], patches
+
+
 def test_unrewritten_site_warns(caplog):
     """Attention dropout in training mode (the op has none) stays as is, with one WARNING per site."""
     cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -172,19 +172,21 @@ def test_live_batch_runs_on_the_next_captured_size():
     assert worst < 1e-5, f"graph replay vs the same padded code without graphs: {worst:.3e}"
 
 
-def test_hybrid_states_from_a_compiled_prefill_replay_under_graphs():
-    """Qwen3.5 (a gated-delta-net layer and an attention layer) with the prefill compiled too, as
-    ``generate()`` over a compiled forward runs it: transformers allocates the recurrent state inside
-    that graph and marks its address static only outside one, so the backend marks it
-    (compile_backend._mark_states_static). Decode must then replay under CUDA graphs with no skip
-    and no re-capture, and equal the same compiled code without graphs (1e-5: identical kernels on
-    identical inputs)."""
+@pytest.mark.parametrize("family, device", [("qwen3_5", "cuda"), ("llama", None)])
+def test_storage_from_a_compiled_prefill_replays_under_graphs(family, device):
+    """The prefill compiled too, as ``generate()`` over a compiled forward runs it, with storage that the
+    prefill allocates: Qwen3.5's gated-delta-net state (transformers allocates it on the first forward
+    and marks its address static only outside a compiled graph), or the K/V of a cache built with
+    ``device=None``. The backend compiles that prefill without CUDA graphs (a tensor allocated in the graph
+    pool would be overwritten by the next replay) and marks the states static. Decode must then replay
+    under CUDA graphs with no skip and no re-capture, and equal the same compiled code without graphs
+    (1e-5: identical kernels on identical inputs)."""
     torch._dynamo.reset()
-    model = _model("qwen3_5")
+    model = _model(family)
     kw = cache_kwarg(model)
     B, prompt_len, steps, max_len = 2, 40, 40, 128
     ids = torch.randint(0, 1024, (B, prompt_len), device="cuda")
-    caches = {name: kvcompile.QuantizedCache(model.config, max_batch_size=B, max_cache_len=max_len, device="cuda")
+    caches = {name: kvcompile.QuantizedCache(model.config, max_batch_size=B, max_cache_len=max_len, device=device)
               for name in ("plain", "graphs")}
     fns = {"plain": torch.compile(model.forward, backend=kvcompile.backend(), fullgraph=True),
            "graphs": torch.compile(model.forward, backend=kvcompile.backend(), mode="reduce-overhead", fullgraph=True)}
