@@ -137,6 +137,20 @@ RUNS = {
         "h100_s27_run1_e2e.csv", "dfb77e6", H100, "session 27, run 1",
         "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024,1x4096 --steps 10 "
         "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs"),
+    # session 28: two calls; run 1 on an H100 at a5238a7 (kernels unchanged since 55f1f31), run 2 on an H200 with
+    # 682b658's first draft in the tree (it changes only graphs that allocate cache storage; these allocate none)
+    "s28-decode": Run(
+        "h100_s28_run1_decode.csv", "a5238a7", H100, "session 28, run 1",
+        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8+krot "
+        "--decode-shapes 1x4096,8x4096,4x8192,1x32768,8x32768,32x8192,4x131072"),
+    "s28-prefill": Run(
+        "h100_s28_run1_prefill.csv", "a5238a7", H100, "session 28, run 1",
+        "python benchmarks/bench_kv.py --subjects prefill --prefill-q 16384,4096,2048,1024,512 "
+        "--prefill-formats fp8,int8+krot"),
+    "s28-e2e": Run(
+        "h200_s28_run2_e2e.csv", "a5238a7 + 682b658 (draft)", H200, "session 28, run 2",
+        "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024,1x4096 --steps 10 "
+        "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs"),
     "s17-decode": Run(
         "h200_s17_run1_decode_window.csv", "8a31ed1", H200, "session 17, run 1",
         "python benchmarks/bench_kv.py --subjects decode,window --formats fp8,int8+krot "
@@ -524,6 +538,21 @@ def s27_e2e(results: str = RESULTS) -> str:
     return _e2e_default_vs_fp8("s27-e2e", results)
 
 
+def s28_decode(results: str = RESULTS) -> str:
+    """BENCHMARKS: the default format beside fp8 token at the seven shapes, session 28 (H100)."""
+    return _default_vs_fp8("s28-decode", results)
+
+
+def s28_prefill(results: str = RESULTS) -> str:
+    """BENCHMARKS: fused and dense prefill of fp8 token and the default format, session 28 (H100)."""
+    return _prefill("s28-prefill", results, formats=(("fp8", "fp8 token"), ("int8+krot", "int8, K rotated")))
+
+
+def s28_e2e(results: str = RESULTS) -> str:
+    """BENCHMARKS: one decode step of the model, fp8 and int8 (K rotated), session 28 (H200)."""
+    return _e2e_default_vs_fp8("s28-e2e", results)
+
+
 def s17_decode(results: str = RESULTS) -> str:
     """BENCHMARKS: the default format beside fp8 token in session 17 (int8 K widened, both sides biased)."""
     return _default_vs_fp8("s17-decode", results)
@@ -868,6 +897,10 @@ TABLES: dict[str, Callable[[str], str]] = {
     "s27-prefill": s27_prefill,
     "s27-e2e": s27_e2e,
     "s27-command": command("s27-decode", "s27-prefill", "s27-e2e"),
+    "s28-decode": s28_decode,
+    "s28-prefill": s28_prefill,
+    "s28-e2e": s28_e2e,
+    "s28-command": command("s28-decode", "s28-prefill", "s28-e2e"),
     "s24-decode-command": command("s24-decode"),
     "s22-e2e": s22_e2e,
     "s22-command": command("default-decode", "s22-e2e", "s22-e2e-old"),
