@@ -28,8 +28,25 @@ from .state_layers import HybridLayer, StateLayer
 
 __all__ = ["CacheSizeWarning", "QuantizedCache", "QuantizedLayer", "v_codes_buffer"]
 
-# every QuantizedCache alive (layers_allocated_by)
+# every QuantizedCache alive (layers_allocated_by, static_storage)
 _LIVE_CACHES: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def static_storage() -> dict[int, torch.Tensor]:
+    """``id -> tensor`` of the storage every live cache holds at a fixed address: its K/V buffers and the
+    states of its state layers (transformers updates a state in place unless it records the past for
+    cropping). Storage allocated outside a compiled graph is marked static when it is allocated; storage a
+    compiled graph allocated (a hybrid model's states, the K/V of a ``device=None`` cache) is not, since
+    neither transformers nor the layer can mark inside a graph, so the backend marks it where a later graph
+    takes it as an input."""
+    out = {}
+    for cache in list(_LIVE_CACHES):
+        for layer in cache.layers:
+            if isinstance(layer, QuantizedLayer) and layer.is_initialized:
+                out.update((id(t), t) for t in layer.buffers())
+            if isinstance(layer, (StateLayer, HybridLayer)) and not layer.record_past:
+                out.update((id(t), t) for t in layer.states())
+    return out
 
 
 def layers_allocated_by(graph_inputs) -> list[int]:

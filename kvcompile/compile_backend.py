@@ -123,7 +123,7 @@ class KVCompileBackend:
         else:
             log.info("kvcompile: graph %d: no kvcompile cache, compiled as plain Inductor", index)
 
-        _mark_states_static(gm, example_inputs)
+        _mark_storage_static(gm, example_inputs)
         patches = dict(list_mode_options(mode)) if mode not in (None, "default") else {}
         patches.update(self.config_patches)
         patches.update(options or {})
@@ -151,16 +151,17 @@ class KVCompileBackend:
         return f"kvcompile.backend(k_dtype={self.k_dtype!r}, v_dtype={self.v_dtype!r})"
 
 
-def _mark_states_static(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> int:
-    """Mark the graph inputs that are recurrent / conv states of a kvcompile cache as static addresses
-    (what transformers does for a state allocated outside a compiled graph), so CUDA graphs replay
-    them in place rather than skipping the graph for its mutated inputs. Returns how many."""
-    from .state_layers import static_state_tensors
+def _mark_storage_static(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> int:
+    """Mark the graph inputs that are a kvcompile cache's storage as static addresses, so CUDA graphs
+    replay them in place rather than skipping the graph for its mutated inputs. Storage allocated outside
+    a compiled graph already carries the mark; this reaches what a compiled prefill allocated (see
+    :func:`kvcompile.cache.static_storage`). Returns how many inputs it marked."""
+    from .cache import static_storage
 
-    states = static_state_tensors()
+    storage = static_storage()
     marked = 0
     for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
-        if isinstance(value, torch.Tensor) and states.get(id(value)) is value:
+        if isinstance(value, torch.Tensor) and storage.get(id(value)) is value:
             torch._dynamo.mark_static_address(value, guard=False)
             node.meta.setdefault("tensor_dict", {})["_dynamo_static_input_type"] = "unguarded"
             marked += 1

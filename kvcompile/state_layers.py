@@ -5,35 +5,17 @@ with an attention and a Mamba mixer side by side (:class:`HybridLayer`: 8-bit K/
 The states are transformers' own ``LinearAttentionLayer`` storage, kept at their fixed size in the
 model's dtype (not quantized); what this module adds is the cache's bookkeeping around them: their
 bytes, one batch size (transformers sizes a state by its first forward), beam reordering in place,
-and the list of live states the compile backend marks as static CUDA-graph inputs.
+and the list of a layer's states (the compile backend marks them as static CUDA-graph inputs).
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 
 from . import hf
 from .cache_layer import QuantizedLayer, HoldsNoKV
 
-__all__ = ["HybridLayer", "StateLayer", "static_state_tensors"]
-
-
-# every live layer that keeps a state: transformers allocates a state on its first update and marks its address
-# static for CUDA graphs only outside a compiled graph, so a state first allocated inside one (a compiled prefill)
-# is not marked; the compile backend marks it when a later graph takes it as an input (static_state_tensors)
-_STATE_HOLDERS: "weakref.WeakSet" = weakref.WeakSet()
-
-
-def static_state_tensors() -> dict[int, torch.Tensor]:
-    """``id -> tensor`` of every allocated state of a live :class:`StateLayer` / :class:`HybridLayer` that
-    keeps its address (transformers updates it in place unless it records the past for cropping)."""
-    out = {}
-    for layer in list(_STATE_HOLDERS):
-        if not layer.record_past:
-            out.update((id(t), t) for t in layer.states())
-    return out
+__all__ = ["HybridLayer", "StateLayer"]
 
 
 class _StateRows:
@@ -83,7 +65,6 @@ class StateLayer(_StateRows, HoldsNoKV, hf.STATE_LAYER_BASE or object):  # no ba
     def __init__(self, layer_idx: int, max_batch_size: int, max_cache_len: int, number_of_states: int = 1):
         super().__init__(number_of_states=number_of_states)
         self.layer_idx, self.max_batch_size, self.max_cache_len = layer_idx, max_batch_size, max_cache_len
-        _STATE_HOLDERS.add(self)
 
     @property
     def nbytes(self) -> int:
@@ -111,7 +92,6 @@ class HybridLayer(_StateRows, QuantizedLayer, hf.STATE_LAYER_BASE or object):  #
     def __init__(self, *args, number_of_states: int = 1, **kwargs):
         hf.STATE_LAYER_BASE.__init__(self, number_of_states=number_of_states)
         QuantizedLayer.__init__(self, *args, **kwargs)
-        _STATE_HOLDERS.add(self)
 
     def lazy_initialization(self, *args, **kwargs) -> None:
         if args:  # update(key_states, value_states): the K/V side

@@ -159,7 +159,8 @@ def test_a_graph_that_allocates_cache_storage_runs_without_cuda_graphs(monkeypat
     """Under mode="reduce-overhead" a tensor a graph allocates lives in the CUDA-graph pool, which the next
     replay reuses: a cache state allocated there would be overwritten (on the H100 it raised "accessing
     tensor output of CUDAGraphs that has been overwritten"). The backend compiles the graph that
-    allocates a cache's storage without CUDA graphs; the decode graph after it keeps them."""
+    allocates a cache's storage without CUDA graphs; the decode graph after it keeps them, with that
+    storage marked as static inputs (unmarked, the H100 skipped the decode graph for its mutated inputs)."""
     if family == "qwen3_5" and kvcompile.hf.STATE_LAYER_BASE is None:
         pytest.skip("transformers without LinearAttentionLayer")
     import torch._inductor.compile_fx as cfx
@@ -179,6 +180,10 @@ def test_a_graph_that_allocates_cache_storage_runs_without_cuda_graphs(monkeypat
         out = fn(input_ids=torch.randint(3, 96, (1, 6)), **{cache_kwarg(model): cache}).logits
         fn(input_ids=out[:, -1:].argmax(-1), **{cache_kwarg(model): cache})
     assert [p["triton.cudagraphs"] for p in patches] == [prefill_graphs, True], patches
+    # and the decode graph replays that storage in place: every tensor of it is a static input
+    storage = [t for layer in cache.layers for t in (layer.buffers() if hasattr(layer, "k_codes") else [])
+               + (layer.states() if hasattr(layer, "states") else [])]
+    assert storage and all(hasattr(t, "_dynamo_static_input_type") for t in storage)
 
 
 def test_unrewritten_site_warns(caplog):

@@ -145,7 +145,7 @@ def test_hybrid_layer_reset_and_reorder_reach_both_sides():
 def test_states_allocated_in_a_compiled_graph_become_static_inputs():
     """transformers marks a state's address static (for CUDA graphs) only when it is allocated outside
     a compiled graph. After a compiled prefill allocates it, the backend marks the decode graph's state
-    inputs static, as it finds the K/V buffers: the decode graph's placeholders for the states carry
+    inputs static, as it does the K/V buffers: the decode graph's placeholders for the states carry
     the mark Inductor's cudagraphs read, and the tensors themselves do. Control: without the backend's
     marking (patched out) they carry none."""
     from unittest import mock
@@ -164,7 +164,7 @@ def test_states_allocated_in_a_compiled_graph_become_static_inputs():
             return gm.forward
 
         with mock.patch("torch._inductor.compile_fx.compile_fx", capture), \
-                mock.patch.object(compile_backend, "_mark_states_static", mark):
+                mock.patch.object(compile_backend, "_mark_storage_static", mark):
             fn = torch.compile(model.forward, backend=kvcompile.backend("int8"), fullgraph=True)
             with torch.no_grad():
                 out = fn(input_ids=torch.randint(3, 96, (1, 6)), **{cache_kwarg(model): cache}).logits
@@ -176,7 +176,7 @@ def test_states_allocated_in_a_compiled_graph_become_static_inputs():
                  for n in graphs[-1].graph.find_nodes(op="placeholder") if "_states_" in n.name}
         return states, marks
 
-    states, marks = run(compile_backend._mark_states_static)
+    states, marks = run(compile_backend._mark_storage_static)
     assert len(marks) == len(states) == 2 and set(marks.values()) == {"unguarded"}, marks
     assert all(getattr(t, "_dynamo_static_input_type", None) == "unguarded" for t in states)
     states, marks = run(lambda gm, example_inputs: 0)
