@@ -381,6 +381,8 @@ def prefill(args):
                 print("prefill skip", path, type(e).__name__, str(e)[:200])
                 continue
             record("prefill", shape, f"kvcompile-{fname}-{path}", ms, 0, flops, base_ms=base)
+            if path == "fused":  # timed as the dense path is too: the crossover compares like with like
+                record("prefill", shape, f"kvcompile-{fname}-fused eager", time_eager(fn), 0, flops, base_ms=base)
             if path == "fused" and args.sweep and fname.startswith("int8"):  # the decode tiles' int8 bias, forced
                 with plan_mod.override(int8_bias=True):
                     record("sweep", shape, f"kvcompile-{fname}-fused int8bias-on", bench([fn], 1), 0, flops,
