@@ -52,6 +52,21 @@ TINY = {
                                    layer_types=["linear_attention", "full_attention"]),
                   vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=128))
        for name in ("Qwen3_5Config", "Qwen3_5MoeConfig")},
+    # multimodal wrappers of an attention text model: a tiny text config and encoder (their defaults are the full
+    # sizes, where compiled and eager part after tens of layers by compounding 8-bit code flips)
+    **{name: dict(text_config=dict(vocab_size=96, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, **text), **encoder)
+       for name, text, encoder in (
+           ("Gemma3Config", {}, dict(vision_config=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                                    num_attention_heads=2, image_size=32, patch_size=8),
+                                 mm_tokens_per_image=4)),
+           ("Gemma4Config", dict(layer_types=["sliding_attention", "full_attention"], vocab_size_per_layer_input=96,
+                                 hidden_size_per_layer_input=16), {}),
+           ("GotOcr2Config", {}, dict(vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                     image_size=64, patch_size=16))),
+           ("MossTranscribeDiarizeConfig", {}, dict(audio_config=dict(hidden_size=32, d_model=32, num_hidden_layers=1,
+                                                                  encoder_layers=1, intermediate_size=32,
+                                                                  num_attention_heads=2))))},
     "OlmoHybridConfig": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
     # Zamba ties its hybrid layers' shared block to the first one's: it builds with two of them
     "ZambaConfig": dict(num_hidden_layers=6, attn_layer_period=2, attn_layer_offset=1),
