@@ -14,7 +14,9 @@ The padding rows repeat the last real row (its tokens, mask and positions), so t
 finite, valid values in the cache rows after the live ones and never touch a live row: every
 op of a decoder is independent across batch rows. Their outputs are sliced off before they are
 returned. A QuantizedCache already runs a smaller batch on its leading rows (static addresses),
-so the padded batch reads and writes the same buffers at every size.
+so the padded batch reads and writes the same buffers at every size. A cache that keeps recurrent
+states (a hybrid model: :class:`kvcompile.StateLayer`) runs every batch at the largest capture size:
+transformers sizes a state by the batch of its first forward, and every later forward must match it.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ class BatchPaddedForward:
         forward: the (compiled) ``model.forward``; called with keyword arguments.
         max_batch_size: the cache's ``max_batch_size``; no captured size may exceed it.
         capture_sizes: batch sizes to run at (default :func:`default_capture_sizes`). The largest
-            must be ``max_batch_size`` or below; a batch larger than the largest raises.
+            must be ``max_batch_size`` or below; a batch larger than the largest raises. Over a cache
+            that keeps recurrent states, every batch runs at the largest.
     """
 
     def __init__(self, forward: Callable[..., Any], *, max_batch_size: int,
@@ -94,20 +97,38 @@ class BatchPaddedForward:
             raise ValueError("kvcompile.BatchPaddedForward: needs input_ids or inputs_embeds to know the batch")
         batch = lead.shape[0]
         padded = self.padded_size(batch)
+        if _keeps_states(kwargs):  # transformers sized the states by the first forward: every one runs at that batch
+            padded = self.capture_sizes[-1]
         if padded == batch:
             return self.forward(**kwargs)
         for name in BATCH_ARGS:
             t = kwargs.get(name)
             if isinstance(t, torch.Tensor):
-                if t.shape[0] != batch:
-                    raise ValueError(
-                        f"kvcompile.BatchPaddedForward: {name} has batch {t.shape[0]}, input has {batch}"
-                    )
-                kwargs[name] = torch.cat([t, t[-1:].expand(padded - batch, *t.shape[1:])])
+                kwargs[name] = _pad_rows(t, batch, padded, name)
+            elif isinstance(t, dict):  # the masks generate() builds per attention type (transformers >= 5.2x)
+                kwargs[name] = {k: _pad_rows(m, batch, padded, f"{name}[{k!r}]", broadcast=True)
+                                if isinstance(m, torch.Tensor) else m for k, m in t.items()}
         return _slice_batch(self.forward(**kwargs), padded, batch)
 
     def __repr__(self) -> str:
         return f"BatchPaddedForward(capture_sizes={self.capture_sizes}, forward={self.forward!r})"
+
+
+def _pad_rows(t: torch.Tensor, batch: int, padded: int, name: str, broadcast: bool = False) -> torch.Tensor:
+    """``t`` with its last row repeated up to ``padded`` rows; a mask of one row (``broadcast``) stays as it is."""
+    if broadcast and t.shape[0] == 1:
+        return t
+    if t.shape[0] != batch:
+        raise ValueError(f"kvcompile.BatchPaddedForward: {name} has batch {t.shape[0]}, input has {batch}")
+    return torch.cat([t, t[-1:].expand(padded - batch, *t.shape[1:])])
+
+
+def _keeps_states(kwargs: dict) -> bool:
+    """Whether the forward's cache has layers that keep a recurrent / conv state (a hybrid model)."""
+    from .state_layers import HybridLayer, StateLayer
+
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    return any(isinstance(layer, (StateLayer, HybridLayer)) for layer in getattr(cache, "layers", ()))
 
 
 def _slice_batch(out: Any, padded: int, batch: int) -> Any:

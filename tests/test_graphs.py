@@ -125,3 +125,38 @@ def test_generate_through_padded_compiled_forward_no_recompile_for_a_second_batc
     assert graphs >= 1 and len(backend.report()) == graphs
     layers = model.config.num_hidden_layers
     assert all(r["rewritten"] == r["found"] == layers for r in backend.report())
+
+
+def test_masks_built_per_attention_type_are_padded():
+    """generate() on transformers 5.2x builds a model's masks once per attention type and passes them as a
+    dict (Gemma 3: a sliding and a full mask). Each mask of the batch's rows is padded with the inputs, so a
+    batch of 3 at capture size 4 gives the tokens of generate() over a 3-row cache (unpadded masks raised
+    a batch mismatch in attention)."""
+    from models import tiny_model
+
+    torch.manual_seed(0)
+    model = tiny_model("gemma3")
+    kw = cache_kwarg(model)
+    ids = torch.randint(3, 96, (3, 6))
+    gen = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+
+    def cache(batch):
+        return kvcompile.QuantizedCache(model.config, max_batch_size=batch, max_cache_len=16, device="cpu")
+
+    seen = []
+    eager_forward = model.forward
+
+    def forward(**kwargs):
+        seen.append(type(kwargs.get("attention_mask")).__name__)
+        return eager_forward(**kwargs)
+
+    with torch.no_grad():
+        ref = model.generate(ids, **{kw: cache(3)}, **gen)
+        model.forward = kvcompile.BatchPaddedForward(forward, max_batch_size=4, capture_sizes=(4,))
+        try:
+            out = model.generate(ids, **{kw: cache(4)}, **gen)
+        finally:
+            model.forward = eager_forward
+    if "dict" not in seen:
+        pytest.skip(f"this transformers passes no per-type mask dict (masks seen: {sorted(set(seen))})")
+    assert torch.equal(out, ref)

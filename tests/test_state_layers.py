@@ -238,3 +238,42 @@ def test_beam_search_reorders_the_states():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_StateRows, "reorder_cache", lambda self, beam_idx: None)
         assert not torch.equal(run(q8()), ref)
+
+
+def test_batch_padded_forward_runs_a_hybrid_cache_at_one_batch():
+    """transformers sizes a state by the batch of its first forward, so a hybrid cache serves one batch.
+    BatchPaddedForward runs every batch over such a cache at its largest capture size: a batch of 3, then
+    (the cache reset) a batch of 1, both run at 4 and give the tokens of generate() over right-sized caches.
+    Control: the same batch of 1 unpadded over that cache raises, naming the state's batch."""
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_5")
+    kw = cache_kwarg(model)
+    ids = torch.randint(3, 96, (3, 6))
+    gen = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+
+    def cache(batch):
+        return kvcompile.QuantizedCache(model.config, max_batch_size=batch, max_cache_len=16, device="cpu")
+
+    with torch.no_grad():
+        ref3 = model.generate(ids, **{kw: cache(3)}, **gen)
+        ref1 = model.generate(ids[:1], **{kw: cache(1)}, **gen)
+        calls = []
+        eager_forward = model.forward
+
+        def forward(**kwargs):
+            calls.append(kwargs["input_ids"].shape[0])
+            return eager_forward(**kwargs)
+
+        model.forward = kvcompile.BatchPaddedForward(forward, max_batch_size=4, capture_sizes=(1, 2, 4))
+        try:
+            shared = cache(4)
+            out3 = model.generate(ids, **{kw: shared}, **gen)
+            shared.reset()
+            out1 = model.generate(ids[:1], **{kw: shared}, **gen)
+        finally:
+            model.forward = eager_forward
+        assert torch.equal(out3, ref3) and torch.equal(out1, ref1)
+        assert set(calls) == {4}, calls
+        shared.reset()
+        with pytest.raises(ValueError, match="keeps a recurrent state for a batch of 4"):
+            model(input_ids=ids[:1], **{kw: shared})
