@@ -127,15 +127,20 @@ def test_generate_through_padded_compiled_forward_no_recompile_for_a_second_batc
     assert all(r["rewritten"] == r["found"] == layers for r in backend.report())
 
 
-def test_masks_built_per_attention_type_are_padded():
-    """generate() on transformers 5.2x builds a model's masks once per attention type and passes them as a
-    dict (Gemma 3: a sliding and a full mask). Each mask of the batch's rows is padded with the inputs, so a
-    batch of 3 at capture size 4 gives the tokens of generate() over a 3-row cache (unpadded masks raised
-    a batch mismatch in attention)."""
+@pytest.mark.parametrize("family, runs_at", [("gemma3", [4, 1]), ("qwen3_5", [4, 4])])
+def test_generate_over_padded_batches_matches_right_sized_caches(family, runs_at):
+    """A batch of 3, then (the cache reset) a batch of 1, through BatchPaddedForward at sizes 1, 2, 4 give
+    the tokens of generate() over 3-row and 1-row caches.
+    gemma3: generate() on transformers 5.2x builds the masks once per attention type (a sliding and a full one)
+    and passes them as a dict; each is padded with the inputs (unpadded, attention raised a batch mismatch).
+    qwen3_5: transformers sizes a hybrid model's recurrent state by its first forward, so over such a cache
+    every batch runs at the largest size (a batch of 1 at its own size raises, naming the state's batch)."""
     from models import tiny_model
 
+    if family == "qwen3_5" and kvcompile.hf.STATE_LAYER_BASE is None:
+        pytest.skip("transformers without LinearAttentionLayer")
     torch.manual_seed(0)
-    model = tiny_model("gemma3")
+    model = tiny_model(family)
     kw = cache_kwarg(model)
     ids = torch.randint(3, 96, (3, 6))
     gen = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
@@ -143,20 +148,24 @@ def test_masks_built_per_attention_type_are_padded():
     def cache(batch):
         return kvcompile.QuantizedCache(model.config, max_batch_size=batch, max_cache_len=16, device="cpu")
 
-    seen = []
+    calls = []
     eager_forward = model.forward
 
     def forward(**kwargs):
-        seen.append(type(kwargs.get("attention_mask")).__name__)
+        calls.append(kwargs["input_ids"].shape[0])
         return eager_forward(**kwargs)
 
     with torch.no_grad():
-        ref = model.generate(ids, **{kw: cache(3)}, **gen)
-        model.forward = kvcompile.BatchPaddedForward(forward, max_batch_size=4, capture_sizes=(4,))
+        ref3 = model.generate(ids, **{kw: cache(3)}, **gen)
+        ref1 = model.generate(ids[:1], **{kw: cache(1)}, **gen)
+        model.forward = kvcompile.BatchPaddedForward(forward, max_batch_size=4, capture_sizes=(1, 2, 4))
         try:
-            out = model.generate(ids, **{kw: cache(4)}, **gen)
+            shared = cache(4)
+            out3 = model.generate(ids, **{kw: shared}, **gen)
+            first = len(calls)
+            shared.reset()
+            out1 = model.generate(ids[:1], **{kw: shared}, **gen)
         finally:
             model.forward = eager_forward
-    if "dict" not in seen:
-        pytest.skip(f"this transformers passes no per-type mask dict (masks seen: {sorted(set(seen))})")
-    assert torch.equal(out, ref)
+    assert torch.equal(out3, ref3) and torch.equal(out1, ref1)
+    assert set(calls[:first]) == {runs_at[0]} and set(calls[first:]) == {runs_at[1]}, calls
