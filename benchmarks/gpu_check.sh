@@ -5,7 +5,8 @@
 #   KERNEL_BENCH=1 bash benchmarks/gpu_check.sh   # also the per-kernel decode/prefill/store tables
 #   SANITIZE=1 ...                                 # also compute-sanitizer memcheck of every kernel
 #   STEPS=tests,graphs bash benchmarks/gpu_check.sh   # only these steps (tests, graphs, e2e, kernels,
-#                                                     # sanitize, generate) when a call must stay short
+#                                                     # standing, sanitize, generate) when a call must stay short
+#   STEPS=standing bash benchmarks/gpu_check.sh       # the default format against fp8: decode, prefill, model step
 #
 # tests/test_formats.py needs the gguf package: `pip install gguf`, or a copy of it in .whl/gguf
 # on a machine without a package index (see below).
@@ -39,7 +40,8 @@ fi
 # 2. decode under CUDA graphs: replay == non-graph compiled code, no re-capture, no recompile; whole
 #    models whose attention the pass reaches through less common spellings (GPT-J, Falcon, GPT-2)
 if want graphs; then
-    timeout 400 python -m pytest -q tests/test_cudagraphs.py tests/test_gpu_families.py > "$OUT/cudagraphs.log" 2>&1
+    # about 8 min on an H100 (each case compiles a model): run this step alone in a call
+    timeout 570 python -m pytest -q tests/test_cudagraphs.py tests/test_gpu_families.py > "$OUT/cudagraphs.log" 2>&1
     echo "cudagraph and model tests: $(tail -1 "$OUT/cudagraphs.log")"
 fi
 
@@ -58,6 +60,21 @@ if want kernels; then
         --formats fp8,q8_0,int8+rot --prefill-formats fp8,int8+rot \
         --sweep --variants '^V (keys|head_dim)$' --out "$OUT/bench_kv_${commit}.csv" > "$OUT/bench_kv.log" 2>&1
     grep -E "^\| " "$OUT/bench_kv.log" | grep -v "^|---"
+fi
+
+# 4a. optional: the standing comparison of the default format with fp8 (seven decode shapes, prefill at five
+#     lengths, the model step), as the s28-* runs in benchmarks/tables.py
+if want standing; then
+    timeout 200 python benchmarks/bench_kv.py --subjects decode --formats fp8,int8+krot \
+        --decode-shapes 1x4096,8x4096,4x8192,1x32768,8x32768,32x8192,4x131072 \
+        --out "$OUT/decode_${commit}.csv" > "$OUT/standing_decode.log" 2>&1
+    timeout 200 python benchmarks/bench_kv.py --subjects prefill --prefill-q 16384,4096,2048,1024,512 \
+        --prefill-formats fp8,int8+krot --out "$OUT/prefill_${commit}.csv" > "$OUT/standing_prefill.log" 2>&1
+    timeout 150 python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024,1x4096 --steps 10 \
+        --providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs \
+        --out "$OUT/e2e_standing_${commit}.csv" > "$OUT/standing_e2e.log" 2>&1
+    grep -hE "^\| (decode|prefill) " "$OUT/standing_decode.log" "$OUT/standing_prefill.log"
+    grep "^{" "$OUT/standing_e2e.log" | cut -c1-110
 fi
 
 # 4b. optional: memcheck of every kernel on odd shapes (both V layouts)
