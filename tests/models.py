@@ -101,6 +101,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # local layers are served up to window_size positions (kvcompile.hf.check_cache_length)
     "gpt_neo": ("GPTNeoConfig", dict(num_key_value_heads=None, num_hidden_layers=2,
                                      attention_types=[[["global", "local"], 1]], window_size=256)),
+    # GPT-NeoX-Japanese-2.7B: hidden 2560, 32 layers, 32 heads (MHA), rotary; eager attention with the heads
+    # folded into the batch: baddbmm(zeros, q.view(B*H, Tq, D), K.view(B*H, T, D).transpose(1, 2), alpha=s)
+    "gpt_neox_japanese": ("GPTNeoXJapaneseConfig", dict(num_key_value_heads=None)),
     # Qwen3.5 (text; transformers' default Qwen3_5TextConfig): 32 layers, 3 gated-delta-net layers (a
     # recurrent state, no K/V) per attention layer; attention: 16 q / 4 kv heads, head_dim 256, q/k RMSNorm,
     # an output gate. Tiny: one of each

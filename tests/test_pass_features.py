@@ -248,3 +248,41 @@ def test_a_layer_read_by_later_layers_gets_one_op_per_reader_unless_it_is_a_ring
                 assert (r["found"], r["rewritten"]) == (3, 2) and "layers.1." in site and "ring=False" in reason, r
             else:
                 assert (r["found"], r["rewritten"], r["skipped"]) == (3, 3, []), r
+
+
+def test_heads_folded_into_the_batch_become_one_op():
+    """GPT-NeoX-Japanese folds the heads into the batch: ``baddbmm(zeros, q.view(B*H, Tq, D),
+    K.view(B*H, T, D).transpose(1, 2), alpha=1/norm_factor).view(B, H, Tq, T)``, then the eager chain.
+    Each layer becomes one op whose scale is baddbmm's alpha (not 1: head_dim 32) and whose query is the
+    unfolded [B, H, Tq, D] one; the logits through the op's float64 contract equal the model's own eager
+    attention over the same cache."""
+    from models import cache_kwarg, tiny_model
+
+    fresh_dynamo()
+    model = tiny_model("gpt_neox_japanese", "eager")
+    kw = cache_kwarg(model)
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+
+    def run(forward):
+        cache = kvcompile.QuantizedCache(model.config, max_batch_size=2, max_cache_len=MAX_LEN, kv_dtype="int8",
+                                         device="cpu")
+        with torch.no_grad():
+            return [forward(input_ids=ids[:, :6], **{kw: cache}).logits, forward(input_ids=ids[:, 6:], **{kw: cache}).logits]
+
+    expected = run(model.forward)
+    backend = PassOnly("int8", attention=attention_oracle)
+    got = run(torch.compile(model.forward, backend=backend, fullgraph=True))
+    layers = model.config.num_hidden_layers
+    norm = model.gpt_neox_japanese.layers[0].attention.norm_factor
+    assert len(backend.graphs) == 2
+    for _, after, report in backend.graphs:
+        assert (report.found, report.rewritten, report.skipped) == (layers, layers, []), report
+        assert report.patterns == {"eager+folded[direct]": layers}, report.patterns
+        assert after["kv_attention"] == layers and after["dequantize"] == 0
+    for calls in backend.calls:
+        for args in calls:
+            q = args[0].args[0] if args[0].target == "contiguous" else args[0]
+            assert q.meta["example_value"].dim() == 4  # the query before its fold
+            assert args[8] == pytest.approx(1 / float(norm)) and args[8] != pytest.approx(1.0)
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)

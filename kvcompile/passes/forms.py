@@ -1,6 +1,6 @@
 """Attention forms: what reads the K/V chains, and what it computes.
 
-Each form is one handler in :data:`ATTENTION_FORMS`. ``sdpa`` and ``eager`` start from the K
+Each form is one handler in :data:`ATTENTION_FORMS`. ``sdpa``, ``eager`` and ``folded`` start from the K
 and V chains (:mod:`.spellings`) and return an :class:`AttentionCall` (``None`` when the K
 chain's consumer is not theirs; :class:`Skip` with the reason when it is, but the site does
 something the op does not). ``softcap`` and ``sinks`` are stages of the eager chain:
@@ -12,6 +12,9 @@ something the op does not). ``softcap`` and ``sinks`` are stages of the eager ch
   ``softmax(dim=-1[, dtype])`` [a cast to V's dtype (``.to`` / ``.type``) / ``dropout`` in either
   order] -> ``matmul(P, V)`` (Llama's ``eager_attention_forward`` and its copies; GPT-2's ``.type``,
   GPT-J's and CodeGen's scores in float32 from ``query.to(torch.float32)``);
+* ``folded`` (GPT-NeoX-Japanese): the heads folded into the batch, ``baddbmm(zeros, q.view(B*H, Tq, D),
+  K.view(B*H, T, D).transpose(1, 2), alpha=s)`` (or ``bmm`` [``* s``]) ``.view(B, H, Tq, T)``, then the eager
+  chain from the scores on;
 * ``softcap`` (Gemma 2): ``scores / c -> tanh -> * c`` right after the scaling, before the mask;
 * ``sinks`` (gpt-oss): in place of the softmax, ``cat([scores, sink column], dim=-1)``
   [``- max(dim=-1, keepdim=True)``] ``-> softmax -> [..., :-1]``, the column a ``[Hq]`` tensor
@@ -131,7 +134,67 @@ def eager(k: KVChain, v: KVChain) -> Optional[AttentionCall]:
     if not (is_call(m1, *MATMUL) and len(m1.args) == 2 and m1.args[1] is t):
         raise Skip(f"K^T feeds {describe(m1)}, not matmul(q, K^T)")
     call = AttentionCall(form="eager", anchor=m1, q=m1.args[0], key=k.end, value=v.end, nodes=[t, m1])
-    x = _scaling(m1, call)
+    return _scores_to_output(_scaling(m1, call), call, v)
+
+
+_VIEW = ("view", "reshape", torch.reshape)
+
+
+def _folded(node: Any, x: fx.Node) -> bool:
+    """``node`` is ``x.view(B * H, T, D)`` (or a reshape) of a ``[B, H, T, D]`` value: its heads folded into
+    the batch."""
+    if not (is_call(node, *_VIEW) and node.args and node.args[0] is x):
+        return False
+    s4, s3 = shape(x), shape(node)
+    return (s4 is not None and s3 is not None and len(s4) == 4 and len(s3) == 3
+            and known_eq(s3[0], s4[0] * s4[1]) and known_eq(s3[1], s4[2]) and known_eq(s3[2], s4[3]))
+
+
+def folded(k: KVChain, v: KVChain) -> Optional[AttentionCall]:
+    """The heads folded into the batch for a batched product (GPT-NeoX-Japanese):
+    ``baddbmm(zeros, q.view(B*H, Tq, D), K.view(B*H, T, D).transpose(1, 2), beta=1, alpha=s)`` (or
+    ``bmm(q, K^T)`` [``* s``]) ``.view(B, H, Tq, T)``, then the eager chain from the scores on."""
+    kv = k.consumer
+    if not _folded(kv, k.end):
+        return None
+    t = only_user(kv, "the folded K")
+    if not (is_call(t, "transpose", torch.transpose) and t.args[0] is kv
+            and {d % 3 for d in (arg(t, 1, "dim0"), arg(t, 2, "dim1")) if isinstance(d, int)} == {1, 2}):
+        raise Skip(f"the folded K feeds {describe(t)}, not its transpose(1, 2)")
+    m = only_user(t, "the folded K^T")
+    call = AttentionCall(form="eager+folded", anchor=m, q=None, key=k.end, value=v.end, nodes=[kv, t, m])
+    if is_call(m, torch.bmm, *MATMUL) and len(m.args) == 2 and m.args[1] is t and not m.kwargs:
+        q3, scale = m.args[0], None
+    elif is_call(m, torch.baddbmm) and len(m.args) == 3 and m.args[2] is t and set(m.kwargs) <= {"beta", "alpha"}:
+        base, q3 = m.args[0], m.args[1]
+        if not (is_call(base, torch.zeros) or m.kwargs.get("beta", 1) == 0):
+            raise Skip(f"baddbmm adds {describe(base)} to the scores (the op adds no term but a mask)")
+        if is_call(base, torch.zeros):
+            call.nodes.append(base)
+        scale = float(constant(m.kwargs.get("alpha", 1.0), "baddbmm alpha", (int, float)))
+    else:
+        raise Skip(f"the folded K^T feeds {describe(m)}, not bmm / baddbmm(q, K^T)")
+    if not (isinstance(q3, fx.Node) and is_call(q3, *_VIEW) and q3.args and _folded(q3, q3.args[0])
+            and known_eq(shape(q3.args[0])[1], shape(k.end)[1])):
+        raise Skip(f"the folded query {q3} is not a [B, H, Tq, D] query viewed as [B*H, Tq, D]")
+    call.q = q3.args[0]
+    call.nodes.append(q3)
+    back = only_user(m, "the folded attention scores")
+    sq, sk, sb = shape(call.q), shape(k.end), shape(back)
+    if not (is_call(back, *_VIEW) and back.args[0] is m and sb is not None and len(sb) == 4
+            and all(known_eq(a, b) for a, b in zip(sb, (sq[0], sq[1], sq[2], sk[2])))):
+        raise Skip(f"the folded attention scores feed {describe(back)}, not their view as [B, H, Tq, T]")
+    call.nodes.append(back)
+    if scale is None:
+        x = _scaling(back, call)
+    else:
+        call.scale, x = scale, back
+    return _scores_to_output(x, call, v)
+
+
+def _scores_to_output(x: fx.Node, call: AttentionCall, v: KVChain) -> AttentionCall:
+    """The eager chain from the scaled scores ``x`` to ``P @ V``: softcap, masks, softmax or sinks, cast and
+    dropout."""
     x = softcap(x, call)
     x = _where_mask(x, call)
     x = _mask(x, call)
@@ -427,9 +490,10 @@ def _head_vector(col: Any, rank: int, what: str, call: AttentionCall) -> fx.Node
 
 
 #: name -> handler; ``sdpa`` and ``eager`` take (K chain, V chain), ``softcap`` and ``sinks`` are eager stages.
-ATTENTION_FORMS: dict[str, Callable] = {"sdpa": sdpa, "eager": eager, "softcap": softcap, "sinks": sinks}
+ATTENTION_FORMS: dict[str, Callable] = {"sdpa": sdpa, "eager": eager, "folded": folded, "softcap": softcap,
+                                        "sinks": sinks}
 
 #: the forms tried on a site, in order.
-SITE_FORMS = (sdpa, eager)
+SITE_FORMS = (sdpa, eager, folded)
 
 __all__ = ["ATTENTION_FORMS", "AttentionCall", "SITE_FORMS"]
