@@ -1,8 +1,8 @@
 """Families whose attention the pass reaches through less common spellings, on a GPU in bf16: the
 Triton kernels behind every rewritten site. GPT-J computes its scores in float32 from
 ``query.to(torch.float32)`` (the op takes the bf16 query), Falcon-7b's 71 query heads share one kv
-head (broadcast, not ``enable_gqa``), GPT-2 casts P with ``.type``; Qwen3.5 and Falcon-H1 keep recurrent states beside (or in) their
-attention layers. Skipped without CUDA (CPU CI
+head (broadcast, not ``enable_gqa``), GPT-2 casts P with ``.type``, GPT-NeoX-Japanese folds its heads into the batch for ``baddbmm``; Qwen3.5 and
+Falcon-H1 keep recurrent states beside (or in) their attention layers. Skipped without CUDA (CPU CI
 covers the same graphs with the reference op: tests/test_families.py); run on the device machine.
 """
 
@@ -30,6 +30,8 @@ SHAPES = {  # per layer: falcon-7b's heads and head_dim; GPT-J's and GPT-2's hea
     "qwen3_5": dict(hidden_size=4 * 128, num_attention_heads=4, num_key_value_heads=2, head_dim=128),
     # Falcon-H1: Mamba2 and attention in every layer (kvcompile.HybridLayer)
     "falcon_h1": dict(hidden_size=4 * 128, num_attention_heads=4, num_key_value_heads=2, head_dim=128),
+    # GPT-NeoX-Japanese-2.7B's head_dim (80: no power of two) with fewer heads; its heads folded into the batch
+    "gpt_neox_japanese": dict(hidden_size=8 * 80, num_attention_heads=8),
 }
 
 
@@ -40,7 +42,8 @@ DTYPE = {"gemma4": torch.float32}
 
 # GPT-J's float32 scores are its eager attention (the device's transformers 5.17 has no SDPA path for it)
 CASES = [("falcon", "sdpa"), ("falcon", "eager"), ("gptj", "eager"), ("gpt2", "sdpa"), ("gpt2", "eager"),
-         ("gemma4", "sdpa"), ("granite_swa", "eager"), ("qwen3_5", "sdpa"), ("falcon_h1", "sdpa")]
+         ("gemma4", "sdpa"), ("granite_swa", "eager"), ("qwen3_5", "sdpa"), ("falcon_h1", "sdpa"),
+         ("gpt_neox_japanese", "eager")]
 
 
 @pytest.mark.parametrize("family, attn", CASES)
