@@ -91,8 +91,6 @@ ROWS: list[Row] = [
     Row("gptj", "gptj", "GPT-J", "gpt-j-6b", {}, real=dict(n_layer=28), note="scores in float32"),
     Row("gpt_neo", "gpt_neo", "GPT-Neo", "gpt-neo-1.3B", {}, real=dict(num_layers=24), attn=("eager",),
         note="12 of them local (window 256), served up to max_cache_len 256"),
-    Row("gpt_neox_japanese", "gpt_neox_japanese", "GPT-NeoX-Japanese", "gpt-neox-japanese-2.7b", {},
-        real=dict(num_hidden_layers=32), attn=("eager",), note="heads folded into the batch for baddbmm"),
     Row("qwen3_5", "qwen3_5", "Qwen3.5 (text)", "Qwen3_5TextConfig's defaults", {},
         note="gated delta nets in the state layers; transformers' own cache layer keeps their state (not quantized)"),
     Row("qwen3_next", "qwen3_next", "Qwen3-Next", "Qwen3-Next-80B-A3B", {}, attn=("sdpa",),
@@ -107,6 +105,9 @@ ROWS: list[Row] = [
         note="Mamba2 beside attention in each layer; transformers' own cache layer keeps its state (not quantized)"),
     Row("falcon", "falcon", "Falcon", "falcon-7b", {}, real=dict(num_hidden_layers=32, num_attention_heads=71,
                                                                  hidden_size=4544), note="one kv head (multi-query)"),
+    # appended: a row's index picks the (attention, format) CI runs for it and for every later row
+    Row("gpt_neox_japanese", "gpt_neox_japanese", "GPT-NeoX-Japanese", "gpt-neox-japanese-2.7b", {},
+        real=dict(num_hidden_layers=32), attn=("eager",), note="heads folded into the batch for baddbmm"),
 ]
 
 
