@@ -523,36 +523,6 @@ def s25_e2e(results: str = RESULTS) -> str:
     return _e2e_default_vs_fp8("s25-e2e", results)
 
 
-def s27_decode(results: str = RESULTS) -> str:
-    """BENCHMARKS: the default format beside fp8 token at the seven shapes, session 27 (H100)."""
-    return _default_vs_fp8("s27-decode", results)
-
-
-def s27_prefill(results: str = RESULTS) -> str:
-    """BENCHMARKS: fused and dense prefill of fp8 token and the default format, session 27 (H100)."""
-    return _prefill("s27-prefill", results, formats=(("fp8", "fp8 token"), ("int8+krot", "int8, K rotated")))
-
-
-def s27_e2e(results: str = RESULTS) -> str:
-    """BENCHMARKS: one decode step of the model, fp8 and int8 (K rotated), session 27 (H100)."""
-    return _e2e_default_vs_fp8("s27-e2e", results)
-
-
-def s28_decode(results: str = RESULTS) -> str:
-    """BENCHMARKS: the default format beside fp8 token at the seven shapes, session 28 (H100)."""
-    return _default_vs_fp8("s28-decode", results)
-
-
-def s28_prefill(results: str = RESULTS) -> str:
-    """BENCHMARKS: fused and dense prefill of fp8 token and the default format, session 28 (H100)."""
-    return _prefill("s28-prefill", results, formats=(("fp8", "fp8 token"), ("int8+krot", "int8, K rotated")))
-
-
-def s28_e2e(results: str = RESULTS) -> str:
-    """BENCHMARKS: one decode step of the model, fp8 and int8 (K rotated), session 28 (H200)."""
-    return _e2e_default_vs_fp8("s28-e2e", results)
-
-
 def s17_decode(results: str = RESULTS) -> str:
     """BENCHMARKS: the default format beside fp8 token in session 17 (int8 K widened, both sides biased)."""
     return _default_vs_fp8("s17-decode", results)
@@ -857,6 +827,18 @@ def cpu(results: str = RESULTS) -> str:
     return "\n".join(lines)
 
 
+def standing(session: str) -> dict[str, Callable[[str], str]]:
+    """The tables of one standing run of the default format beside fp8 token (RUNS ``<session>-decode``: the
+    seven decode shapes; ``-prefill``: fused and dense prefill; ``-e2e``: one decode step of the model) and
+    their commands (``<session>-command``)."""
+    decode, pre, e2e = (f"{session}-{t}" for t in ("decode", "prefill", "e2e"))
+    formats = (("fp8", "fp8 token"), ("int8+krot", "int8, K rotated"))
+    return {decode: lambda results=RESULTS: _default_vs_fp8(decode, results),
+            pre: lambda results=RESULTS: _prefill(pre, results, formats=formats),
+            e2e: lambda results=RESULTS: _e2e_default_vs_fp8(e2e, results),
+            f"{session}-command": command(decode, pre, e2e)}
+
+
 def command(*keys: str) -> Callable[[str], str]:
     def render(results: str = RESULTS) -> str:
         return "```\n" + "\n".join(RUNS[key].command for key in keys) + "\n```"
@@ -893,14 +875,8 @@ TABLES: dict[str, Callable[[str], str]] = {
     "s25-decode": s25_decode,
     "s25-e2e": s25_e2e,
     "s25-command": command("s25-ab", "s25-decode", "s25-e2e"),
-    "s27-decode": s27_decode,
-    "s27-prefill": s27_prefill,
-    "s27-e2e": s27_e2e,
-    "s27-command": command("s27-decode", "s27-prefill", "s27-e2e"),
-    "s28-decode": s28_decode,
-    "s28-prefill": s28_prefill,
-    "s28-e2e": s28_e2e,
-    "s28-command": command("s28-decode", "s28-prefill", "s28-e2e"),
+    **standing("s27"),
+    **standing("s28"),
     "s24-decode-command": command("s24-decode"),
     "s22-e2e": s22_e2e,
     "s22-command": command("default-decode", "s22-e2e", "s22-e2e-old"),

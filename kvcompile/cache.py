@@ -28,49 +28,12 @@ from .state_layers import HybridLayer, StateLayer
 
 __all__ = ["CacheSizeWarning", "QuantizedCache", "QuantizedLayer", "v_codes_buffer"]
 
-# every QuantizedCache alive (layers_allocated_by, static_storage)
+# every QuantizedCache alive: the compile backend looks through them for a graph's cache storage
 _LIVE_CACHES: "weakref.WeakSet" = weakref.WeakSet()
 
 
-def static_storage() -> dict[int, torch.Tensor]:
-    """``id -> tensor`` of the storage every live cache holds at a fixed address: its K/V buffers and the
-    states of its state layers (transformers updates a state in place unless it records the past for
-    cropping). Storage allocated outside a compiled graph is marked static when it is allocated; storage a
-    compiled graph allocated (a hybrid model's states, the K/V of a ``device=None`` cache) is not, since
-    neither transformers nor the layer can mark inside a graph, so the backend marks it where a later graph
-    takes it as an input."""
-    out = {}
-    for cache in list(_LIVE_CACHES):
-        for layer in cache.layers:
-            if isinstance(layer, QuantizedLayer) and layer.is_initialized:
-                out.update((id(t), t) for t in layer.buffers())
-            if isinstance(layer, (StateLayer, HybridLayer)) and not layer.record_past:
-                out.update((id(t), t) for t in layer.states())
-    return out
-
-
-def layers_allocated_by(graph_inputs) -> list[int]:
-    """The layers of live caches whose storage a compiled graph with these inputs allocates: the K/V of
-    a cache built with ``device=None`` and the recurrent / conv states of a hybrid model's layers, each
-    allocated by the layer's first forward. A graph over a cache reads some tensor of it (K/V buffers,
-    length counters) as an input, which ties the graph to the cache. Under CUDA graphs a tensor the graph
-    allocates lives in the graph's memory pool, which the next replay reuses, so the backend compiles
-    such a graph without them."""
-    ids = {id(t) for t in graph_inputs if isinstance(t, torch.Tensor)}
-    out = []
-    for cache in list(_LIVE_CACHES):
-        pending, held = [], []
-        for i, layer in enumerate(cache.layers):
-            if isinstance(layer, QuantizedLayer):
-                held += layer.buffers() if layer.is_initialized else [layer.cumulative_length]
-                pending += [i] if not layer.is_initialized else []
-            if isinstance(layer, (StateLayer, HybridLayer)):
-                # transformers >= 5.25 keeps a length counter on the layer; 5.17 has none
-                held += [*layer.states(), getattr(layer, "cumulative_length_linear", None)]
-                pending += [i] if not layer.states() and i not in pending else []
-        if pending and any(id(t) in ids for t in held if t is not None):
-            out += pending
-    return out
+def live_caches() -> list["QuantizedCache"]:
+    return list(_LIVE_CACHES)
 
 
 class CacheSizeWarning(UserWarning):
@@ -342,7 +305,36 @@ class QuantizedCache(Cache):
         if device is not None:
             for layer in self._kv_layers(self.layers):
                 layer.allocate(device)
+        self.keeps_states = any(isinstance(layer, (StateLayer, HybridLayer)) for layer in self.layers)
         _LIVE_CACHES.add(self)
+
+    def storage(self) -> list[torch.Tensor]:
+        """The tensors the cache holds at fixed addresses, allocated so far: each K/V layer's buffers and the
+        recurrent / conv states (transformers updates a state in place unless it records the past for
+        cropping). A compiled graph that allocates some (a hybrid model's first forward, or the first forward
+        of a ``device=None`` cache) cannot mark them static for CUDA graphs; the compile backend does, where a
+        later graph takes them as inputs."""
+        out = []
+        for layer in self.layers:
+            if isinstance(layer, QuantizedLayer) and layer.is_initialized:
+                out += layer.buffers()
+            if isinstance(layer, (StateLayer, HybridLayer)) and not layer.record_past:
+                out += layer.states()
+        return out
+
+    def unallocated_layers(self) -> list[int]:
+        """The layers whose storage the next forward allocates: K/V not allocated yet (``device=None``), or a
+        state layer before its first forward."""
+        return [i for i, layer in enumerate(self.layers)
+                if (isinstance(layer, QuantizedLayer) and not layer.is_initialized)
+                or (isinstance(layer, (StateLayer, HybridLayer)) and not layer.states())]
+
+    def length_counters(self) -> list[torch.Tensor]:
+        """Each layer's count of stored tokens, a host tensor until the layer is allocated (transformers
+        >= 5.25 keeps one on a state layer too): a graph over this cache reads at least one."""
+        return [t for layer in self.layers for t in (getattr(layer, "cumulative_length", None),
+                                                     getattr(layer, "cumulative_length_linear", None))
+                if isinstance(t, torch.Tensor)]
 
     @staticmethod
     def _kv_layers(layers) -> list[QuantizedLayer]:

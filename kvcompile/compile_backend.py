@@ -154,11 +154,11 @@ class KVCompileBackend:
 def _mark_storage_static(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> int:
     """Mark the graph inputs that are a kvcompile cache's storage as static addresses, so CUDA graphs
     replay them in place rather than skipping the graph for its mutated inputs. Storage allocated outside
-    a compiled graph already carries the mark; this reaches what a compiled prefill allocated (see
-    :func:`kvcompile.cache.static_storage`). Returns how many inputs it marked."""
-    from .cache import static_storage
+    a compiled graph already carries the mark; this reaches what a compiled prefill allocated
+    (:meth:`kvcompile.QuantizedCache.storage`). Returns how many inputs it marked."""
+    from .cache import live_caches
 
-    storage = static_storage()
+    storage = {id(t): t for cache in live_caches() for t in cache.storage()}
     marked = 0
     for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
         if isinstance(value, torch.Tensor) and storage.get(id(value)) is value:
@@ -176,11 +176,14 @@ def _no_cudagraphs_where_storage_is_allocated(patches: dict, example_inputs: Seq
     prefill; later graphs read the storage as static inputs and replay as usual."""
     from torch._inductor import config as inductor_config
 
-    from .cache import layers_allocated_by
+    from .cache import live_caches
 
     if not patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs):
         return
-    layers = layers_allocated_by(example_inputs)
+    inputs = {id(t) for t in example_inputs if isinstance(t, torch.Tensor)}
+    # a graph over a cache takes some tensor of it as an input: its storage or its length counters
+    layers = [i for cache in live_caches() if any(id(t) in inputs for t in cache.storage() + cache.length_counters())
+              for i in cache.unallocated_layers()]
     if layers:
         patches["triton.cudagraphs"] = False
         log.info("kvcompile: graph %d allocates the cache storage of layers %s (their first forward): compiled "

@@ -125,10 +125,7 @@ def _pad_rows(t: torch.Tensor, batch: int, padded: int, name: str, broadcast: bo
 
 def _keeps_states(kwargs: dict) -> bool:
     """Whether the forward's cache has layers that keep a recurrent / conv state (a hybrid model)."""
-    from .state_layers import HybridLayer, StateLayer
-
-    cache = kwargs.get("past_key_values", kwargs.get("cache"))
-    return any(isinstance(layer, (StateLayer, HybridLayer)) for layer in getattr(cache, "layers", ()))
+    return getattr(kwargs.get("past_key_values", kwargs.get("cache")), "keeps_states", False)
 
 
 def _slice_batch(out: Any, padded: int, batch: int) -> Any:

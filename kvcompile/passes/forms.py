@@ -169,8 +169,8 @@ def folded(k: KVChain, v: KVChain) -> Optional[AttentionCall]:
         base, q3 = m.args[0], m.args[1]
         if not (is_call(base, torch.zeros) or m.kwargs.get("beta", 1) == 0):
             raise Skip(f"baddbmm adds {describe(base)} to the scores (the op adds no term but a mask)")
-        if is_call(base, torch.zeros):
-            call.nodes.append(base)
+        if isinstance(base, fx.Node):
+            call.nodes.append(base)  # erased once dead
         scale = float(constant(m.kwargs.get("alpha", 1.0), "baddbmm alpha", (int, float)))
     else:
         raise Skip(f"the folded K^T feeds {describe(m)}, not bmm / baddbmm(q, K^T)")
