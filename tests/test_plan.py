@@ -106,13 +106,16 @@ def test_int8_bias_for_tiles_of_few_rows():
 def test_int8_k_by_int8_mma_where_the_bias_runs():
     """int8 K unwidened into int8 MMAs (q in two int8 halves): planned for decode tiles with more than
     DECODE_SMALL_PROGRAMS programs, where it replaces K's bias, and V's bias goes too (it no longer
-    pays beside it); an int8 V beside e4m3 K keeps its bias. Only for int8 K with token / static scales
-    and fp16 dots, forced or not."""
+    pays beside it); an int8 V beside e4m3 K keeps its bias. Planned for the fused prefill tile too,
+    with nothing biased. Only for int8 K with token / static scales and fp16 dots, forced or not."""
     dec = P.plan(_call())
     assert dec.k_mma and not (dec.k_bias or dec.v_bias) and dec.constexprs()["K_MMA"], dec.describe()
     assert "int8 K by int8 MMA" in dec.describe()
     assert not P.plan(_call(B=1)).k_mma and P.plan(_call(B=1)).constexprs()["K_MMA"] is False
-    assert not P.plan(_call(Tq=1024, decode=False, is_causal=True)).k_mma
+    pre = P.plan(_call(Tq=1024, decode=False, is_causal=True))
+    assert pre.k_mma and not (pre.k_bias or pre.v_bias) and pre.constexprs()["K_MMA"], pre.describe()
+    assert not P.plan(_call(Tq=1024, decode=False, is_causal=True, q_dtype=torch.float32)).k_mma
+    assert not P.plan(_call(Tq=1024, decode=False, is_causal=True, k_code=torch.float8_e4m3fn)).k_mma
     fp8_k = P.plan(_call(k_code=torch.float8_e4m3fn))
     assert fp8_k.int8_mma and not fp8_k.k_mma and fp8_k.v_bias  # e4m3 K: widened by cvt as ever
     with P.override(int8_mma=True):
