@@ -383,10 +383,14 @@ def prefill(args):
             record("prefill", shape, f"kvcompile-{fname}-{path}", ms, 0, flops, base_ms=base)
             if path == "fused":  # timed as the dense path is too: the crossover compares like with like
                 record("prefill", shape, f"kvcompile-{fname}-fused eager", time_eager(fn), 0, flops, base_ms=base)
-            if path == "fused" and args.sweep and fname.startswith("int8"):  # the decode tiles' int8 bias, forced
-                with plan_mod.override(int8_bias=True):
-                    record("sweep", shape, f"kvcompile-{fname}-fused int8bias-on", bench([fn], 1), 0, flops,
-                           base_ms=base)
+            if path == "fused" and args.sweep and fname.startswith("int8"):
+                # K widened exactly instead of scored by int8 MMAs (the plan before session 29), and the
+                # decode tiles' int8 bias beside the widening, forced
+                for label, changes in (("int8mma-off", dict(int8_mma=False)),
+                                       ("int8bias-on", dict(int8_mma=False, int8_bias=True))):
+                    with plan_mod.override(**changes):
+                        record("sweep", shape, f"kvcompile-{fname}-fused {label}", bench([fn], 1), 0, flops,
+                               base_ms=base)
             if fname != "fp8":
                 continue
             if path == "fused" and AB_KERNEL is not None:
