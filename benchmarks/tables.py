@@ -151,6 +151,18 @@ RUNS = {
         "h200_s28_run2_e2e.csv", "a5238a7 + 682b658 (draft)", H200, "session 28, run 2",
         "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024,1x4096 --steps 10 "
         "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs"),
+    "s29-decode": Run(
+        "h100_s29_run3_decode.csv", "e072935", H100, "session 29, run 3",
+        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8+krot "
+        "--decode-shapes 1x4096,8x4096,4x8192,1x32768,8x32768,32x8192,4x131072"),
+    "s29-prefill": Run(
+        "h100_s29_run3_prefill.csv", "e072935", H100, "session 29, run 3",
+        "python benchmarks/bench_kv.py --subjects prefill --prefill-q 16384,4096,2048,1024,512 "
+        "--prefill-formats fp8,int8+krot --sweep"),
+    "s29-e2e": Run(
+        "h100_s29_run3_e2e.csv", "e072935", H100, "session 29, run 3",
+        "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024,1x4096 --steps 10 "
+        "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs"),
     "s17-decode": Run(
         "h200_s17_run1_decode_window.csv", "8a31ed1", H200, "session 17, run 1",
         "python benchmarks/bench_kv.py --subjects decode,window --formats fp8,int8+krot "
@@ -499,6 +511,25 @@ def s25_ab(results: str = RESULTS) -> str:
             cells = [f"{_us(by, p + v, shape):.2f}" if (p + v, shape) in by else "—" for v, _ in cols]
             lines.append(f"| B={sh['B']} L={_k(sh['L'])} | {name} | " + " | ".join(cells)
                          + f" | {fp8 / _us(by, p, shape):.2f} |")
+    return "\n".join(lines)
+
+
+def s29_prefill_mma(results: str = RESULTS) -> str:
+    """BENCHMARKS: the fused prefill of int8 (K rotated) with K by int8 MMAs (the plan from session 29)
+    against K widened exactly (the ``int8mma-off`` sweep rows), beside fp8's, one run."""
+    run = RUNS["s29-prefill"]
+    by = _by(read(run, results), "provider", "shape")
+    p = "kvcompile-int8+krot-fused"
+    lines = [f"Fused kernel, causal, B=1, us; int8 is K rotated; the ratios are fp8's time over int8's (> 1: int8 "
+             f"faster). {run.caption()}", "",
+             "| new tokens | cache length | fp8 token | int8, K by int8 MMA (planned) | int8, K widened (`int8mma-off`) "
+             "| fp8 / planned | fp8 / widened |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for shape in _shapes(read(run, results), "sweep"):
+        if (p + " int8mma-off", shape) not in by:
+            continue
+        sh = _shape(shape)
+        fp8, mma, wide = (_us(by, q, shape) for q in ("kvcompile-fp8-fused", p, p + " int8mma-off"))
+        lines.append(f"| {sh['Tq']} | {sh['L']} | {fp8:.1f} | {mma:.1f} | {wide:.1f} | {fp8 / mma:.2f} | {fp8 / wide:.2f} |")
     return "\n".join(lines)
 
 
@@ -877,6 +908,8 @@ TABLES: dict[str, Callable[[str], str]] = {
     "s25-command": command("s25-ab", "s25-decode", "s25-e2e"),
     **standing("s27"),
     **standing("s28"),
+    **standing("s29"),
+    "s29-prefill-mma": s29_prefill_mma,
     "s24-decode-command": command("s24-decode"),
     "s22-e2e": s22_e2e,
     "s22-command": command("default-decode", "s22-e2e", "s22-e2e-old"),
