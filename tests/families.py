@@ -108,6 +108,8 @@ ROWS: list[Row] = [
     # appended: a row's index picks the (attention, format) CI runs for it and for every later row
     Row("gpt_neox_japanese", "gpt_neox_japanese", "GPT-NeoX-Japanese", "gpt-neox-japanese-2.7b", {},
         real=dict(num_hidden_layers=32), attn=("eager",), note="heads folded into the batch for baddbmm"),
+    Row("jetmoe", "jetmoe", "JetMoE", "jetmoe-8b", {}, real=dict(num_hidden_layers=24),
+        note="kv heads tiled for its attention experts' queries (`repeat(1, top_k, 1, 1)`)"),
 ]
 
 

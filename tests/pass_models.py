@@ -94,9 +94,10 @@ ATTENTION = torch.ops.kvcompile.attention.default
 def op_counts(graph: torch.fx.Graph) -> dict:
     """Attention ops, and the K/V spellings of :data:`kvcompile.passes.KV_SPELLINGS` by their node kinds."""
     c = {"sdpa": 0, "softmax": 0, "dequantize": 0, "kv_attention": 0, "matmul": 0,
-         "expand": 0, "repeat_interleave": 0, "torch.repeat_interleave": 0, "getitem": 0, "contiguous": 0, "cast": 0}
+         "expand": 0, "repeat_interleave": 0, "torch.repeat_interleave": 0, "repeat": 0, "getitem": 0, "contiguous": 0,
+         "cast": 0}
     for n in graph.nodes:
-        if n.op == "call_method" and n.target in ("expand", "repeat_interleave", "contiguous"):
+        if n.op == "call_method" and n.target in ("expand", "repeat_interleave", "repeat", "contiguous"):
             c[n.target] += 1
         if n.op == "call_method" and n.target in ("to", "type", "float", "half", "bfloat16"):
             c["cast"] += 1

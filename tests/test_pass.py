@@ -251,6 +251,9 @@ TABLE_CASES = {
     "torch.repeat_interleave": (1, lambda q, k, v, mb, ma: _eager(
         q, torch.repeat_interleave(k, 4, dim=1), torch.repeat_interleave(v, 4, dim=1), ma, 0.2),
         "torch.repeat_interleave", 2),
+    # JetMoE's tiling: query head h reads kv head h mod 2 (the op's grouping reads h // 2: the pass permutes q)
+    "tile": (2, lambda q, k, v, mb, ma: F.scaled_dot_product_attention(
+        q, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1), attn_mask=mb), "repeat", 2),
     # the mask's own slice stays; the op's length becomes min(kv_len, 12) and the mask is padded to 16
     "slice": (4, _sliced_sdpa, "getitem", 2),
     # two K/V copies go, the pass adds one for q
@@ -447,8 +450,10 @@ LEFT_ALONE = {
         F.softmax(_scores(q, k) + ma, dim=-1, dtype=torch.float32), p=0.1, training=True).to(q.dtype), v), None,
         "training mode", False),
     "softcap_with_k_offset": (_softcapped, {"calibration": {"k_offset": torch.randn(1, HQ, D)}}, "K centering", True),
-    "tiled_heads": (lambda q, k, v, mb, ma: F.scaled_dot_product_attention(
-        q, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1), attn_mask=mb), None, "not recognised", True),
+    # tiled kv heads under a mask with a head dim: the query's heads would be regrouped, the mask's not
+    "tiled_heads_head_mask": (lambda q, k, v, mb, ma: F.scaled_dot_product_attention(
+        q, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1), attn_mask=mb.expand(-1, HQ, -1, -1)), None,
+        "mask with a head dim", True),
 }
 
 
@@ -456,7 +461,7 @@ LEFT_ALONE = {
 def test_left_alone_with_reason(name):
     """What the op cannot compute stays as it is (Inductor compiles it), reported with its reason."""
     attention, cache_kwargs, words, compare = LEFT_ALONE[name]
-    hkv = 2 if name == "tiled_heads" else HQ
+    hkv = 2 if name.startswith("tiled_heads") else HQ
     (expected, got), backend = _run_one_layer(attention, hkv, steps=((5, True),), cache_kwargs=cache_kwargs)
     (before, after, report), = backend.graphs
     assert (report.found, report.rewritten) == (1, 0) and after["kv_attention"] == 0, report

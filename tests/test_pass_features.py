@@ -286,3 +286,41 @@ def test_heads_folded_into_the_batch_become_one_op():
             assert args[8] == pytest.approx(1 / float(norm)) and args[8] != pytest.approx(1.0)
     for e, g in zip(expected, got):
         torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_tiled_kv_heads_become_one_op_over_grouped_queries(attn, monkeypatch):
+    """JetMoE tiles its kv heads for its attention experts' queries: ``K.repeat(1, top_k, 1, 1)``, so
+    query head h reads kv head h mod Hkv, where the op's grouping reads h // top_k. Each layer becomes
+    one op over the query's heads put into groups (and its output put back); the logits through the
+    op's float64 contract equal the model's own attention over the same cache. Control: with the heads
+    left in their tiled order (the permutations made identities), query heads meet the wrong kv heads and
+    the logits move far past the tolerance."""
+    from kvcompile.passes import rewrite
+    from models import tiny_model
+
+    model = tiny_model("jetmoe", attn)
+    cfg = model.config
+    assert cfg.num_key_value_heads == 2 and cfg.num_experts_per_tok == 2  # 4 query heads, 2 kv heads: h mod 2 != h // 2
+
+    def rewritten():
+        fresh_dynamo()
+        backend = PassOnly("int8", attention=attention_oracle)
+        return _run(model, "int8", torch.compile(model.forward, backend=backend, fullgraph=True)), backend
+
+    expected = _run(model, "int8", model.forward)
+    got, backend = rewritten()
+    layers = cfg.num_hidden_layers
+    form = "sdpa" if attn == "sdpa" else "eager"
+    assert len(backend.graphs) == 2
+    for _, after, report in backend.graphs:
+        assert (report.found, report.rewritten, report.skipped) == (layers, layers, []), report
+        assert report.patterns == {f"{form}[tile]": layers}, report.patterns
+        assert after["kv_attention"] == layers and after["dequantize"] == 0
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
+
+    monkeypatch.setattr(rewrite, "_heads_grouped", lambda graph, x, tile: x)
+    monkeypatch.setattr(rewrite, "_heads_tiled", lambda graph, x, tile: x)
+    wrong, _ = rewritten()
+    assert max((w - e).abs().max().item() for w, e in zip(wrong, expected)) > 100 * ATOL

@@ -79,10 +79,17 @@ def plan(call: AttentionCall, k: KVChain, v: KVChain) -> dict:
                    f"{feature} does not ignore; build the cache without k_offset for this model")
     if k.repeat != v.repeat:
         raise Skip(f"K repeated {k.repeat}x but V {v.repeat}x")
-    heads, hq = kc[1] * k.repeat, q.shape[1]
+    if k.tile != v.tile:
+        raise Skip(f"K tiled {k.tile}x but V {v.tile}x")
+    heads, hq = kc[1] * k.repeat * k.tile, q.shape[1]
     # one kv head broadcasts over every query head, in SDPA and in matmul alike (Falcon's multi-query)
     if not (known_eq(hq % heads, 0) if call.enable_gqa or known_eq(heads, 1) else known_eq(hq, heads)):
         raise Skip(f"{hq} query heads over {heads} key heads (enable_gqa={call.enable_gqa})")
+    # tiled kv heads (query head h reads kv head h mod Hkv): the op reads h // group, so the query heads
+    # go into groups before it and back after (one kv head: tiled and interleaved are the same)
+    tile = k.tile if k.tile > 1 and not known_eq(kc[1], 1) else 1
+    if tile > 1:
+        _check_tiled(call, hq)
 
     if k.source.ring != v.source.ring:
         raise Skip("one of K and V is read from a ring and the other is not")
@@ -100,10 +107,42 @@ def plan(call: AttentionCall, k: KVChain, v: KVChain) -> dict:
         "kv_len": _length(call, k, q.shape[2], n, L, sliced),
         "window": windows[0],
         "q": _query(call.q),
+        "tile": tile,
     }
     if k.source.ring:
         found["store"] = _ring_store(k, v, call.anchor)
     return found
+
+
+def _check_tiled(call: AttentionCall, hq: Any) -> None:
+    """A site over tiled kv heads: its query heads exactly the tiled heads (no GQA on top), its output
+    [B, Hq, Tq, D] (the heads to put back in order), its mask the same for every head and no per-head
+    sinks (no model tiles its heads beside either)."""
+    if call.enable_gqa:
+        raise Skip("tiled kv heads read with enable_gqa: two groupings of the query heads")
+    if call.sinks is not None:
+        raise Skip("attention sinks over tiled kv heads: per-head sinks in the tiled order")
+    out = val(call.anchor)
+    if not (isinstance(out, torch.Tensor) and out.dim() == 4 and known_eq(out.shape[1], hq)):
+        raise Skip(f"the attention over tiled kv heads answers {getattr(out, 'shape', out)}, not [B, Hq, Tq, D]")
+    masks = [call.mask.keep, call.mask.add] if isinstance(call.mask, WhereMask) else [call.mask]
+    for m in (val(m) for m in masks if m is not None):
+        if isinstance(m, torch.Tensor) and m.dim() >= 3 and not known_eq(m.shape[-3], 1):
+            raise Skip(f"a mask with a head dim ({tuple(m.shape)}) over tiled kv heads")
+
+
+def _heads_grouped(graph: fx.Graph, x: fx.Node, tile: int) -> fx.Node:
+    """``x`` [B, Hq, ...] with its heads reordered from tiled (head ``j * H + g``) to grouped (``g * tile + j``)."""
+    x = graph.call_method("unflatten", (x, 1, (tile, -1)))
+    x = graph.call_method("transpose", (x, 1, 2))
+    return graph.call_method("flatten", (x, 1, 2))
+
+
+def _heads_tiled(graph: fx.Graph, x: fx.Node, tile: int) -> fx.Node:
+    """The inverse of :func:`_heads_grouped` over dim 1."""
+    x = graph.call_method("unflatten", (x, 1, (-1, tile)))
+    x = graph.call_method("transpose", (x, 1, 2))
+    return graph.call_method("flatten", (x, 1, 2))
 
 
 def _check_kernel_head_dim(q: torch.Tensor) -> None:
@@ -242,7 +281,9 @@ def emit(call: AttentionCall, k: KVChain, v: KVChain, p: dict) -> fx.Node:
     """Insert the op before the anchor; returns the node replacing it."""
     graph = call.anchor.graph
     with graph.inserting_before(call.anchor):
-        q = p["q"]
+        q, tile = p["q"], p["tile"]
+        if tile > 1:
+            q = _heads_grouped(graph, q, tile)
         # contiguous q: the op's fake returns empty_like(q) (q's strides) while kernels write a dense
         # [B, Hq, Tq, D] output; HF's q is a transposed view. Free when already dense.
         q = graph.call_method("contiguous", (q,))
@@ -267,6 +308,9 @@ def emit(call: AttentionCall, k: KVChain, v: KVChain, p: dict) -> fx.Node:
                 q, k.source.codes, k.source.scale, v.source.codes, v.source.scale, kv_len, mask, call.is_causal,
                 call.scale, p["window"], float(call.softcap), call.sinks, k.source.rotation, v.source.rotation,
             ))
+        if tile > 1:
+            copy_meta(out, call.anchor)
+            out = _heads_tiled(graph, out, tile)
         site_dtype = val(call.anchor).dtype  # a floating tensor (plan checked)
         if getattr(val(p["q"]), "dtype", None) != site_dtype:
             # the op answers in its query's dtype; the site answered in V's (GPT-J: float32 scores, P cast

@@ -14,6 +14,10 @@ entry                       graph                                               
                             ``.expand(B, H, n, L, D).reshape(B, H*n, L, D)``    n times
 ``repeat_interleave``       ``x.repeat_interleave(n, dim=1)``                   kv heads repeated
 ``torch.repeat_interleave`` ``torch.repeat_interleave(x, n, dim=1)``            kv heads repeated
+``tile``                    ``x.repeat(1, n, 1, 1)`` (JetMoE)                   kv heads tiled n
+                                                                                times: query head
+                                                                                h reads kv head
+                                                                                h mod H
 ``slice``                   ``x[:, :, :n]`` / ``x[..., :n, :]`` (start 0, step  only the first n
                             1, every other dim whole)                           keys exist
 ``contiguous``              ``x.contiguous()``                                  nothing
@@ -85,6 +89,7 @@ class Step:
 
     nodes: tuple
     repeat: int = 1  # kv heads repeated (interleaved) this many times
+    tile: int = 1  # kv heads tiled (the whole set repeated) this many times
     length: Any = None  # the keys that remain: an int or a graph node holding it (slices only)
 
 
@@ -182,6 +187,23 @@ def _repeat_interleave(node: fx.Node) -> Step:
     return _repeated(node.args[0], node, repeats, (node,), "repeat_interleave")
 
 
+def match_tile(user: fx.Node, x: fx.Node) -> Optional[Step]:
+    """JetMoE's ``x.repeat(1, n, 1, 1)``: the kv heads tiled, so query head h reads kv head h mod H
+    (the op's grouping reads h // n: the rewrite permutes the query heads into groups and back)."""
+    if not (user.op == "call_method" and user.target == "repeat" and user.args and user.args[0] is x):
+        return None
+    sizes = user.args[1:] if len(user.args) > 2 else user.args[1] if len(user.args) == 2 else user.kwargs.get("sizes")
+    sizes = [val(n) for n in sizes] if isinstance(sizes, (list, tuple)) else None
+    if not (sizes is not None and len(sizes) == 4 and all(isinstance(n, int) for n in sizes)
+            and sizes[0] == sizes[2] == sizes[3] == 1 and sizes[1] >= 1):
+        raise Skip(f"the cache is repeated with {sizes}: only x.repeat(1, n, 1, 1) (its kv heads tiled) is understood")
+    a, b = _kv_shape(x, "the K/V value"), shape(user)
+    n = sizes[1]
+    if not (b is not None and len(b) == 4 and known_eq(b[1], a[1] * n) and _dims_equal(a, b, (0, 2, 3))):
+        raise Skip(f"repeat turns {a} into {b}, not its kv heads tiled [B, n*H, L, D]")
+    return Step((user,), tile=n)
+
+
 def match_slice(user: fx.Node, x: fx.Node) -> Optional[Step]:
     if not (user.op == "call_function" and user.target is operator.getitem and user.args[0] is x):
         return None
@@ -230,6 +252,8 @@ KV_SPELLINGS: dict[str, Spelling] = {
         Spelling("repeat_kv", "kv heads repeated n times (unsqueeze, expand, reshape)", match_repeat_kv),
         Spelling("repeat_interleave", "kv heads repeated n times (method)", match_repeat_interleave_method),
         Spelling("torch.repeat_interleave", "kv heads repeated n times (function)", match_repeat_interleave_function),
+        Spelling("tile", "kv heads tiled n times (repeat(1, n, 1, 1)): query head h reads kv head h mod H",
+                 match_tile),
         Spelling("slice", "only the first n keys: the op's length is min(kv_len, n)", match_slice),
         Spelling("contiguous", "nothing (a copy)", match_contiguous),
         Spelling("cast", "the dtype attention reads (to / type / float / half / bfloat16)", match_cast),
@@ -246,6 +270,7 @@ class KVChain:
     end: fx.Node  # the value attention reads (the dequantize itself when there is no spelling)
     consumer: fx.Node  # the node that reads ``end``
     repeat: int = 1
+    tile: int = 1  # kv heads tiled: query head h reads kv head h mod H
     length: Any = None  # None: every key of the cache; else the slice bound (int or node)
     spellings: list = dataclasses.field(default_factory=list)
 
@@ -280,7 +305,10 @@ def _follow(chain: KVChain, user: fx.Node) -> KVChain:
             return chain
         chain.nodes.extend(step.nodes)
         chain.spellings.append(spelling.name)
+        if step.tile > 1 and chain.repeat > 1 or step.repeat > 1 and chain.tile > 1:
+            raise Skip("the cache's kv heads are both interleaved and tiled: not a grouping the op has")
         chain.repeat *= step.repeat
+        chain.tile *= step.tile
         if step.length is not None:
             chain.length = step.length
         x = step.nodes[-1]
