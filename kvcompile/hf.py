@@ -248,12 +248,16 @@ def check_config(config) -> None:
             "one-shape K/V store and kvcompile::attention do not serve"
         )
     model_type = getattr(text, "model_type", "") or ""
-    alibi = model_type == "bloom" or _attr(text, "alibi", False) or getattr(_attr(text, "attn_config"), "alibi", False)
-    alibi = alibi or _attr(text, "position_embedding_type") == "alibi"
+    # Bloom's ALiBi is a per-head, per-key score term sized by the cache (generate() runs over transformers'
+    # StaticCache too), which the pass adds to the op's additive mask. MPT's and Falcon's (alibi=True): generate()
+    # over transformers' own fixed-size StaticCache raises in their attention, and this cache is fixed-size too
+    alibi = _attr(text, "alibi", False) or getattr(_attr(text, "attn_config"), "alibi", False)
+    alibi = model_type != "bloom" and (alibi or _attr(text, "position_embedding_type") == "alibi")
     if alibi:
         raise UnsupportedModelError(
-            f"{name} uses ALiBi (a per-head linear position bias added to the attention scores: Bloom, MPT, "
-            "Falcon with alibi=True), which kvcompile::attention does not apply"
+            f"{name} uses ALiBi (a per-head linear position bias added to the attention scores: MPT, Falcon with "
+            "alibi=True) in an attention that transformers' generate() cannot run over a fixed-size cache (its own "
+            "StaticCache raises the same), and this cache is fixed-size; Bloom's ALiBi is served"
         )
     if _attr(text, "is_causal", True) is False or _attr(text, "use_bidirectional_attention", False):
         raise UnsupportedModelError(

@@ -104,6 +104,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # GPT-NeoX-Japanese-2.7B: hidden 2560, 32 layers, 32 heads (MHA), rotary; eager attention with the heads
     # folded into the batch: baddbmm(zeros, q.view(B*H, Tq, D), K.view(B*H, T, D).transpose(1, 2), alpha=s)
     "gpt_neox_japanese": ("GPTNeoXJapaneseConfig", dict(num_key_value_heads=None)),
+    # Bloom-7b1: hidden 4096, 30 layers, 32 heads (MHA), ALiBi, no rotary; eager attention with its heads folded
+    # into the batch, the ALiBi term baddbmm's input: alibi.baddbmm(q.view(B*H, Tq, D), K^T, beta=1, alpha=s)
+    "bloom": ("BloomConfig", dict(num_key_value_heads=None)),
     # JetMoE-8B: hidden 2048, 24 layers, 16 kv heads of 128 (kv_channels) tiled for top_k = 2 experts' queries
     # (query head h reads kv head h mod 16): 4 query heads over BASE's 2 kv heads of 32 here
     "jetmoe": ("JetMoeConfig", dict(kv_channels=32, num_local_experts=2, num_experts_per_tok=2)),

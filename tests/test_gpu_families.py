@@ -1,8 +1,9 @@
 """Families whose attention the pass reaches through less common spellings, on a GPU in bf16: the
 Triton kernels behind every rewritten site. GPT-J computes its scores in float32 from
 ``query.to(torch.float32)`` (the op takes the bf16 query), Falcon-7b's 71 query heads share one kv
-head (broadcast, not ``enable_gqa``), GPT-2 casts P with ``.type``, GPT-NeoX-Japanese folds its heads into the batch for ``baddbmm``, JetMoE
-tiles its kv heads (query head h reads kv head h mod Hkv); Qwen3.5 and
+head (broadcast, not ``enable_gqa``), GPT-2 casts P with ``.type``, GPT-NeoX-Japanese folds its heads into the batch for ``baddbmm``, Bloom too,
+with its ALiBi term as baddbmm's input, JetMoE tiles its kv heads (query head h reads kv head h mod Hkv);
+Qwen3.5 and
 Falcon-H1 keep recurrent states beside (or in) their attention layers. Skipped without CUDA (CPU CI
 covers the same graphs with the reference op: tests/test_families.py); run on the device machine.
 """
@@ -35,6 +36,8 @@ SHAPES = {  # per layer: falcon-7b's heads and head_dim; GPT-J's and GPT-2's hea
     "gpt_neox_japanese": dict(hidden_size=8 * 80, num_attention_heads=8),
     # JetMoE-8B's head_dim (kv_channels 128) and top_k, fewer kv heads: 8 query heads over 4 tiled kv heads
     "jetmoe": dict(hidden_size=512, kv_channels=128, num_key_value_heads=4, num_experts_per_tok=2),
+    # Bloom-7b1's head_dim (128) with fewer heads: ALiBi joins the op's additive mask, P @ V folded
+    "bloom": dict(hidden_size=4 * 128, num_attention_heads=4),
 }
 
 
@@ -46,7 +49,7 @@ DTYPE = {"gemma4": torch.float32}
 # GPT-J's float32 scores are its eager attention (the device's transformers 5.17 has no SDPA path for it)
 CASES = [("falcon", "sdpa"), ("falcon", "eager"), ("gptj", "eager"), ("gpt2", "sdpa"), ("gpt2", "eager"),
          ("gemma4", "sdpa"), ("granite_swa", "eager"), ("qwen3_5", "sdpa"), ("falcon_h1", "sdpa"),
-         ("gpt_neox_japanese", "eager"), ("jetmoe", "sdpa")]
+         ("gpt_neox_japanese", "eager"), ("jetmoe", "sdpa"), ("bloom", "eager")]
 
 
 @pytest.mark.parametrize("family, attn", CASES)

@@ -324,3 +324,52 @@ def test_tiled_kv_heads_become_one_op_over_grouped_queries(attn, monkeypatch):
     monkeypatch.setattr(rewrite, "_heads_tiled", lambda graph, x, tile: x)
     wrong, _ = rewritten()
     assert max((w - e).abs().max().item() for w, e in zip(wrong, expected)) > 100 * ATOL
+
+
+def test_alibi_as_baddbmm_input_joins_the_additive_mask(monkeypatch):
+    """Bloom: ``alibi.baddbmm(q.view(B*H, Tq, D), K^T, beta=1, alpha=s)``, the scores viewed [B, H, Tq, T] plus
+    the mask, then ``bmm(P.view(B*H, Tq, T), V.reshape(B*H, T, D))``. Each layer becomes one op whose additive
+    mask is the mask plus the ALiBi term unfolded to [B, H, 1, T], whose scale is baddbmm's alpha, and whose
+    output is folded back to [B*H, Tq, D]; the logits through the op's float64 contract equal Bloom's own
+    attention over the same cache, with a left-padded mask spanning the cache (as generate() passes it).
+    Control: without the ALiBi term in the mask the logits move far past the tolerance."""
+    from kvcompile.passes import rewrite
+    from models import tiny_model
+
+    model = tiny_model("bloom", "eager", num_hidden_layers=2)
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    span = torch.zeros(2, MAX_LEN, dtype=torch.long)
+    span[:, :7] = 1
+    span[1, :2] = 0  # left padding
+
+    def run(forward):
+        cache = kvcompile.QuantizedCache(model.config, max_batch_size=2, max_cache_len=MAX_LEN, kv_dtype="int8",
+                                         device="cpu")
+        with torch.no_grad():
+            return [forward(input_ids=ids[:, :6], attention_mask=span, cache=cache).logits,
+                    forward(input_ids=ids[:, 6:], attention_mask=span, cache=cache).logits]
+
+    def rewritten():
+        fresh_dynamo()
+        backend = PassOnly("int8", attention=attention_oracle)
+        return run(torch.compile(model.forward, backend=backend, fullgraph=True)), backend
+
+    expected = run(model.forward)
+    got, backend = rewritten()
+    assert len(backend.graphs) == 2
+    for _, after, report in backend.graphs:
+        assert (report.found, report.rewritten, report.skipped) == (2, 2, []), report
+        assert report.patterns == {"eager+folded[direct]": 2}, report.patterns
+        assert after["kv_attention"] == 2 and after["dequantize"] == 0
+    for calls in backend.calls:
+        for args in calls:
+            assert args[8] == pytest.approx(model.transformer.h[0].self_attention.inv_norm_factor)
+            assert args[6] is not None and args[6].op == "call_function"  # the mask with the ALiBi term added
+    real = span[:, :6].bool()  # the prefill's real positions (row 1's padding answers nothing)
+    torch.testing.assert_close(got[0][real], expected[0][real], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(got[1], expected[1], atol=ATOL, rtol=RTOL)
+
+    monkeypatch.setattr(rewrite, "_with_bias", lambda graph, mask, call, heads: mask)
+    wrong, _ = rewritten()
+    assert max((wrong[0][real] - expected[0][real]).abs().max().item(),
+               (wrong[1] - expected[1]).abs().max().item()) > 100 * ATOL

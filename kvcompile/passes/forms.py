@@ -12,9 +12,12 @@ something the op does not). ``softcap`` and ``sinks`` are stages of the eager ch
   ``softmax(dim=-1[, dtype])`` [a cast to V's dtype (``.to`` / ``.type``) / ``dropout`` in either
   order] -> ``matmul(P, V)`` (Llama's ``eager_attention_forward`` and its copies; GPT-2's ``.type``,
   GPT-J's and CodeGen's scores in float32 from ``query.to(torch.float32)``);
-* ``folded`` (GPT-NeoX-Japanese): the heads folded into the batch, ``baddbmm(zeros, q.view(B*H, Tq, D),
+* ``folded`` (GPT-NeoX-Japanese, Bloom): the heads folded into the batch, ``baddbmm(zeros, q.view(B*H, Tq, D),
   K.view(B*H, T, D).transpose(1, 2), alpha=s)`` (or ``bmm`` [``* s``]) ``.view(B, H, Tq, T)``, then the eager
-  chain from the scores on;
+  chain from the scores on. Bloom: baddbmm's input is its ALiBi term, ``alibi.baddbmm(batch1=q, batch2=K^T,
+  beta, alpha)`` with ``alibi`` [B*H, 1, T] (``AttentionCall.bias``: the rewrite adds it to the op's additive
+  mask), and ``P @ V`` folded too, ``bmm(P.view(B*H, Tq, T), V.reshape(B*H, T, D))`` (the op's output is
+  folded back to [B*H, Tq, D]);
 * ``softcap`` (Gemma 2): ``scores / c -> tanh -> * c`` right after the scaling, before the mask;
 * ``sinks`` (gpt-oss): in place of the softmax, ``cat([scores, sink column], dim=-1)``
   [``- max(dim=-1, keepdim=True)``] ``-> softmax -> [..., :-1]``, the column a ``[Hq]`` tensor
@@ -25,8 +28,8 @@ something the op does not). ``softcap`` and ``sinks`` are stages of the eager ch
 Every intermediate of a form (but the scores that GraniteSWA's sinks read) must have one reader:
 an attention whose probabilities are returned (``output_attentions=True``) or read by anything
 else is left alone, with the reason.
-Anything else on the scores (a second additive term such as an ALiBi or position bias, a
-``masked_fill``, a different normalisation) does not match and is reported.
+Anything else on the scores (a second additive term such as an ALiBi or position bias added after the
+scores, a ``masked_fill``, a different normalisation) does not match and is reported.
 """
 
 from __future__ import annotations
@@ -76,6 +79,11 @@ class AttentionCall:
     enable_gqa: bool = False
     softcap: float = 0.0
     sinks: Optional[fx.Node] = None
+    # a score term the form adds before the mask, folded [B*H or 1, 1 or Tq, T] (Bloom's ALiBi as baddbmm's
+    # input), and its factor (baddbmm's beta): the rewrite adds it, unfolded, to the op's additive mask
+    bias: Optional[fx.Node] = None
+    bias_scale: float = 1.0
+    out_folded: bool = False  # the site answers [B*H, Tq, D] (P @ V as a folded bmm): the op's output folded
     nodes: list = dataclasses.field(default_factory=list)  # the form's nodes (erased once dead)
 
 
@@ -165,12 +173,16 @@ def folded(k: KVChain, v: KVChain) -> Optional[AttentionCall]:
     call = AttentionCall(form="eager+folded", anchor=m, q=None, key=k.end, value=v.end, nodes=[kv, t, m])
     if is_call(m, torch.bmm, *MATMUL) and len(m.args) == 2 and m.args[1] is t and not m.kwargs:
         q3, scale = m.args[0], None
-    elif is_call(m, torch.baddbmm) and len(m.args) == 3 and m.args[2] is t and set(m.kwargs) <= {"beta", "alpha"}:
-        base, q3 = m.args[0], m.args[1]
-        if not (is_call(base, torch.zeros) or m.kwargs.get("beta", 1) == 0):
-            raise Skip(f"baddbmm adds {describe(base)} to the scores (the op adds no term but a mask)")
-        if isinstance(base, fx.Node):
-            call.nodes.append(base)  # erased once dead
+    elif (is_call(m, torch.baddbmm, "baddbmm") and arg(m, 2, "batch2") is t
+          and set(m.kwargs) <= {"batch1", "batch2", "beta", "alpha"}):
+        # torch.baddbmm(input, batch1, batch2) or Bloom's input.baddbmm(batch1=..., batch2=...)
+        base, q3 = m.args[0], arg(m, 1, "batch1")
+        beta = float(constant(m.kwargs.get("beta", 1), "baddbmm beta", (int, float)))
+        if is_call(base, torch.zeros) or beta == 0:
+            if isinstance(base, fx.Node):
+                call.nodes.append(base)  # erased once dead
+        else:
+            call.bias, call.bias_scale = _folded_bias(base, m), beta
         scale = float(constant(m.kwargs.get("alpha", 1.0), "baddbmm alpha", (int, float)))
     else:
         raise Skip(f"the folded K^T feeds {describe(m)}, not bmm / baddbmm(q, K^T)")
@@ -190,6 +202,17 @@ def folded(k: KVChain, v: KVChain) -> Optional[AttentionCall]:
     else:
         call.scale, x = scale, back
     return _scores_to_output(x, call, v)
+
+
+def _folded_bias(base: Any, scores: fx.Node) -> fx.Node:
+    """baddbmm's ``input`` as a score term: a folded [B*H or 1, 1 or Tq, T] tensor (Bloom's ALiBi,
+    [B*H, 1, T]) that broadcasts over the folded scores [B*H, Tq, T] along its size-1 dims."""
+    b, sc = shape(base) if isinstance(base, fx.Node) else None, shape(scores)
+    if not (b is not None and len(b) == 3 and sc is not None and known_eq(b[2], sc[2])
+            and (known_eq(b[0], sc[0]) or known_eq(b[0], 1)) and (known_eq(b[1], sc[1]) or known_eq(b[1], 1))):
+        raise Skip(f"baddbmm adds {describe(base) if isinstance(base, fx.Node) else repr(base)} of shape {b} to the "
+                   f"scores {sc}: not a [B*H or 1, 1 or Tq, T] term the op can take as an additive mask")
+    return base
 
 
 def _scores_to_output(x: fx.Node, call: AttentionCall, v: KVChain) -> AttentionCall:
@@ -215,8 +238,17 @@ def _scores_to_output(x: fx.Node, call: AttentionCall, v: KVChain) -> AttentionC
                    "not have (a position bias such as ALiBi, masked_fill, another normalisation)")
     p = _cast_and_dropout(p, call)
     m2 = only_user(p, "the attention probabilities")
-    if not (is_call(m2, *MATMUL) and len(m2.args) == 2 and m2.args[0] is p and m2.args[1] is v.end
-            and v.consumer is m2):
+    if _folded(m2, p) and _folded(v.consumer, v.end):
+        # Bloom: P and V folded for bmm(P.view(B*H, Tq, T), V.reshape(B*H, T, D)) -> [B*H, Tq, D]
+        m3 = only_user(m2, "the folded attention probabilities")
+        if not (is_call(m3, torch.bmm, *MATMUL) and len(m3.args) == 2 and not m3.kwargs and m3.args[0] is m2
+                and m3.args[1] is v.consumer and only_user(v.consumer, "the folded V") is m3):
+            raise Skip(f"the folded attention probabilities feed {describe(m3)} ({m3.name}), not bmm(P, V) over the "
+                       "cache's folded V")
+        call.nodes += [m2, v.consumer]
+        call.out_folded, m2 = True, m3
+    elif not (is_call(m2, *MATMUL) and len(m2.args) == 2 and m2.args[0] is p and m2.args[1] is v.end
+              and v.consumer is m2):
         raise Skip(f"the attention probabilities feed {describe(m2)} ({m2.name}), not matmul(P, V) over the cache's V")
     call.nodes.append(m2)
     call.anchor = m2

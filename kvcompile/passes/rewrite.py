@@ -22,6 +22,10 @@ excludes keys at positions ``>= kv_len``; its ``is_causal`` puts query ``i`` at 
   (the sink logit does not shift): those sites are skipped;
 * ``sliding_window`` is the K dequantize's (V's must agree); ``softcap`` and ``sinks`` come from
   the form;
+* a score term of the form (Bloom's ALiBi, baddbmm's input [B*H, 1, T]) is unfolded to [B, H, 1, T] and
+  added to the op's additive mask (over every key the op reads, no slice);
+* tiled kv heads (JetMoE: query head h reads kv head h mod Hkv, the op reads h // group): the query's
+  heads are put into groups before the op and its output's back after it;
 * rotation: a side stored rotated by R (its dequantize un-rotates it) hands R to the op, which
   attends in the rotated space (``q @ R_k`` before the scores, the output times ``R_v^T``) inside
   its own launch.
@@ -102,6 +106,8 @@ def plan(call: AttentionCall, k: KVChain, v: KVChain) -> dict:
     windows = [_window(c.source.sliding_window) for c in (k, v)]
     if windows[0] is not windows[1] and windows[0] != windows[1]:
         raise Skip(f"K and V dequantized with different sliding windows {windows}")
+    if call.bias is not None:
+        _check_bias(call, q, n, sliced)
     found = {
         "mask": _mask(call.mask, n, L, sliced),
         "kv_len": _length(call, k, q.shape[2], n, L, sliced),
@@ -120,8 +126,8 @@ def _check_tiled(call: AttentionCall, hq: Any) -> None:
     sinks (no model tiles its heads beside either)."""
     if call.enable_gqa:
         raise Skip("tiled kv heads read with enable_gqa: two groupings of the query heads")
-    if call.sinks is not None:
-        raise Skip("attention sinks over tiled kv heads: per-head sinks in the tiled order")
+    if call.sinks is not None or call.bias is not None:
+        raise Skip("attention sinks or a score term over tiled kv heads: per-head terms in the tiled order")
     out = val(call.anchor)
     if not (isinstance(out, torch.Tensor) and out.dim() == 4 and known_eq(out.shape[1], hq)):
         raise Skip(f"the attention over tiled kv heads answers {getattr(out, 'shape', out)}, not [B, Hq, Tq, D]")
@@ -129,6 +135,31 @@ def _check_tiled(call: AttentionCall, hq: Any) -> None:
     for m in (val(m) for m in masks if m is not None):
         if isinstance(m, torch.Tensor) and m.dim() >= 3 and not known_eq(m.shape[-3], 1):
             raise Skip(f"a mask with a head dim ({tuple(m.shape)}) over tiled kv heads")
+
+
+def _check_bias(call: AttentionCall, q: torch.Tensor, n: Any, sliced: bool) -> None:
+    """A score term added before the mask (``call.bias``, folded [B*H or 1, 1 or Tq, T]): over every key the
+    op reads (no slice) and the query's heads a known count, so that it unfolds to [B, Hq, 1 or Tq, T]."""
+    b = shape(call.bias)
+    if sliced or not known_eq(b[2], n):
+        raise Skip(f"a score term over {b[2]} keys, the attention over {n} of the cache's")
+    if not isinstance(q.shape[1], int):
+        raise Skip(f"a folded score term with a symbolic head count ({q.shape[1]})")
+
+
+def _with_bias(graph: fx.Graph, mask: Any, call: AttentionCall, heads: int) -> fx.Node:
+    """The op's additive mask with ``call.bias`` (scaled by ``call.bias_scale``) added, unfolded to
+    [B, Hq, 1 or Tq, T] (or [1, 1, 1 or Tq, T]); a bool mask keeps its keys as the bias, the rest -inf."""
+    b = call.bias
+    b = (graph.call_method("unsqueeze", (b, 0)) if known_eq(shape(b)[0], 1)
+         else graph.call_method("unflatten", (b, 0, (-1, heads))))
+    if call.bias_scale != 1.0:
+        b = graph.call_function(operator.mul, (b, call.bias_scale))
+    if mask is None:
+        return b
+    if getattr(val(mask), "dtype", None) == torch.bool:
+        return graph.call_function(torch.where, (mask, b, float("-inf")))
+    return graph.call_function(operator.add, (mask, b))
 
 
 def _heads_grouped(graph: fx.Graph, x: fx.Node, tile: int) -> fx.Node:
@@ -294,6 +325,8 @@ def emit(call: AttentionCall, k: KVChain, v: KVChain, p: dict) -> fx.Node:
             kv_len = graph.call_method("clamp", (length,), {"max": bound})
             copy_meta(kv_len, length, ("example_value", "val"))
         mask = _emit_mask(graph, p["mask"])
+        if call.bias is not None:
+            mask = _with_bias(graph, mask, call, val(call.q).shape[1])
         if "store" in p:  # a ring: the store folded in (module docstring)
             store = p["store"]
             cache_len = arg(store, 6, "start")
@@ -311,6 +344,8 @@ def emit(call: AttentionCall, k: KVChain, v: KVChain, p: dict) -> fx.Node:
         if tile > 1:
             copy_meta(out, call.anchor)
             out = _heads_tiled(graph, out, tile)
+        if call.out_folded:  # the site's [B*H, Tq, D]
+            out = graph.call_method("flatten", (out, 0, 1))
         site_dtype = val(call.anchor).dtype  # a floating tensor (plan checked)
         if getattr(val(p["q"]), "dtype", None) != site_dtype:
             # the op answers in its query's dtype; the site answered in V's (GPT-J: float32 scores, P cast
