@@ -125,7 +125,9 @@ def only_user(node: fx.Node, what: str) -> fx.Node:
         if not users:
             raise Skip(f"{what} ({node.name}) is not used")
         others = ", ".join(f"{describe(u)} ({u.name})" for u in users)
-        returned = " (returned attention weights: output_attentions=True?)" if any(u.op == "output" for u in users) else ""
+        returned = (" (an output of the graph: attention weights returned with output_attentions=True, or kept "
+                    "alive by a graph break after the attention; compile with fullgraph=True to find the break)"
+                    if any(u.op == "output" for u in users) else "")
         raise Skip(f"{what} ({node.name}) is read by several nodes: {others}{returned}")
     return users[0]
 
