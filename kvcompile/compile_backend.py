@@ -73,6 +73,7 @@ class KVCompileBackend:
         self._reports: list[dict] = []
         self.pass_seconds: list[float] = []  # wall time of the pass per graph (benchmarks)
         self.used = False  # Dynamo has handed this backend a graph
+        self._warned_no_cache = False
         _BACKENDS.add(self)
 
     def report(self) -> list[dict]:
@@ -122,6 +123,14 @@ class KVCompileBackend:
                 log.warning("kvcompile: attention over the %s cache left unrewritten at %s: %s", self.kv_dtype, site, reason)
         else:
             log.info("kvcompile: graph %d: no kvcompile cache, compiled as plain Inductor", index)
+            if not self._warned_no_cache and _attends(gm.graph):
+                self._warned_no_cache = True
+                log.warning(
+                    "kvcompile: graph %d attends, but over no kvcompile cache: its K/V are not a "
+                    "kvcompile.QuantizedCache's (transformers makes a full-precision DynamicCache when none is "
+                    "passed), or a graph break parts them from the attention. Pass past_key_values="
+                    "kvcompile.QuantizedCache(model.config, max_batch_size=B, max_cache_len=L) to the model or to "
+                    "generate(); this graph is compiled as plain Inductor (warned once per backend)", index)
 
         _mark_storage_static(gm, example_inputs)
         patches = dict(list_mode_options(mode)) if mode not in (None, "default") else {}
@@ -149,6 +158,20 @@ class KVCompileBackend:
         if self.k_dtype == self.v_dtype:
             return f"kvcompile.backend(kv_dtype={self.kv_dtype!r})"
         return f"kvcompile.backend(k_dtype={self.k_dtype!r}, v_dtype={self.v_dtype!r})"
+
+
+def _attends(graph: torch.fx.Graph) -> bool:
+    """Whether the graph computes attention: SDPA, or eager attention's softmax over [B, H, Tq, T] scores
+    (a router's softmax over [tokens, experts] is none)."""
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is torch.nn.functional.scaled_dot_product_attention:
+            return True
+        if (n.op == "call_function" and n.target in (torch.nn.functional.softmax, torch.softmax)
+                or n.op == "call_method" and n.target == "softmax"):
+            value = n.meta.get("example_value")
+            if isinstance(value, torch.Tensor) and value.dim() == 4:
+                return True
+    return False
 
 
 def _mark_storage_static(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> int:

@@ -90,10 +90,12 @@ def test_generate_matches_eager(caplog):
     assert reports and all(r["rewritten"] == r["found"] == 2 for r in reports)
     infos = [r.getMessage() for r in caplog.records if r.name == "kvcompile" and r.levelno == logging.INFO]
     assert len(infos) == len(reports) and all("rewrote 2/2 attention sites, q8_0" in m for m in infos)
+    assert not [r for r in caplog.records if r.name == "kvcompile" and r.levelno >= logging.WARNING]
 
 
-def test_static_cache_is_plain_inductor():
-    """No kvcompile cache in the graph: the backend is plain Inductor, report says 0 rewritten."""
+def test_static_cache_is_plain_inductor(caplog):
+    """No kvcompile cache in the graph: the backend is plain Inductor, report says 0 rewritten, and one
+    WARNING (for all the graphs) names the cache to pass: attention over a full-precision cache is a trap."""
     model, _ = make_model("llama", "sdpa")
     ids, mask = prompt(True)
     kw = cache_kwarg(model)
@@ -105,13 +107,16 @@ def test_static_cache_is_plain_inductor():
         return greedy(f, model, cache, ids, mask, steps=2)
 
     backend = kvcompile.backend("fp8_e4m3")
-    got = run(backend)
+    with caplog.at_level(logging.INFO, logger="kvcompile"):
+        got = run(backend)
     ref = run("inductor")
     for e, g in zip(ref, got):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
-    assert backend.report() and all(
+    assert len(backend.report()) >= 2 and all(
         r == {"found": 0, "rewritten": 0, "skipped": [], "kv_dtype": "fp8_e4m3"} for r in backend.report()
     )
+    warned = [r.getMessage() for r in caplog.records if r.name == "kvcompile" and r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "over no kvcompile cache" in warned[0] and "QuantizedCache(" in warned[0], warned
     del kw
 
 
