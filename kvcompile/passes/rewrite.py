@@ -145,21 +145,19 @@ def _check_bias(call: AttentionCall, q: torch.Tensor, n: Any, sliced: bool) -> N
         raise Skip(f"a score term over {b[2]} keys, the attention over {n} of the cache's")
     if not isinstance(q.shape[1], int):
         raise Skip(f"a folded score term with a symbolic head count ({q.shape[1]})")
+    if not isinstance(call.mask, WhereMask) and getattr(val(call.mask), "dtype", None) == torch.bool:
+        raise Skip("a score term beside a bool mask (the op takes one additive mask)")
 
 
 def _with_bias(graph: fx.Graph, mask: Any, call: AttentionCall, heads: int) -> fx.Node:
-    """The op's additive mask with ``call.bias`` (scaled by ``call.bias_scale``) added, unfolded to
-    [B, Hq, 1 or Tq, T] (or [1, 1, 1 or Tq, T]); a bool mask keeps its keys as the bias, the rest -inf."""
+    """The op's additive mask (``mask``: an additive one, or None) with ``call.bias`` (scaled by
+    ``call.bias_scale``) added, unfolded to [B, Hq, 1 or Tq, T] (or [1, 1, 1 or Tq, T])."""
     b = call.bias
     b = (graph.call_method("unsqueeze", (b, 0)) if known_eq(shape(b)[0], 1)
          else graph.call_method("unflatten", (b, 0, (-1, heads))))
     if call.bias_scale != 1.0:
         b = graph.call_function(operator.mul, (b, call.bias_scale))
-    if mask is None:
-        return b
-    if getattr(val(mask), "dtype", None) == torch.bool:
-        return graph.call_function(torch.where, (mask, b, float("-inf")))
-    return graph.call_function(operator.add, (mask, b))
+    return b if mask is None else graph.call_function(operator.add, (mask, b))
 
 
 def _heads_grouped(graph: fx.Graph, x: fx.Node, tile: int) -> fx.Node:
