@@ -63,13 +63,13 @@ if want kernels; then
 fi
 
 # 4a. optional: the standing comparison of the default format with fp8 (seven decode shapes, prefill at five
-#     lengths, the model step), as the s28-* runs in benchmarks/tables.py
+#     lengths with int8's K widened beside its int8 MMAs, the model step), as the s29-* runs in benchmarks/tables.py
 if want standing; then
     timeout 200 python benchmarks/bench_kv.py --subjects decode --formats fp8,int8+krot \
         --decode-shapes 1x4096,8x4096,4x8192,1x32768,8x32768,32x8192,4x131072 \
         --out "$OUT/decode_${commit}.csv" > "$OUT/standing_decode.log" 2>&1
     timeout 200 python benchmarks/bench_kv.py --subjects prefill --prefill-q 16384,4096,2048,1024,512 \
-        --prefill-formats fp8,int8+krot --out "$OUT/prefill_${commit}.csv" > "$OUT/standing_prefill.log" 2>&1
+        --prefill-formats fp8,int8+krot --sweep --out "$OUT/prefill_${commit}.csv" > "$OUT/standing_prefill.log" 2>&1
     timeout 150 python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024,1x4096 --steps 10 \
         --providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs \
         --out "$OUT/e2e_standing_${commit}.csv" > "$OUT/standing_e2e.log" 2>&1
