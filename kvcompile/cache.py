@@ -111,7 +111,7 @@ class QuantizedCache(Cache):
     Args:
         config: the model config (``model.config``). Its layer shapes, attention types and sliding
             windows are read as transformers' own caches read them (:mod:`kvcompile.hf`); a model the
-            cache cannot serve (encoder-decoder, cross-attention, multi-head latent attention, ALiBi,
+            cache cannot serve (encoder-decoder, cross-attention, multi-head latent attention, MPT's ALiBi,
             chunked attention, a model with no K/V at all) raises ``ValueError`` naming why. Layers may differ in shape
             (Gemma 4), and a layer that stores no K/V of its own (Gemma 3n / 4's shared layers, which
             attend over the K/V an earlier layer returned) holds a :class:`NoKVLayer`, and a layer that

@@ -42,8 +42,9 @@ mask) from the op, where SDPA/eager average over all slots; real tokens never at
 those rows.
 
 Left out, with the reason in the report: dropout in training, attention probabilities read
-by anything but ``P @ V`` (returned attention weights), a score term other than one mask (ALiBi
-/ position bias, ``masked_fill``), softmax over another dim, heads or shapes that do not line
+by anything but ``P @ V`` (returned attention weights), a score term other than one mask and
+Bloom's ALiBi as baddbmm's input (a position bias added after the scores, ``masked_fill``), softmax
+over another dim, heads or shapes that do not line
 up, K centering with softcap or sinks, and ``is_causal`` that the graph does not prove
 top-left-equal. Cross-attention (encoder-decoder configs) and MLA (K and V of different widths)
 never reach the pass: the cache refuses them. ``dynamic=True`` works when Python floats are specialised
