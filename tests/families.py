@@ -118,6 +118,8 @@ ROWS: list[Row] = [
     Row("bloom", "bloom", "Bloom", "bloom-7b1", {}, real=dict(n_layer=30), attn=("eager",), forward_mask=False,
         note="ALiBi as baddbmm's input, heads folded into the batch; a 2-D attention_mask must span the cache "
              "(or be left out), as generate() passes it and as for transformers' StaticCache"),
+    Row("doge", "doge", "Doge", "DogeConfig's defaults", {},
+        note="a dynamic mask from the cached V: the dequantized V is kept for it beside the op"),
 ]
 
 

@@ -107,6 +107,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # Bloom-7b1: hidden 4096, 30 layers, 32 heads (MHA), ALiBi, no rotary; eager attention with its heads folded
     # into the batch, the ALiBi term baddbmm's input: alibi.baddbmm(q.view(B*H, Tq, D), K^T, beta=1, alpha=s)
     "bloom": ("BloomConfig", dict(num_key_value_heads=None)),
+    # DogeConfig's defaults: hidden 1024, 32 layers, 8 heads; a dynamic mask computed from the cached V (dt_proj
+    # reads the dequantized V beside the attention), per query head
+    "doge": ("DogeConfig", {}),
     # JetMoE-8B: hidden 2048, 24 layers, 16 kv heads of 128 (kv_channels) tiled for top_k = 2 experts' queries
     # (query head h reads kv head h mod 16): 4 query heads over BASE's 2 kv heads of 32 here
     "jetmoe": ("JetMoeConfig", dict(kv_channels=32, num_local_experts=2, num_experts_per_tok=2)),

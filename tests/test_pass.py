@@ -589,3 +589,22 @@ def test_dynamic_true(family):
                 assert report.rewritten == report.found == 2 and after["sdpa"] == 0
             else:
                 assert report.rewritten == 0 and all("specialize_float" in r for _, r in report.skipped)
+
+
+def test_a_cache_read_beside_the_attention_keeps_its_dequantize():
+    """V read by the attention and by something else (Doge's dynamic mask reads the cached V): the attention
+    becomes the op over the codes, the dequantize of V stays for the other reader (the report says so), and
+    the output equals the un-rewritten graph's. The other reader is a real term: without it the output moves."""
+    def attention(q, k, v, mb, ma):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mb) + v.sum(dim=2, keepdim=True)
+
+    (expected, got), backend = _run_one_layer(attention, HQ)
+    assert len(backend.graphs) == 2
+    for before, after, report in backend.graphs:
+        assert (report.found, report.rewritten, report.skipped) == (1, 1, []), report
+        assert report.patterns == {"sdpa[direct] +1 other reader of the dequantized cache": 1}, report.patterns
+        assert before["dequantize"] == 2 and after["dequantize"] == 1 and after["kv_attention"] == 1
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
+    (plain, _), _ = _run_one_layer(lambda q, k, v, mb, ma: F.scaled_dot_product_attention(q, k, v, attn_mask=mb), HQ)
+    assert max((p - e).abs().max().item() for p, e in zip(plain, expected)) > 100 * ATOL

@@ -173,16 +173,18 @@ class KVAttentionPass(CustomGraphPass):
         if len(nodes) != 2:
             raise Skip(f"{len(nodes)} dequantize nodes share one cache length (expected K and V)")
         readers = [spellings.trace_readers(n) for n in nodes]
-        if len(readers[0]) != len(readers[1]):
-            counts = " and ".join(f"{n.name} by {len(r)}" for n, r in zip(nodes, readers))
-            raise Skip(f"the dequantized K and V are read by different numbers of nodes ({counts})")
-        if len(readers[0]) > 1 and readers[0][0].source.ring:
-            others = ", ".join(f"{describe(c.consumer)} ({c.consumer.name})" for c in readers[0])
-            raise Skip(f"the dequantized cache ({nodes[0].name}) is read by several nodes: {others}; a sliding "
-                       "layer's ring stores a chunk's tokens inside its first reader's attention, over keys the "
-                       "other readers still need (build the cache with ring=False to rewrite every reader)")
-        matched, pool = [], list(readers[1])  # each reader's K paired with its V: the pair a form accepts
-        for chain in readers[0]:
+        if max(len(r) for r in readers) > 1 and readers[0][0].source.ring:
+            many = max(readers, key=len)
+            others = ", ".join(f"{describe(c.consumer)} ({c.consumer.name})" for c in many)
+            raise Skip(f"the dequantized cache ({many[0].source.node.name}) is read by several nodes: {others}; a "
+                       "sliding layer's ring stores a chunk's tokens inside its first reader's attention, over keys "
+                       "the other readers still need (build the cache with ring=False to rewrite every reader)")
+        # each reader of the side read by fewer nodes paired with one of the other side's: the pair a form
+        # accepts. The other side's readers left over read its dequantized cache for something else (Doge's
+        # dynamic mask reads V): that dequantize stays for them, and the attention still becomes the op.
+        few, many = sorted(readers, key=len)
+        matched, pool = [], list(many)
+        for chain in few:
             found, why = None, None
             for other in pool:
                 try:
@@ -209,8 +211,9 @@ class KVAttentionPass(CustomGraphPass):
             dead += [*call.nodes, *k.nodes, *v.nodes, k.source.node, v.source.node]
         erase_dead(nodes[0].graph, dead)
         call, k, _ = matched[0]
-        return f"{call.form}[{k.label}]" + ("@ring" if k.source.ring else "") + (f" x{len(matched)} readers"
-                                                                                if len(matched) > 1 else "")
+        kept = f" +{len(pool)} other reader{'s' if len(pool) > 1 else ''} of the dequantized cache" if pool else ""
+        return (f"{call.form}[{k.label}]" + ("@ring" if k.source.ring else "")
+                + (f" x{len(matched)} readers" if len(matched) > 1 else "") + kept)
 
     def _match(self, first: KVChain, second: KVChain) -> tuple:
         """The attention form the two chains (K and V of one reader, in either order) feed: ``(call, k, v)``,
