@@ -2,8 +2,8 @@
 Triton kernels behind every rewritten site. GPT-J computes its scores in float32 from
 ``query.to(torch.float32)`` (the op takes the bf16 query), Falcon-7b's 71 query heads share one kv
 head (broadcast, not ``enable_gqa``), GPT-2 casts P with ``.type``, GPT-NeoX-Japanese folds its heads into the batch for ``baddbmm``, Bloom too,
-with its ALiBi term as baddbmm's input, JetMoE tiles its kv heads (query head h reads kv head h mod Hkv);
-Qwen3.5 and
+with its ALiBi term as baddbmm's input, JetMoE tiles its kv heads (query head h reads kv head h mod Hkv),
+Doge reads its cached V for a dynamic mask beside the attention; Qwen3.5 and
 Falcon-H1 keep recurrent states beside (or in) their attention layers. Skipped without CUDA (CPU CI
 covers the same graphs with the reference op: tests/test_families.py); run on the device machine.
 """
@@ -38,6 +38,8 @@ SHAPES = {  # per layer: falcon-7b's heads and head_dim; GPT-J's and GPT-2's hea
     "jetmoe": dict(hidden_size=512, kv_channels=128, num_key_value_heads=4, num_experts_per_tok=2),
     # Bloom-7b1's head_dim (128) with fewer heads: ALiBi joins the op's additive mask, P @ V folded
     "bloom": dict(hidden_size=4 * 128, num_attention_heads=4),
+    # Doge: a dynamic per-head mask computed from the cached V, whose dequantize stays beside the op
+    "doge": dict(hidden_size=4 * 128, num_attention_heads=4, num_key_value_heads=2),
 }
 
 
@@ -49,7 +51,8 @@ DTYPE = {"gemma4": torch.float32}
 # GPT-J's float32 scores are its eager attention (the device's transformers 5.17 has no SDPA path for it)
 CASES = [("falcon", "sdpa"), ("falcon", "eager"), ("gptj", "eager"), ("gpt2", "sdpa"), ("gpt2", "eager"),
          ("gemma4", "sdpa"), ("granite_swa", "eager"), ("qwen3_5", "sdpa"), ("falcon_h1", "sdpa"),
-         ("gpt_neox_japanese", "eager"), ("jetmoe", "sdpa"), ("bloom", "eager")]
+         ("gpt_neox_japanese", "eager"), ("jetmoe", "sdpa"), ("bloom", "eager"),
+         ("doge", "sdpa")]
 
 
 @pytest.mark.parametrize("family, attn", CASES)
