@@ -192,7 +192,8 @@ def match_tile(user: fx.Node, x: fx.Node) -> Optional[Step]:
     (the op's grouping reads h // n: the rewrite permutes the query heads into groups and back)."""
     if not (user.op == "call_method" and user.target == "repeat" and user.args and user.args[0] is x):
         return None
-    sizes = user.args[1:] if len(user.args) > 2 else user.args[1] if len(user.args) == 2 else user.kwargs.get("sizes")
+    # x.repeat(1, n, 1, 1) or x.repeat((1, n, 1, 1))
+    sizes = user.args[1] if len(user.args) == 2 else user.args[1:] if len(user.args) > 2 else user.kwargs.get("sizes")
     sizes = [val(n) for n in sizes] if isinstance(sizes, (list, tuple)) else None
     if not (sizes is not None and len(sizes) == 4 and all(isinstance(n, int) for n in sizes)
             and sizes[0] == sizes[2] == sizes[3] == 1 and sizes[1] >= 1):
