@@ -518,13 +518,14 @@ def s29_prefill_mma(results: str = RESULTS) -> str:
     """BENCHMARKS: the fused prefill of int8 (K rotated) with K by int8 MMAs (the plan from session 29)
     against K widened exactly (the ``int8mma-off`` sweep rows), beside fp8's, one run."""
     run = RUNS["s29-prefill"]
-    by = _by(read(run, results), "provider", "shape")
+    rows = read(run, results)
+    by = _by(rows, "provider", "shape")
     p = "kvcompile-int8+krot-fused"
     lines = [f"Fused kernel, causal, B=1, us; int8 is K rotated; the ratios are fp8's time over int8's (> 1: int8 "
              f"faster). {run.caption()}", "",
              "| new tokens | cache length | fp8 token | int8, K by int8 MMA (planned) | int8, K widened (`int8mma-off`) "
              "| fp8 / planned | fp8 / widened |", "|---:|---:|---:|---:|---:|---:|---:|"]
-    for shape in _shapes(read(run, results), "sweep"):
+    for shape in _shapes(rows, "sweep"):
         if (p + " int8mma-off", shape) not in by:
             continue
         sh = _shape(shape)

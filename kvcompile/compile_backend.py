@@ -163,15 +163,10 @@ class KVCompileBackend:
 def _attends(graph: torch.fx.Graph) -> bool:
     """Whether the graph computes attention: SDPA, or eager attention's softmax over [B, H, Tq, T] scores
     (a router's softmax over [tokens, experts] is none)."""
-    for n in graph.nodes:
-        if n.op == "call_function" and n.target is torch.nn.functional.scaled_dot_product_attention:
-            return True
-        if (n.op == "call_function" and n.target in (torch.nn.functional.softmax, torch.softmax)
-                or n.op == "call_method" and n.target == "softmax"):
-            value = n.meta.get("example_value")
-            if isinstance(value, torch.Tensor) and value.dim() == 4:
-                return True
-    return False
+    from .passes.forms import SDPA, SOFTMAX
+    from .passes.graph import is_call, val
+
+    return any(is_call(n, SDPA) or is_call(n, *SOFTMAX) and getattr(val(n), "ndim", 0) == 4 for n in graph.nodes)
 
 
 def _mark_storage_static(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> int:

@@ -149,27 +149,21 @@ def _check_bias(call: AttentionCall, q: torch.Tensor, n: Any, sliced: bool) -> N
         raise Skip("a score term beside a bool mask (the op takes one additive mask)")
 
 
-def _with_bias(graph: fx.Graph, mask: Any, call: AttentionCall, heads: int) -> fx.Node:
+def _with_bias(graph: fx.Graph, mask: Any, call: AttentionCall) -> fx.Node:
     """The op's additive mask (``mask``: an additive one, or None) with ``call.bias`` (scaled by
     ``call.bias_scale``) added, unfolded to [B, Hq, 1 or Tq, T] (or [1, 1, 1 or Tq, T])."""
     b = call.bias
     b = (graph.call_method("unsqueeze", (b, 0)) if known_eq(shape(b)[0], 1)
-         else graph.call_method("unflatten", (b, 0, (-1, heads))))
+         else graph.call_method("unflatten", (b, 0, (-1, val(call.q).shape[1]))))
     if call.bias_scale != 1.0:
         b = graph.call_function(operator.mul, (b, call.bias_scale))
     return b if mask is None else graph.call_function(operator.add, (mask, b))
 
 
-def _heads_grouped(graph: fx.Graph, x: fx.Node, tile: int) -> fx.Node:
-    """``x`` [B, Hq, ...] with its heads reordered from tiled (head ``j * H + g``) to grouped (``g * tile + j``)."""
-    x = graph.call_method("unflatten", (x, 1, (tile, -1)))
-    x = graph.call_method("transpose", (x, 1, 2))
-    return graph.call_method("flatten", (x, 1, 2))
-
-
-def _heads_tiled(graph: fx.Graph, x: fx.Node, tile: int) -> fx.Node:
-    """The inverse of :func:`_heads_grouped` over dim 1."""
-    x = graph.call_method("unflatten", (x, 1, (-1, tile)))
+def _reorder_heads(graph: fx.Graph, x: fx.Node, split: tuple) -> fx.Node:
+    """``x`` [B, Hq, ...] with its heads split as ``split`` and the two factors swapped: ``(tile, -1)`` takes
+    tiled heads (``j * H + g``) to grouped ones (``g * tile + j``), ``(-1, tile)`` back."""
+    x = graph.call_method("unflatten", (x, 1, split))
     x = graph.call_method("transpose", (x, 1, 2))
     return graph.call_method("flatten", (x, 1, 2))
 
@@ -312,7 +306,7 @@ def emit(call: AttentionCall, k: KVChain, v: KVChain, p: dict) -> fx.Node:
     with graph.inserting_before(call.anchor):
         q, tile = p["q"], p["tile"]
         if tile > 1:
-            q = _heads_grouped(graph, q, tile)
+            q = _reorder_heads(graph, q, (tile, -1))
         # contiguous q: the op's fake returns empty_like(q) (q's strides) while kernels write a dense
         # [B, Hq, Tq, D] output; HF's q is a transposed view. Free when already dense.
         q = graph.call_method("contiguous", (q,))
@@ -324,7 +318,7 @@ def emit(call: AttentionCall, k: KVChain, v: KVChain, p: dict) -> fx.Node:
             copy_meta(kv_len, length, ("example_value", "val"))
         mask = _emit_mask(graph, p["mask"])
         if call.bias is not None:
-            mask = _with_bias(graph, mask, call, val(call.q).shape[1])
+            mask = _with_bias(graph, mask, call)
         if "store" in p:  # a ring: the store folded in (module docstring)
             store = p["store"]
             cache_len = arg(store, 6, "start")
@@ -340,8 +334,7 @@ def emit(call: AttentionCall, k: KVChain, v: KVChain, p: dict) -> fx.Node:
                 call.scale, p["window"], float(call.softcap), call.sinks, k.source.rotation, v.source.rotation,
             ))
         if tile > 1:
-            copy_meta(out, call.anchor)
-            out = _heads_tiled(graph, out, tile)
+            out = _reorder_heads(graph, out, (-1, tile))
         if call.out_folded:  # the site's [B*H, Tq, D]
             out = graph.call_method("flatten", (out, 0, 1))
         site_dtype = val(call.anchor).dtype  # a floating tensor (plan checked)
