@@ -226,6 +226,20 @@ def _truthy_attr(cfg, *names) -> Any:
     return None
 
 
+def _bloom_alibi_spans_cache() -> bool:
+    """Whether the installed transformers sizes Bloom's ALiBi by the cache (5.21 on: Bloom's own
+    ``create_masks_for_generate`` pads generate()'s 2-D mask to the cache length for any cache)."""
+    from transformers.models.bloom import modeling_bloom
+
+    return "create_masks_for_generate" in vars(modeling_bloom.BloomForCausalLM)
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def check_config(config) -> None:
     """Raise :class:`UnsupportedModelError` (a ``ValueError`` naming the reason and the fix) for a
     model the cache cannot serve."""
@@ -258,6 +272,13 @@ def check_config(config) -> None:
             f"{name} uses ALiBi (a per-head linear position bias added to the attention scores: MPT, Falcon with "
             "alibi=True) in an attention that transformers' generate() cannot run over a fixed-size cache (its own "
             "StaticCache raises the same), and this cache is fixed-size; Bloom's ALiBi is served"
+        )
+    if model_type == "bloom" and not _bloom_alibi_spans_cache():
+        raise UnsupportedModelError(
+            f"{name} (Bloom): this transformers ({_transformers_version()}) builds its ALiBi term from the "
+            "attention mask's length, not the cache's: over a fixed-size cache its forward raises, and generate() "
+            "widens the mask for transformers' own StaticCache only",
+            "upgrade transformers to 5.21 or later, where Bloom sizes ALiBi by the cache",
         )
     if _attr(text, "is_causal", True) is False or _attr(text, "use_bidirectional_attention", False):
         raise UnsupportedModelError(

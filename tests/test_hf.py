@@ -137,6 +137,18 @@ def test_other_refusals(config, match):
         hf.layer_shapes(config())
 
 
+def test_bloom_refused_where_transformers_sizes_alibi_by_the_mask(monkeypatch):
+    """transformers before 5.21 builds Bloom's ALiBi from the 2-D mask's length and widens generate()'s mask for its
+    own StaticCache only, so Bloom over this cache raises inside the model: refused at construction, naming the
+    version that works. Where Bloom pads the mask itself (its create_masks_for_generate) the same config is served."""
+    config = tiny_config("bloom")
+    if "create_masks_for_generate" in vars(transformers.BloomForCausalLM):  # 5.21 on (CI's transformers)
+        hf.check_config(config)
+    monkeypatch.delattr(transformers.BloomForCausalLM, "create_masks_for_generate", raising=False)
+    with pytest.raises(hf.UnsupportedModelError, match=r"Bloom.*ALiBi.*5\.21 or later"):
+        kvcompile.QuantizedCache(config, max_batch_size=1, max_cache_len=8)
+
+
 def _gpt_neo(local: bool):
     types = [[["global", "local"], 1]] if local else [[["global"], 2]]
     return transformers.GPTNeoConfig(vocab_size=96, hidden_size=64, num_layers=2, num_heads=4, window_size=4,
