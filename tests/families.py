@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import packaging.version
 import transformers
 
 W = 4  # the tiny window: the test prompt (8 tokens) and decode run past it
@@ -42,6 +43,16 @@ class Row:
     # fails the same way), so the matrix leaves that run out; generate(), which passes a mask spanning the cache,
     # still checks a left-padded batch
     forward_mask: bool = True
+    # (version, attention implementations, why): transformers before `version` runs these wrong over any cache,
+    # so the matrix skips them there with the reason; empty: every transformers the project supports
+    since: tuple = ()
+
+    def too_old(self, attn: str) -> str | None:
+        """Why the installed transformers cannot run this row with ``attn``, or None."""
+        if self.since and attn in self.since[1]:
+            if packaging.version.parse(transformers.__version__) < packaging.version.parse(self.since[0]):
+                return f"transformers {transformers.__version__} < {self.since[0]}: {self.since[2]}"
+        return None
 
     @property
     def windowed(self) -> bool:
@@ -116,9 +127,13 @@ ROWS: list[Row] = [
     Row("jetmoe", "jetmoe", "JetMoE", "jetmoe-8b", {}, real=dict(num_hidden_layers=24),
         note="kv heads tiled for its attention experts' queries (`repeat(1, top_k, 1, 1)`)"),
     Row("bloom", "bloom", "Bloom", "bloom-7b1", {}, real=dict(n_layer=30), attn=("eager",), forward_mask=False,
+        since=("5.21", ("eager",), "Bloom sizes ALiBi by the mask, so over a fixed-size cache it raises "
+                                   "(kvcompile.hf refuses it there)"),
         note="ALiBi as baddbmm's input, heads folded into the batch; a 2-D attention_mask must span the cache "
              "(or be left out), as generate() passes it and as for transformers' StaticCache"),
     Row("doge", "doge", "Doge", "DogeConfig's defaults", {},
+        since=("5.21", ("sdpa",), "an unpadded SDPA prefill skips the causal mask, which Doge's dynamic mask then "
+                                  "replaces: every key is visible, with or without a cache"),
         note="a dynamic mask from the cached V: the dequantized V is kept for it beside the op"),
 ]
 

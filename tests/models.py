@@ -158,6 +158,12 @@ def _has_field(cls, name: str) -> bool:
     return name in inspect.signature(cls.__init__).parameters
 
 
+# parameters transformers initializes to zero where zero hides a feature from the checks: Doge's A (its dynamic
+# mask is exp(A * softplus(dt_proj(V))), all ones at A = 0, so a wrong V read beside the attention would not show).
+# Drawn after the weights, from the same seed
+DRAWN = {"DogeAttention": ("A",)}
+
+
 def tiny_model(family_or_config, attn: str = "sdpa", *, seed: int = 0, dtype: torch.dtype | None = None,
                device: str | torch.device | None = None, **overrides):
     """A random causal LM (eval mode) from :func:`tiny_config` (or from a config given as is), its
@@ -170,6 +176,10 @@ def tiny_model(family_or_config, attn: str = "sdpa", *, seed: int = 0, dtype: to
         cfg = family_or_config
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
+    with torch.no_grad():
+        for module in model.modules():
+            for name in DRAWN.get(type(module).__name__, ()):
+                getattr(module, name).normal_(std=0.5)
     if dtype is not None or device is not None:
         model = model.to(device=device, dtype=dtype)
     return model.eval()
