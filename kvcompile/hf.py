@@ -483,7 +483,7 @@ def check_cache_length(config, max_cache_len: int) -> None:
 def cache_kwarg(model) -> str:
     """The keyword under which ``model`` (a transformers model, its ``forward``, or a wrapper of it such
     as ``torch.compile``'s or :class:`kvcompile.BatchPaddedForward`) takes a cache: ``"cache"``
-    (transformers >= 5.2x, where ``past_key_values`` is deprecated) or ``"past_key_values"`` (older 5.x)."""
+    (transformers >= 5.24, where ``past_key_values`` is deprecated) or ``"past_key_values"`` (older 5.x)."""
     fwd = model.forward if hasattr(model, "forward") and not inspect.isfunction(model) else model
     fwd = getattr(fwd, "_torchdynamo_orig_callable", fwd)
     try:
