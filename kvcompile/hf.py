@@ -226,18 +226,13 @@ def _truthy_attr(cfg, *names) -> Any:
     return None
 
 
-def _bloom_alibi_spans_cache() -> bool:
-    """Whether the installed transformers sizes Bloom's ALiBi by the cache (5.21 on: Bloom's own
-    ``create_masks_for_generate`` pads generate()'s 2-D mask to the cache length for any cache)."""
+def _transformers_too_old_for_bloom() -> str | None:
+    """The installed transformers' version where it sizes Bloom's ALiBi by the mask, else None (5.21 on:
+    Bloom's own ``create_masks_for_generate`` pads generate()'s 2-D mask to the cache length for any cache)."""
+    import transformers
     from transformers.models.bloom import modeling_bloom
 
-    return "create_masks_for_generate" in vars(modeling_bloom.BloomForCausalLM)
-
-
-def _transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__
+    return None if "create_masks_for_generate" in vars(modeling_bloom.BloomForCausalLM) else transformers.__version__
 
 
 def check_config(config) -> None:
@@ -273,9 +268,9 @@ def check_config(config) -> None:
             "alibi=True) in an attention that transformers' generate() cannot run over a fixed-size cache (its own "
             "StaticCache raises the same), and this cache is fixed-size; Bloom's ALiBi is served"
         )
-    if model_type == "bloom" and not _bloom_alibi_spans_cache():
+    if model_type == "bloom" and (old := _transformers_too_old_for_bloom()):
         raise UnsupportedModelError(
-            f"{name} (Bloom): this transformers ({_transformers_version()}) builds its ALiBi term from the "
+            f"{name} (Bloom): this transformers ({old}) builds its ALiBi term from the "
             "attention mask's length, not the cache's: over a fixed-size cache its forward raises, and generate() "
             "widens the mask for transformers' own StaticCache only",
             "upgrade transformers to 5.21 or later, where Bloom sizes ALiBi by the cache",

@@ -82,8 +82,8 @@ def _cases(windowed_only: bool = False) -> list:
             for kv in KV_DTYPES:
                 case = Case(row, attn, kv)
                 marks = () if (attn, kv) == fast else SLOW
-                if row.too_old(attn):
-                    marks = (*marks, pytest.mark.skip(reason=row.too_old(attn)))
+                if why := row.too_old(attn):
+                    marks = (*marks, pytest.mark.skip(reason=why))
                 out.append(pytest.param(case, id=case.id, marks=marks))
     return out
 

@@ -18,6 +18,9 @@ from kvcompile import hf
 from models import cache_kwarg, tiny_config, tiny_model
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# the matrix's rows, skipped (with the reason) where the installed transformers runs none of a row's attentions
+SERVED_ROWS = [pytest.param(row, id=row.name, marks=[pytest.mark.skip(reason=row.too_old(row.attn[0]))]
+                            if all(row.too_old(a) for a in row.attn) else []) for row in ROWS]
 
 
 def _windows_of_static_cache(config, max_cache_len: int = 1 << 20) -> list[int]:
@@ -26,7 +29,7 @@ def _windows_of_static_cache(config, max_cache_len: int = 1 << 20) -> list[int]:
     return [layer.max_cache_len if getattr(layer, "is_sliding", False) else 0 for layer in cache.layers]
 
 
-@pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
+@pytest.mark.parametrize("row", SERVED_ROWS)
 def test_windows_match_transformers_static_cache(row):
     """Per-layer windows equal the ones StaticCache builds its sliding layers with, for the tiny
     config, its window-removed control and the example model's config."""
@@ -49,7 +52,7 @@ def test_windows_match_transformers_static_cache(row):
         assert not any(tiny)
 
 
-@pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
+@pytest.mark.parametrize("row", SERVED_ROWS)
 def test_layer_shapes_are_what_the_model_writes(row):
     """Each layer's (kv heads, head_dim) equals the K the tiny model writes into that layer of a cache,
     and so does the QuantizedCache layer built for it."""
