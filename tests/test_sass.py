@@ -4,18 +4,22 @@ The attention kernel is compiled for sm_90 exactly as the launcher would launch 
 (Triton's bundled ptxas; cuobjdump reads the SASS). What is pinned here was measured to matter on
 the H200 (BENCHMARKS.md, session 2): V read from shared memory one byte per lane (LDS.U8/S8)
 with 255 registers made fp8 decode 1.3x slower than with V widened before its transpose.
+
+Counts are Triton 3.9's (CI's); where Triton 3.6 (torch 2.11's) compiles a loop differently, the
+test says by how much, measured with ``python -m kvcompile sass`` under each.
 """
 
 from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from kvcompile import tiles  # noqa: E402
 from kvcompile.kernels import aot  # noqa: E402
 
 H200 = (9, 0)
+TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2])
 CASES = [("fp8_e4m3", "token"), ("fp8_e4m3", "static"), ("fp8_e4m3", "block32"), ("q8_0", "block32")]
 # V key-contiguous (QuantizedCache's layout for token and static scales): read like K, no transpose
 KEYS_CASES = [("fp8_e4m3", "token", "v-keys"), ("fp8_e4m3", "static", "v-keys")]
@@ -44,8 +48,15 @@ def reports():
 def test_decode_reads_v_without_byte_loads_or_spills(reports, case):
     r = reports[case]
     assert _byte_loads(r) == 0, r.summary()
-    assert r.stack_bytes == 0, f"register spills: {r.summary()}"
     assert r.count("HMMA") > 0 and r.count("LDSM") > 0, r.summary()  # tensor cores, ldmatrix (.trans for pinned V)
+    assert not any(op.startswith(("LDL", "STL")) for loop in r.loops for op in loop), f"spills in a loop: {r.summary()}"
+    if case == ("fp8_e4m3", "block32") and TRITON < (3, 9):
+        # at the 168-register cap Triton 3.6 keeps one 8-byte value of the prologue on the stack: stored
+        # once before the key loops, reloaded once after them (184 registers and no stack on Triton 3.9)
+        spills = sum(n for op, n in r.opcodes.items() if op.startswith(("LDL", "STL")))
+        assert r.stack_bytes <= 8 and spills <= 2, f"register spills: {r.summary()}"
+    else:
+        assert r.stack_bytes == 0, f"register spills: {r.summary()}"
 
 
 @pytest.mark.parametrize("case", CASES + KEYS_CASES, ids=lambda c: "/".join(c))
@@ -210,9 +221,9 @@ def test_int8_decode_loop_is_fp8s_with_k_unwidened(reports, feature_reports):
     (full rate on sm_90, unlike the quarter-rate I2F); V is widened exactly, one xor, two prmt and two
     sub.f16x2 per four codes where e4m3 costs two cvt (F2FP). With 128 codes per side and 16 P
     elements per thread and tile, 765 instructions in the loop on Triton 3.9 against fp8's 787 (920
-    with K widened and both sides biased). Pinned so that a change elsewhere that grows only the int8
-    loop (K widened again, the widening sunk to a byte-wise layout, the generic cast path, spills
-    under the register cap) fails here."""
+    with K widened and both sides biased); 792 against 806 on Triton 3.6. Pinned so that a change
+    elsewhere that grows only the int8 loop (K widened again, the widening sunk to a byte-wise layout,
+    the generic cast path, spills under the register cap) fails here."""
     fp8 = reports[("fp8_e4m3", "token", "v-keys")]
     r = feature_reports[2]
     assert r.stack_bytes == 0 and _byte_loads(r) == 0, r.summary()
@@ -230,7 +241,10 @@ def test_int8_decode_loop_is_fp8s_with_k_unwidened(reports, feature_reports):
         assert loop.get("HADD2", 0) == codes // 2 and loop.get("HADD2.F32", 0) == 0, loop  # V exact, unbiased
         w, wf = _widening(loop), _widening(ref)
         assert w["PRMT"] <= codes // 2 + p_elems // 2, w  # V: two per four codes (+ P's packing); K: none
-        assert w["LOP3.LUT"] <= wf["LOP3.LUT"] + codes // 4 + 4, (w, wf)  # V: one xor per four codes
+        # V: one xor per four codes; Triton's other bit ops in the loop exceed fp8's by 1-2 on Triton 3.9, by
+        # up to 7 on Triton 3.6 (the loops' totals, checked below, bound them either way)
+        other = 4 if TRITON >= (3, 9) else 8
+        assert w["LOP3.LUT"] <= wf["LOP3.LUT"] + codes // 4 + other, (w, wf)
         assert wf["F2FP.F16.E4M3.UNPACK_B"] == codes, wf
         assert sum(loop.values()) <= sum(ref.values()) + 8, (sum(loop.values()), sum(ref.values()), loop, ref)
 
