@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Everything kvcompile checks on a GPU, in one call. Run from the repo root:
 #
-#   bash benchmarks/gpu_check.sh            # tests + example + e2e decode benchmark (~6 min on an H200)
+#   bash benchmarks/gpu_check.sh            # tests, CUDA graphs + model tests, e2e decode benchmark, example
+#                                           # (about 20 min on a fresh H100, past one call: split them with STEPS)
 #   KERNEL_BENCH=1 bash benchmarks/gpu_check.sh   # also the per-kernel decode/prefill/store tables
 #   SANITIZE=1 ...                                 # also compute-sanitizer memcheck of every kernel
-#   STEPS=tests,graphs bash benchmarks/gpu_check.sh   # only these steps (tests, graphs, e2e, kernels,
+#   STEPS=e2e,generate bash benchmarks/gpu_check.sh   # only these steps (tests, graphs, e2e, kernels,
 #                                                     # standing, sanitize, generate) when a call must stay short
 #   STEPS=standing bash benchmarks/gpu_check.sh       # the default format against fp8: decode, prefill, model step
 #
@@ -29,9 +30,10 @@ nvidia-smi -L
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 python -m kvcompile info > "$OUT/info.txt" 2>&1
 
-# 1. kernel + op + cache tests compiled for the GPU (Triton compile time dominates: 8 workers)
+# 1. kernel + op + cache tests compiled for the GPU (Triton compile time dominates: 8 workers; 16 run the
+#    GPU out of memory). About 7 min on a fresh H100 (an empty Triton cache): run this step alone in a call
 if want tests; then
-    timeout 400 python -m pytest -q -n 8 tests/test_kernels.py tests/test_kernels_features.py tests/test_tiles.py \
+    timeout 570 python -m pytest -q -n 8 tests/test_kernels.py tests/test_kernels_features.py tests/test_tiles.py \
         tests/test_formats.py tests/test_int8.py tests/test_rotation.py tests/test_kernels_rotation.py tests/test_ops.py \
         tests/test_sass.py tests/test_cache_formats.py > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests: $(tail -1 "$OUT/gpu_tests.log")"
