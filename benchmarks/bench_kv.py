@@ -33,6 +33,7 @@ from kvcompile.kernels import plan as plan_mod  # noqa: E402
 from kvcompile.kernels import store as store_launcher  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
+DEVICE = "cuda"  # the smoke's and make_cache's device (tests/test_bench_kv.py runs the smoke on the CPU)
 ROTATE_BYTES = 256 << 20
 ROWS: list[dict] = []
 VARIANTS = None  # --variants: a regex that sweep labels must match
@@ -93,17 +94,17 @@ def make_cache(kv_dtype, gran, B, L, gen_scale=1.0, R=(None, None)):
     """Codes and scales as QuantizedCache holds them (V key-contiguous for token scales); ``R``: (K's,
     V's) rotation, a side stored rotated as a rotated cache stores it (codes of x @ R)."""
     fmt = formats.get_format(kv_dtype, gran)
-    k = torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16) * gen_scale
-    v = torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16)
-    kc = torch.empty(B, HKV, L, D, dtype=fmt.code_dtype, device="cuda")
-    vc = v_codes_buffer((B, HKV, L, D), fmt.code_dtype, "cuda", fmt.v_keys_contiguous)
+    k = torch.randn(B, HKV, L, D, device=DEVICE, dtype=torch.bfloat16) * gen_scale
+    v = torch.randn(B, HKV, L, D, device=DEVICE, dtype=torch.bfloat16)
+    kc = torch.empty(B, HKV, L, D, dtype=fmt.code_dtype, device=DEVICE)
+    vc = v_codes_buffer((B, HKV, L, D), fmt.code_dtype, DEVICE, fmt.v_keys_contiguous)
     if fmt.is_static:
         ks = k.float().abs().amax(dim=(0, 2, 3)) / fmt.qmax
         vs = v.float().abs().amax(dim=(0, 2, 3)) / fmt.qmax
     else:
-        ks = torch.empty(fmt.scale_shape(B, HKV, L, D), dtype=fmt.scale_dtype, device="cuda")
+        ks = torch.empty(fmt.scale_shape(B, HKV, L, D), dtype=fmt.scale_dtype, device=DEVICE)
         vs = torch.empty_like(ks)
-    kernels.store_kv(kc, ks, vc, vs, k, v, torch.tensor(0, device="cuda"), None, *R)
+    kernels.store_kv(kc, ks, vc, vs, k, v, torch.tensor(0, device=DEVICE), None, *R)
     return (kc, ks, vc, vs), (k, v)
 
 
@@ -133,7 +134,7 @@ FORMATS = {"fp8": ("fp8_e4m3", "token"), "fp8/block32": ("fp8_e4m3", "block32"),
 def rot(name):
     """(K's, V's) rotation matrix of a format name (None: that side is not rotated): the caches'
     shared matrix, whose entries the kernels generate."""
-    R = rotation.shared(D, "cuda")
+    R = rotation.shared(D, DEVICE)
     return {"+rot": (R, R), "+krot": (R, None)}.get(name[name.rfind("+"):] if "+" in name else "", (None, None))
 
 
@@ -556,23 +557,24 @@ def smoke(args):
         kv_dtype, gran = FORMATS[name]
         R = rot(name)
         (kc, ks, vc, vs), _ = make_cache(kv_dtype, gran, 3, 301, R=R)
-        kv_len = torch.tensor([301, 77, 5], device="cuda")
+        kv_len = torch.tensor([301, 77, 5], device=DEVICE)
         for v in (vc, other_v_layout(vc)):  # key-contiguous V: 16-key chunk reads up to the padded 304
             for Tq in (1, 7, 40):
-                q = torch.randn(3, HQ, Tq, D, device="cuda", dtype=torch.bfloat16)
-                m = torch.rand(3, 1, Tq, 301, device="cuda") > 0.2
+                q = torch.randn(3, HQ, Tq, D, device=DEVICE, dtype=torch.bfloat16)
+                m = torch.rand(3, 1, Tq, 301, device=DEVICE) > 0.2
                 kernels.attention(q, kc, ks, v, vs, kv_len, m, True, None, 0, 0.0, None, *R)
                 kernels.attention(q, kc, ks, v, vs, kv_len, None, False, None, 0, 0.0, None, *R)
                 kernels.attention(q, kc, ks, v, vs, kv_len, None, True, None, 0, 0.0, None, *R)  # unmasked + diagonal
-                sinks = torch.randn(HQ, device="cuda")
-                kernels.attention(q, kc, ks, v, vs, kv_len, None, True, None, 37, 20.0, sinks, R, R)  # window edges
+                sinks = torch.randn(HQ, device=DEVICE)
+                kernels.attention(q, kc, ks, v, vs, kv_len, None, True, None, 37, 20.0, sinks, *R)  # window edges
             os.environ["KVCOMPILE_PREFILL"] = "dense"  # the one-launch K + V dequantize, both V layouts
             kernels.attention(q, kc, ks, v, vs, kv_len, m, True, None, 0, 0.0, None, *R)
             os.environ["KVCOMPILE_PREFILL"] = "fused"
             kernels.dequantize(v, vs, None, kv_len, torch.bfloat16)
         kernels.dequantize(kc, ks, None, kv_len, torch.bfloat16)
     os.environ.pop("KVCOMPILE_PREFILL")
-    torch.cuda.synchronize()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
     print("smoke done")
 
 

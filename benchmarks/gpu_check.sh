@@ -79,10 +79,11 @@ if want standing; then
     grep "^{" "$OUT/standing_e2e.log" | cut -c1-110
 fi
 
-# 4b. optional: memcheck of every kernel on odd shapes (both V layouts)
+# 4b. optional: memcheck of every kernel on odd shapes (both V layouts), every format and rotation
+#     (about 5 min on a fresh H100, mostly Triton compiling under the sanitizer)
 if want sanitize; then
-    timeout 240 compute-sanitizer --tool memcheck python benchmarks/bench_kv.py --subjects smoke \
-        --formats fp8,fp8/static,q8_0,int8+rot > "$OUT/memcheck.log" 2>&1
+    timeout 450 compute-sanitizer --tool memcheck python benchmarks/bench_kv.py --subjects smoke \
+        --formats fp8,fp8/block32,fp8/static,q8_0,int8,int8+rot,int8+krot > "$OUT/memcheck.log" 2>&1
     echo "memcheck: $(grep -E 'ERROR SUMMARY|smoke done' "$OUT/memcheck.log" | tr '\n' ' ')"
 fi
 
