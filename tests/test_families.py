@@ -12,7 +12,11 @@ and checks:
 * every graph torch.compile produces (prefill and decode, forward and generate) has every
   attention site rewritten: ``found == rewritten == layers``;
 * compiled logits equal eager logits over the same kind of cache (1e-4: both evaluate attention in
-  float32 over bit-identical codes; they differ by float32 rounding, ~1e-6);
+  float32 over bit-identical codes; they differ by float32 rounding, ~1e-6). Where they part by more
+  and the two caches' codes differ, the check fails unless the codes differ as one rounding flip does
+  (one or two entries, each by one code step, scales equal to float32 rounding): then it is an xfail
+  that names the entries, since a float32 difference in a layer's input moved a value across an 8-bit
+  rounding boundary and the logits were computed from different codes;
 * eager logits equal transformers' own ``DynamicCache`` (for sliding layers its
   ``DynamicSlidingWindowLayer``, which keeps only the window) fed the same 8-bit values (the
   dequantized K/V the QuantizedCache held for each call's new tokens): :data:`HF_TOL`;
@@ -49,6 +53,10 @@ B, PROMPT, STEPS, MAX_LEN, PAD = 2, 8, 3, 16, 3
 # rounds alike: a float32 difference in a layer's input can flip one code of a later layer (seen on a 6-layer
 # Gemma 3n with q8_0: one K code of layer 3, 1.2e-4 in the logits), so the rows keep to 4 layers or fewer
 ATOL = RTOL = 1e-4
+# ... and where they part by more, what one such flip looks like in the caches: at most this many code
+# entries differ, each by one step, and no scale differs by more than float32 rounding of an amax can
+# (lfm3-sdpa-fp8_e4m3: one V code of layer 2 flipped, the scales 2.4e-7 apart)
+FLIP_ENTRIES, FLIP_SCALE_RTOL = 2, 1e-5
 # eager over QuantizedCache vs HF's DynamicCache holding the same dequantized values: both
 # attention paths run in float32 on equal K/V; ours attends over all 16 slots with the padding and
 # window masked, HF's over the tokens it keeps; measured <= 6e-7 of max|logits| over the whole
@@ -188,6 +196,7 @@ class Result:
     compiled: dict | None = None
     reports: dict | None = None  # "forward" / "generate" -> backend reports
     generate: tuple | None = None  # (eager output, compiled output)
+    caches: dict = dataclasses.field(default_factory=dict)  # "nomask" / "generate" -> (eager, compiled) cache
     error: BaseException | None = None  # raised while compiling / running compiled
 
 
@@ -219,6 +228,7 @@ def _result(case: Case) -> Result:
     for m, mk in (("nomask", None), ("mask", mask)) if row.forward_mask else (("nomask", None),):
         recording = RecordingCache(cfg, max_batch_size=B, max_cache_len=MAX_LEN, kv_dtype=kv)
         res.eager[m] = _steps(model.forward, model, recording, ids, mk, toks)
+        res.caches.setdefault(m, (recording,))
         res.hf[m] = _steps(model.forward, model, ReplayDynamicCache(cfg, recording.written), ids, mk, toks)
     if row.windowed:
         control = _model(row, case.attn, window=False)
@@ -228,12 +238,14 @@ def _result(case: Case) -> Result:
         backend = kvcompile.backend(kv)
         compiled = torch.compile(model.forward, backend=backend, fullgraph=True)
         with _pass_then_eager():
-            res.compiled = {"nomask": _steps(compiled, model, qcache(), ids, None, toks)}
+            res.caches["nomask"] += (qcache(),)
+            res.compiled = {"nomask": _steps(compiled, model, res.caches["nomask"][1], ids, None, toks)}
             n = len(backend.report())
-            eager_gen = _generate(model, qcache(), ids, mask)
+            res.caches["generate"] = (qcache(), qcache())
+            eager_gen = _generate(model, res.caches["generate"][0], ids, mask)
             model.forward = compiled
             try:
-                res.generate = (eager_gen, _generate(model, qcache(), ids, mask))
+                res.generate = (eager_gen, _generate(model, res.caches["generate"][1], ids, mask))
             finally:
                 del model.forward
         res.reports = {"forward": backend.report()[:n], "generate": backend.report()[n:]}
@@ -289,15 +301,50 @@ def test_every_graph_is_rewritten(case):
     assert not bad, "\n".join(bad)
 
 
+def _code_differences(a: kvcompile.QuantizedCache, b: kvcompile.QuantizedCache) -> tuple[list, float]:
+    """Where two caches' stored codes differ, ``(layer, tensor, entries, largest step)`` for each code
+    tensor (fp8 codes compared as their bytes: neighbouring values of one sign are neighbouring bytes),
+    and the largest relative difference of their scales."""
+    diffs, scale_err = [], 0.0
+    for i, (la, lb) in enumerate(zip(a.layers, b.layers)):
+        if not isinstance(la, kvcompile.cache.QuantizedLayer) or not la.is_initialized:
+            continue
+        for name in ("k_codes", "v_codes"):
+            x, y = getattr(la, name), getattr(lb, name)
+            if x.is_floating_point():
+                x, y = x.view(torch.uint8), y.view(torch.uint8)
+            step = (x.int() - y.int()).abs()
+            if step.any():
+                diffs.append((i, name, int((step > 0).sum()), int(step.max())))
+        for name in ("k_scales", "v_scales"):
+            scale_err = max(scale_err, max_rel_err(getattr(lb, name), getattr(la, name)))
+    return diffs, scale_err
+
+
+def _assert_logits_close(got, want, caches, what: str) -> None:
+    """ATOL / RTOL, or an xfail when the two runs stored codes one rounding flip apart (module docstring)."""
+    try:
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL, msg=lambda m: f"{what}: {m}")
+    except AssertionError as err:
+        diffs, scale_err = _code_differences(*caches)
+        if (diffs and sum(d[2] for d in diffs) <= FLIP_ENTRIES and all(d[3] == 1 for d in diffs)
+                and scale_err <= FLIP_SCALE_RTOL):
+            pytest.xfail(f"compiled and eager stored codes one rounding apart, (layer, tensor, entries, step) "
+                         f"{diffs}, scales within {scale_err:.1e}: a float32 difference in a layer's input "
+                         f"crossed an 8-bit rounding boundary. {err}")
+        raise AssertionError(f"{err}\ncode differences (layer, tensor, entries, step): {diffs}; "
+                             f"scales {scale_err:.1e}") from None
+
+
 @pytest.mark.parametrize("case", _cases())
 def test_compiled_equals_eager(case):
     res = _compiled(_result(case))
     for i, (e, g) in enumerate(zip(res.eager["nomask"], res.compiled["nomask"])):
-        torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL, msg=lambda m: f"no mask, call {i}: {m}")
+        _assert_logits_close(g, e, res.caches["nomask"], f"no mask, call {i}")
     eager_gen, compiled_gen = res.generate
     assert torch.equal(compiled_gen.sequences, eager_gen.sequences)
     for i, (e, g) in enumerate(zip(eager_gen.scores, compiled_gen.scores)):
-        torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL, msg=lambda m: f"generate step {i}: {m}")
+        _assert_logits_close(g, e, res.caches["generate"], f"generate step {i}")
 
 
 @pytest.mark.parametrize("case", _cases())
@@ -306,6 +353,37 @@ def test_eager_equals_transformers_cache(case):
     for m in res.eager:
         err = _err(res.eager[m], res.hf[m])
         assert err <= HF_TOL, f"{m}: eager over QuantizedCache vs HF's DynamicCache on the same values: {err:.3g}"
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_a_code_flip_is_told_from_a_fault(kv_dtype):
+    """The xfail of test_compiled_equals_eager takes one flipped code and nothing else: the same logits
+    mismatch fails where the codes are equal, two steps apart, or a scale differs."""
+    cfg = tiny_config("llama")
+    caches = [kvcompile.QuantizedCache(cfg, max_batch_size=1, max_cache_len=MAX_LEN, kv_dtype=kv_dtype)
+              for _ in range(2)]
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(1, cfg.num_key_value_heads, PROMPT, cfg.head_dim, generator=g) for _ in range(2))
+    for c in caches:
+        for i in range(cfg.num_hidden_layers):
+            c.update(k, v, i)
+    want = torch.randn(4, 8, generator=g)
+    got = want + 1e-3
+    with pytest.raises(AssertionError, match=r"code differences .*: \[\]"):  # same codes: a fault
+        _assert_logits_close(got, want, caches, "equal codes")
+    last = cfg.num_hidden_layers - 1
+    codes = caches[1].layers[last].v_codes
+    raw = codes.view(torch.uint8) if codes.is_floating_point() else codes
+    raw[0, 0, 2, 3] += 1
+    with pytest.raises(pytest.xfail.Exception, match=rf"\({last}, 'v_codes', 1, 1\)"):
+        _assert_logits_close(got, want, caches, "one flip")
+    raw[0, 0, 2, 3] += 1
+    with pytest.raises(AssertionError, match=rf"\({last}, 'v_codes', 1, 2\)"):  # two steps: not a flip
+        _assert_logits_close(got, want, caches, "two steps")
+    raw[0, 0, 2, 3] -= 1
+    caches[1].layers[0].k_scales.mul_(1.001)  # (q8_0's float16 scales round it to 9.5e-4)
+    with pytest.raises(AssertionError, match=r"scales (9\.\de-04|1\.0e-03)"):
+        _assert_logits_close(got, want, caches, "a scale apart")
 
 
 @pytest.mark.parametrize("case", _cases(windowed_only=True))
