@@ -200,6 +200,29 @@ def test_format_mismatch_is_the_first_line():
     assert backend.report() == []  # the graph never reached the pass's report, nor Inductor
 
 
+@pytest.mark.usefixtures("dynamo_reset_around")
+@pytest.mark.parametrize("backend_kw", [dict(kv_dtype="int8"), dict(kv_dtype="fp8_e4m3"),
+                                        dict(k_dtype="fp8_e4m3", v_dtype="int8")])
+def test_format_mismatch_of_a_k_v_pair_names_both_sides(backend_kw):
+    """A cache with K int8 and V fp8_e4m3 under a backend of either format alone (or the pair swapped): the
+    error names the pair to build the backend with, and that backend then compiles and rewrites the model."""
+    from kvcompile.passes import KVDtypeMismatch
+
+    model = tiny_model()
+    pair = dict(k_dtype="int8", v_dtype="fp8_e4m3")
+    cache = lambda: QuantizedCache(model.config, max_batch_size=1, max_cache_len=16, **pair)  # noqa: E731
+    with pytest.raises(KVDtypeMismatch) as e, torch.no_grad():
+        torch.compile(model.forward, backend=kvcompile.backend(**backend_kw))(input_ids=IDS, **kv(cache()))
+    first = str(e.value).splitlines()[0]
+    assert "holds K as 'int8' and V as 'fp8_e4m3' codes" in first, first
+    assert "Build the backend with k_dtype='int8', v_dtype='fp8_e4m3'" in first, first
+    torch._dynamo.reset()
+    backend = kvcompile.backend(**pair)
+    with torch.no_grad():
+        torch.compile(model.forward, backend=backend)(input_ids=IDS, **kv(cache()))
+    assert [(r["found"], r["rewritten"]) for r in backend.report()] == [(model.config.num_hidden_layers,) * 2]
+
+
 # ------------------------------------------------------------------------------------------------
 # max_cache_len omitted: a warning that names the bytes
 # ------------------------------------------------------------------------------------------------

@@ -103,6 +103,15 @@ def format_of(codes: torch.Tensor, scale: torch.Tensor) -> str:
     return str(codes.dtype)
 
 
+def _format_of_node(node: fx.Node) -> Optional[str]:
+    """The kv_dtype of the codes a dequantize node reads (None where the graph does not say)."""
+    source = spellings.read_dequantize(node)
+    codes, scale = val(source.codes), val(source.scale)
+    if not isinstance(codes, torch.Tensor) or not isinstance(scale, torch.Tensor):
+        return None
+    return format_of(codes, scale)
+
+
 def resolve_kv_dtypes(kv_dtype: Optional[str], k_dtype: Optional[str], v_dtype: Optional[str]) -> tuple[str, str]:
     """``(k_dtype, v_dtype)`` as the cache resolves them (``formats.resolve_kv_dtypes`` where it exists):
     ``kv_dtype`` sets both, ``k_dtype`` / ``v_dtype`` override, the default format fills the rest."""
@@ -150,8 +159,7 @@ class KVAttentionPass(CustomGraphPass):
         dequants = [n for t in DEQUANTIZE_TARGETS for n in graph.find_nodes(op="call_function", target=t)]
         if not dequants:
             return report
-        for d in dequants:
-            self._check_format(d, None)
+        mixed = self._check_formats(dequants)
         # one site per cache layer: K and V of a layer share its kv_len (cumulative_length)
         sites: dict[fx.Node, list[fx.Node]] = {}
         order = {n: i for i, n in enumerate(graph.nodes)}
@@ -167,6 +175,13 @@ class KVAttentionPass(CustomGraphPass):
                 continue
             report.rewritten += 1
             report.patterns[label] = report.patterns.get(label, 0) + 1
+        if mixed:  # no site paired a K and V of the wrong formats (each was skipped first): name them all
+            args = f"k_dtype={self.k_dtype!r}, v_dtype={self.v_dtype!r}"
+            raise KVDtypeMismatch(
+                f"kvcompile.backend({args}) compiled a model whose kvcompile cache holds codes of "
+                f"{', '.join(map(repr, sorted(mixed)))}. Build the backend with the k_dtype and v_dtype the cache "
+                "was built with."
+            )
         return report
 
     def _rewrite_site(self, nodes: list[fx.Node]) -> str:
@@ -197,8 +212,7 @@ class KVAttentionPass(CustomGraphPass):
             pool.remove(other)
             matched.append(found)
         for _, k, v in matched:
-            self._check_format(k.source.node, "k")
-            self._check_format(v.source.node, "v")
+            self._check_pair(k.source.node, v.source.node)
         plans = [rewrite.plan(call, k, v) for call, k, v in matched]  # every reader, or none
         for (call, k, v), plan in zip(matched, plans):
             rewrite.emit(call, k, v, plan)
@@ -230,25 +244,31 @@ class KVAttentionPass(CustomGraphPass):
                     "(or 'eager') to run its kernels")
         raise Skip(f"attention form not recognised (the dequantized K/V feed {consumers}){hint}")
 
-    def _check_format(self, node: fx.Node, role: Optional[str]) -> None:
-        """``role`` None: the codes hold one of the backend's formats; "k" / "v": that operand's."""
-        source = spellings.read_dequantize(node)
-        codes, scale = val(source.codes), val(source.scale)
-        if not isinstance(codes, torch.Tensor) or not isinstance(scale, torch.Tensor):
-            return
-        found = format_of(codes, scale)
-        expected = {None: (self.k_dtype, self.v_dtype), "k": (self.k_dtype,), "v": (self.v_dtype,)}[role]
-        if found in expected:
-            return
-        if self.k_dtype == self.v_dtype:
-            raise KVDtypeMismatch(
-                f"kvcompile.backend(kv_dtype={self.kv_dtype!r}) compiled a model whose kvcompile cache holds "
-                f"{codes.dtype} codes (kv_dtype={found!r}). Build the backend with kv_dtype={found!r}, or the "
-                f"cache with kv_dtype={self.kv_dtype!r}."
-            )
-        which = {"k": "K", "v": "V"}.get(role, "K or V")
-        raise KVDtypeMismatch(
-            f"kvcompile.backend(k_dtype={self.k_dtype!r}, v_dtype={self.v_dtype!r}) compiled a model whose "
-            f"kvcompile cache holds {which} as {codes.dtype} codes ({found!r}). Build the backend with the "
-            f"cache's k_dtype/v_dtype, or the cache with the backend's."
+    def _check_formats(self, dequants: list[fx.Node]) -> Optional[set]:
+        """Every dequantized cache holds one of the backend's formats, checked before any site is rewritten
+        (a site skipped for another reason still reports a wrong backend). A cache whose K and V formats
+        differ from each other is named side by side where a site pairs them (:meth:`_check_pair`); if no
+        site got that far, after every site (returned: the formats found)."""
+        found = {f for f in map(_format_of_node, dequants) if f is not None}
+        if found <= {self.k_dtype, self.v_dtype}:
+            return None
+        if len(found) == 1:  # K and V alike
+            (f,) = found
+            raise self._mismatch(f, f)
+        return found
+
+    def _check_pair(self, k: fx.Node, v: fx.Node) -> None:
+        kf, vf = _format_of_node(k), _format_of_node(v)
+        if None not in (kf, vf) and (kf, vf) != (self.k_dtype, self.v_dtype):
+            raise self._mismatch(kf, vf)
+
+    def _mismatch(self, k_found: str, v_found: str) -> "KVDtypeMismatch":
+        def args(k: str, v: str) -> str:
+            return f"kv_dtype={k!r}" if k == v else f"k_dtype={k!r}, v_dtype={v!r}"
+
+        held = f"K and V as {k_found!r} codes" if k_found == v_found else f"K as {k_found!r} and V as {v_found!r} codes"
+        return KVDtypeMismatch(
+            f"kvcompile.backend({args(self.k_dtype, self.v_dtype)}) compiled a model whose kvcompile cache holds "
+            f"{held}. Build the backend with {args(k_found, v_found)} (the cache's formats), or the cache with "
+            f"{args(self.k_dtype, self.v_dtype)}."
         )
