@@ -3,7 +3,7 @@
     cache = kvcompile.QuantizedCache(model.config, max_batch_size=B, max_cache_len=L,
                                      kv_dtype="fp8_e4m3", device="cuda")
     model.forward = torch.compile(model.forward, backend=kvcompile.backend(kv_dtype="fp8_e4m3"))
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=64)
+    out = model.generate(ids, cache=cache, max_new_tokens=64)   # transformers < 5.24: past_key_values=cache
 
 Importing kvcompile registers the ``torch.ops.kvcompile.*`` ops; Triton is imported only when
 a kernel runs, so the package imports on machines without a GPU.

@@ -220,8 +220,15 @@ def cache_size_lines(config, *, max_cache_len=None, batch=1, kv_dtype=None, gran
     lines.append(f"  total          {total:>14,d} bytes ({_mib(total)}); a bf16 cache of the same capacity: "
                  f"{_mib(bf16)} ({total / bf16:.3f}x)")
     per_row = total / cache.max_batch_size
-    lines.append(f"  per sequence (batch row): {_mib(per_row)}, {per_row / cache.max_cache_len:,.0f} bytes per position "
-                 f"of context")
+    # a sliding layer's ring holds its window whatever the context: only the other layers grow with it
+    ring = sum(size for layer, size in zip(cache.layers, sizes) if getattr(layer, "ring", False)) / cache.max_batch_size
+    if ring == per_row:
+        lines.append(f"  per sequence (batch row): {_mib(per_row)}, fixed: every K/V layer is a sliding window's ring, "
+                     "which does not grow with the context")
+    else:
+        fixed = f", plus {_mib(ring)} fixed in the sliding layers' rings" if ring else ""
+        lines.append(f"  per sequence (batch row): {_mib(per_row)}, {(per_row - ring) / cache.max_cache_len:,.0f} bytes "
+                     f"per position of context{fixed}")
     return lines
 
 

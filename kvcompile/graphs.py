@@ -8,7 +8,7 @@ captured size; :class:`BatchPaddedForward` does that for an HF causal LM:
     cache = kvcompile.QuantizedCache(model.config, max_batch_size=8, max_cache_len=4096, device="cuda")
     fwd = torch.compile(model.forward, backend=kvcompile.backend("fp8_e4m3"), mode="reduce-overhead")
     model.forward = kvcompile.BatchPaddedForward(fwd, max_batch_size=cache.max_batch_size)
-    model.generate(ids, past_key_values=cache, ...)   # a batch of 3 runs (and is captured) at 4
+    model.generate(ids, cache=cache, ...)   # a batch of 3 runs (and is captured) at 4
 
 The padding rows repeat the last real row (its tokens, mask and positions), so they compute
 finite, valid values in the cache rows after the live ones and never touch a live row: every

@@ -305,6 +305,12 @@ def test_info_config_counts_a_sliding_layer_by_its_window(tmp_path):
     assert "layers 0-4" in out and f"{ring[0]:,d} bytes" in out and f"{full[5]:,d} bytes" in out, out
     assert "x 64 positions (a ring: sliding window 64)" in out and "x 4096 positions" in out, out
     assert ring[0] < full[0] / 32 and ring[5] == full[5]
+    # the cost of context is the full layer's alone; the rings are a fixed part of it
+    assert f"{ring[5] / 4096:,.0f} bytes per position of context, plus " in out, out
+    cfg.layer_types = ["sliding_attention"] * 6  # no full layer: the cache does not grow with the context
+    cfg.save_pretrained(tmp_path)
+    out = _info("--config", str(tmp_path), "--max-cache-len", "4096")
+    assert "fixed: every K/V layer is a sliding window's ring" in out and "per position" not in out, out
 
 
 def test_info_config_allocates_nothing(tmp_path):
