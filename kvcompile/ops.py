@@ -215,12 +215,15 @@ def _store_kv(
             f"kvcompile.store_kv: k {tuple(k.shape)} / v {tuple(v.shape)} do not fit caches "
             f"{tuple(k_cache.shape)} (need [B, Hkv, T, D] with the cache's B, Hkv and D)"
         )
-    past_end = "kvcompile.store_kv: writing past max_cache_len; build the cache with a larger max_cache_len"
     if k.device.type == "cpu":  # a host read is free here (and the reference reads start anyway)
-        if int(start) + k.shape[2] > k_cache.shape[2]:
-            raise RuntimeError(past_end)  # the error type the device assert raises
+        end = int(start) + k.shape[2]
+        if end > k_cache.shape[2]:
+            raise RuntimeError(  # the error type the device assert raises
+                f"kvcompile.store_kv: positions {int(start)}..{end - 1} do not fit max_cache_len={k_cache.shape[2]}; "
+                f"build the cache with max_cache_len>={end} (for generate(): prompt tokens + max_new_tokens)")
     else:
-        torch._assert_async(start + k.shape[2] <= k_cache.shape[2], past_end)
+        torch._assert_async(start + k.shape[2] <= k_cache.shape[2], "kvcompile.store_kv: writing past max_cache_len; "
+                            "build the cache with a larger max_cache_len")
     if backend == "triton":
         _kernels().store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation, v_rotation)
     else:

@@ -284,7 +284,7 @@ def test_store_op_runs_the_c_path_and_checks_bounds(monkeypatch):
     monkeypatch.setattr(native, "store_kv", lambda *a: calls.append(1) or real(*a))
     torch.ops.kvcompile.store_kv(*tok, *tok, k, k, torch.tensor(5), None)
     assert calls and (tok[0][:, :, 5:8] != 0).any()
-    with pytest.raises(RuntimeError, match="past max_cache_len"):
+    with pytest.raises(RuntimeError, match=r"positions 6\.\.8 do not fit max_cache_len=8; .* max_cache_len>=9"):
         torch.ops.kvcompile.store_kv(*tok, *tok, k, k, torch.tensor(6), None)
 
 
@@ -386,7 +386,7 @@ def test_store_reads_start_from_the_tensor():
         assert written == [3, 4]
     for start in (7, -1):
         assert not native.store_kv(*tok, *tok, k, k, torch.tensor(start), None, None, None)
-    with pytest.raises(RuntimeError, match="past max_cache_len"):
+    with pytest.raises(RuntimeError, match=r"positions 7\.\.8 do not fit max_cache_len=8"):
         torch.ops.kvcompile.store_kv(*tok, *tok, k, k, torch.tensor(7), None)
     bad_offset = torch.randn(H + 1, D)  # not [H, D]: declined (the reference names the shape)
     assert not native.store_kv(*tok, *tok, k, k, 0, bad_offset, None, None)
