@@ -134,7 +134,9 @@ class QuantizedCache(Cache):
             over as is), hence the warning rather than a guess.
         kv_dtype: one of :data:`kvcompile.KV_DTYPES` (``"fp8_e4m3"``, ``"q8_0"``, ``"int8"``) for K and
             V; ``None``: :data:`kvcompile.formats.DEFAULT_KV_DTYPE`.
-        device: where to allocate now; ``None`` allocates lazily on the first update's device;
+        device: where to allocate now; ``None`` allocates lazily on the first update's device (under
+            ``torch.compile`` the graph that allocates is its own, so the cache's next prefill, after
+            :meth:`reset`, compiles once more; give the device to compile one prefill graph);
             ``"meta"`` allocates nothing and serves only to measure :attr:`nbytes`.
         k_dtype, v_dtype: K's / V's format, overriding ``kv_dtype`` for that side. K and V must share
             one scale granularity (the attention kernel reads both with one): fp8_e4m3 and int8 mix
