@@ -227,8 +227,9 @@ def cache_size_lines(config, *, max_cache_len=None, batch=1, kv_dtype=None, gran
                      "which does not grow with the context")
     else:
         fixed = f", plus {_mib(ring)} fixed in the sliding layers' rings" if ring else ""
-        lines.append(f"  per sequence (batch row): {_mib(per_row)}, {(per_row - ring) / cache.max_cache_len:,.0f} bytes "
-                     f"per position of context{fixed}")
+        per_position = (per_row - ring) / cache.max_cache_len
+        lines.append(f"  per sequence (batch row): {_mib(per_row)}, {per_position:,.0f} bytes per position of "
+                     f"context{fixed}")
     return lines
 
 

@@ -130,7 +130,8 @@ class KVCompileBackend:
                     "kvcompile.QuantizedCache's (transformers makes a full-precision DynamicCache when none is "
                     "passed), or a graph break parts them from the attention. Pass cache="
                     "kvcompile.QuantizedCache(model.config, max_batch_size=B, max_cache_len=L) to the model or to "
-                    "generate() (past_key_values= before transformers 5.24); this graph is compiled as plain Inductor (warned once per backend)", index)
+                    "generate() (past_key_values= before transformers 5.24); this graph is compiled as plain "
+                    "Inductor (warned once per backend)", index)
 
         _mark_storage_static(gm, example_inputs)
         patches = dict(list_mode_options(mode)) if mode not in (None, "default") else {}

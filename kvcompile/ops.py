@@ -221,9 +221,9 @@ def _store_kv(
             raise RuntimeError(  # the error type the device assert raises
                 f"kvcompile.store_kv: positions {int(start)}..{end - 1} do not fit max_cache_len={k_cache.shape[2]}; "
                 f"build the cache with max_cache_len>={end} (for generate(): prompt tokens + max_new_tokens)")
-    else:
-        torch._assert_async(start + k.shape[2] <= k_cache.shape[2], "kvcompile.store_kv: writing past max_cache_len; "
-                            "build the cache with a larger max_cache_len")
+    else:  # a device assert: its message is fixed when the op is traced
+        past_end = "kvcompile.store_kv: writing past max_cache_len; build the cache with a larger max_cache_len"
+        torch._assert_async(start + k.shape[2] <= k_cache.shape[2], past_end)
     if backend == "triton":
         _kernels().store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation, v_rotation)
     else:

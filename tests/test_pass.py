@@ -511,7 +511,9 @@ def test_k_and_v_formats():
     mb, ma = _masks(3, 0)
     backend = PassOnly("fp8_e4m3")
     backend.graph_pass = mixed
-    with pytest.raises(Exception, match=r"holds V as torch.float8_e4m3fn codes \('fp8_e4m3'\)"):
+    told = (r"backend\(k_dtype='fp8_e4m3', v_dtype='q8_0'\) compiled a model whose kvcompile cache holds K and V as "
+            r"'fp8_e4m3' codes\. Build the backend with kv_dtype='fp8_e4m3'")
+    with pytest.raises(Exception, match=told):
         torch.compile(mod, backend=backend, fullgraph=True)(q, kv, kv, cache, mb, ma)
 
 

@@ -112,6 +112,11 @@ def _format_of_node(node: fx.Node) -> Optional[str]:
     return format_of(codes, scale)
 
 
+def _format_args(k_dtype: str, v_dtype: str) -> str:
+    """The keywords that build a backend or cache of these formats: ``kv_dtype=`` for one, the pair otherwise."""
+    return f"kv_dtype={k_dtype!r}" if k_dtype == v_dtype else f"k_dtype={k_dtype!r}, v_dtype={v_dtype!r}"
+
+
 def resolve_kv_dtypes(kv_dtype: Optional[str], k_dtype: Optional[str], v_dtype: Optional[str]) -> tuple[str, str]:
     """``(k_dtype, v_dtype)`` as the cache resolves them (``formats.resolve_kv_dtypes`` where it exists):
     ``kv_dtype`` sets both, ``k_dtype`` / ``v_dtype`` override, the default format fills the rest."""
@@ -176,11 +181,10 @@ class KVAttentionPass(CustomGraphPass):
             report.rewritten += 1
             report.patterns[label] = report.patterns.get(label, 0) + 1
         if mixed:  # no site paired a K and V of the wrong formats (each was skipped first): name them all
-            args = f"k_dtype={self.k_dtype!r}, v_dtype={self.v_dtype!r}"
             raise KVDtypeMismatch(
-                f"kvcompile.backend({args}) compiled a model whose kvcompile cache holds codes of "
-                f"{', '.join(map(repr, sorted(mixed)))}. Build the backend with the k_dtype and v_dtype the cache "
-                "was built with."
+                f"kvcompile.backend({_format_args(self.k_dtype, self.v_dtype)}) compiled a model whose kvcompile "
+                f"cache holds codes of {', '.join(map(repr, sorted(mixed)))}. Build the backend with the k_dtype "
+                "and v_dtype the cache was built with."
             )
         return report
 
@@ -263,12 +267,9 @@ class KVAttentionPass(CustomGraphPass):
             raise self._mismatch(kf, vf)
 
     def _mismatch(self, k_found: str, v_found: str) -> "KVDtypeMismatch":
-        def args(k: str, v: str) -> str:
-            return f"kv_dtype={k!r}" if k == v else f"k_dtype={k!r}, v_dtype={v!r}"
-
         held = f"K and V as {k_found!r} codes" if k_found == v_found else f"K as {k_found!r} and V as {v_found!r} codes"
+        backend = _format_args(self.k_dtype, self.v_dtype)
         return KVDtypeMismatch(
-            f"kvcompile.backend({args(self.k_dtype, self.v_dtype)}) compiled a model whose kvcompile cache holds "
-            f"{held}. Build the backend with {args(k_found, v_found)} (the cache's formats), or the cache with "
-            f"{args(self.k_dtype, self.v_dtype)}."
+            f"kvcompile.backend({backend}) compiled a model whose kvcompile cache holds {held}. Build the backend "
+            f"with {_format_args(k_found, v_found)} (the cache's formats), or the cache with {backend}."
         )
