@@ -129,16 +129,18 @@ def _one(name: str, kv_dtype: str) -> dict:
         tf._result(case)
     except Exception as e:
         return {"status": "error", "attn": attn, "why": f"eager run: {type(e).__name__}: {e}"}
-    failed = []
+    failed, flips = [], []
     for check in (tf.test_every_graph_is_rewritten, tf.test_compiled_equals_eager,
                   tf.test_eager_equals_transformers_cache):
         try:
             check(case)
+        except tf.pytest.xfail.Exception as e:  # a code one rounding apart (test_families): said, not failed
+            flips.append(f"{check.__name__} xfail: {str(e).splitlines()[0]}")
         except Exception as e:
             failed.append(f"{check.__name__}: {e}")
     if failed:
-        return {"status": "FAIL", "attn": attn, "why": " | ".join(failed)}
-    return {"status": "ok", "attn": attn, "why": ""}
+        return {"status": "FAIL", "attn": attn, "why": " | ".join(failed + flips)}
+    return {"status": "ok", "attn": attn, "why": " | ".join(flips)}
 
 
 def main(argv=None) -> int:
