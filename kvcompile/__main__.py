@@ -221,7 +221,7 @@ def cache_size_lines(config, *, max_cache_len=None, batch=1, kv_dtype=None, gran
                  f"{_mib(bf16)} ({total / bf16:.3f}x)")
     per_row = total / cache.max_batch_size
     # a sliding layer's ring holds its window whatever the context: only the other layers grow with it
-    ring = sum(size for layer, size in zip(cache.layers, sizes) if getattr(layer, "ring", False)) / cache.max_batch_size
+    ring = sum(size for layer, size in zip(cache.layers, sizes) if layer.ring) / cache.max_batch_size
     if ring == per_row:
         lines.append(f"  per sequence (batch row): {_mib(per_row)}, fixed: every K/V layer is a sliding window's ring, "
                      "which does not grow with the context")

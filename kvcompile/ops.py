@@ -216,10 +216,11 @@ def _store_kv(
             f"{tuple(k_cache.shape)} (need [B, Hkv, T, D] with the cache's B, Hkv and D)"
         )
     if k.device.type == "cpu":  # a host read is free here (and the reference reads start anyway)
-        end = int(start) + k.shape[2]
+        first = int(start)
+        end = first + k.shape[2]
         if end > k_cache.shape[2]:
             raise RuntimeError(  # the error type the device assert raises
-                f"kvcompile.store_kv: positions {int(start)}..{end - 1} do not fit max_cache_len={k_cache.shape[2]}; "
+                f"kvcompile.store_kv: positions {first}..{end - 1} do not fit max_cache_len={k_cache.shape[2]}; "
                 f"build the cache with max_cache_len>={end} (for generate(): prompt tokens + max_new_tokens)")
     else:  # a device assert: its message is fixed when the op is traced
         past_end = "kvcompile.store_kv: writing past max_cache_len; build the cache with a larger max_cache_len"
