@@ -65,6 +65,9 @@ def _prompt_ids(tok, prompt: str, chat: bool) -> torch.Tensor:
         ids = tok.encode(text, add_special_tokens=False)
     else:
         ids = tok.encode(prompt)
+    if not ids:
+        raise ValueError(f"the prompt {prompt!r} is no tokens for this tokenizer (it adds no BOS and no chat "
+                         "template ran): give a non-empty --prompt, or drop --no-chat")
     return torch.tensor([ids], dtype=torch.long)
 
 

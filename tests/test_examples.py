@@ -71,6 +71,13 @@ def test_generate_unknown_kv_dtype(tiny):
         gen.main(["--no-compile", "--kv-dtype", "int4"], model=tiny[0], tok=tiny[1])
 
 
+def test_generate_empty_prompt_is_named(tiny):
+    # with no chat template, an empty prompt is no tokens: generate() would fail deep in the first layer
+    gen = _example("generate")
+    with pytest.raises(ValueError, match="no tokens .* non-empty --prompt"):
+        gen.main(["--no-compile", "--no-chat", "--prompt", ""], model=tiny[0], tok=tiny[1])
+
+
 def test_generate_compiled(tiny):
     kvcompile.backend(kv_dtype="q8_0")  # a first call imports the backend's module: the function stays
     assert callable(kvcompile.backend)
