@@ -267,8 +267,7 @@ class QuantizedLayer(CacheLayerMixin):
             if end > self.max_cache_len:
                 raise ValueError(
                     f"kvcompile.QuantizedCache: writing {T} tokens at position {end - T} would pass "
-                    f"max_cache_len={self.max_cache_len}; build the cache with max_cache_len>={end} (for "
-                    "generate(): prompt tokens + max_new_tokens)"
+                    f"max_cache_len={self.max_cache_len}; " + ops.sizing_advice(end - T, T)
                 )
 
     def update(

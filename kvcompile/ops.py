@@ -48,6 +48,16 @@ __all__ = ["store_kv", "dequantize", "attention", "dequantize_ring", "attention_
 _BACKENDS = ("auto", "triton", "native", "reference")
 
 
+def sizing_advice(start: int, length: int) -> str:
+    """The fix for a write of ``length`` positions at ``start`` past ``max_cache_len``. A write of several
+    positions after the first (a later prompt chunk, a speculative step) may also be ``generate(use_cache=False)``
+    with a cache: it feeds the whole sequence again each step, so no ``max_cache_len`` is enough."""
+    advice = f"build the cache with max_cache_len>={start + length} (for generate(): prompt tokens + max_new_tokens)"
+    if start > 0 and length > 1:
+        advice += ("; if this is generate(use_cache=False), it feeds the whole sequence again each step and "
+                   "fills any cache: pass no cache, or leave use_cache on")
+    return advice
+
 def kernel_backend(device: torch.device) -> str:
     """"triton", "native" or "reference" for tensors on ``device``, from ``KVCOMPILE_KERNELS`` (read
     per call). "native" is the reference with the CPU's C decode attention (:mod:`kvcompile.native`)."""
@@ -221,7 +231,7 @@ def _store_kv(
         if end > k_cache.shape[2]:
             raise RuntimeError(  # the error type the device assert raises
                 f"kvcompile.store_kv: positions {first}..{end - 1} do not fit max_cache_len={k_cache.shape[2]}; "
-                f"build the cache with max_cache_len>={end} (for generate(): prompt tokens + max_new_tokens)")
+                + sizing_advice(first, k.shape[2]))
     else:  # a device assert: its message is fixed when the op is traced
         past_end = "kvcompile.store_kv: writing past max_cache_len; build the cache with a larger max_cache_len"
         torch._assert_async(start + k.shape[2] <= k_cache.shape[2], past_end)

@@ -179,8 +179,18 @@ def test_beam_search_names_num_beams():
 
 def test_generating_past_max_cache_len_names_max_new_tokens():
     cache = QuantizedCache(config(), max_batch_size=1, max_cache_len=10)
-    with pytest.raises(ValueError, match="max_cache_len>=11 .*prompt tokens \\+ max_new_tokens"):
+    with pytest.raises(ValueError, match="max_cache_len>=11 .*prompt tokens \\+ max_new_tokens") as e:
         tiny_model().generate(IDS, max_new_tokens=6, min_new_tokens=6, do_sample=False, **kv(cache))
+    assert "use_cache" not in str(e.value)
+
+
+def test_generate_without_use_cache_is_told_to_pass_no_cache():
+    # generate(use_cache=False) feeds the whole sequence every step: the cache fills whatever its size
+    # (here 4x the prompt for 6 new tokens), so the advice is to pass none, not a larger max_cache_len
+    cache = QuantizedCache(config(), max_batch_size=1, max_cache_len=4 * IDS.shape[1])
+    with pytest.raises(ValueError, match="generate\\(use_cache=False\\).*pass no cache"):
+        tiny_model().generate(IDS, max_new_tokens=6, min_new_tokens=6, do_sample=False, use_cache=False,
+                              **kv(cache))
 
 
 @pytest.mark.usefixtures("dynamo_reset_around")
