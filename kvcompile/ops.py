@@ -50,13 +50,15 @@ _BACKENDS = ("auto", "triton", "native", "reference")
 
 def sizing_advice(start: int, length: int) -> str:
     """The fix for a write of ``length`` positions at ``start`` past ``max_cache_len``. A write of several
-    positions after the first (a later prompt chunk, a speculative step) may also be ``generate(use_cache=False)``
-    with a cache: it feeds the whole sequence again each step, so no ``max_cache_len`` is enough."""
+    positions after the first (a later prompt chunk, a speculative step) may also be
+    ``generate(use_cache=False)`` with a cache: it feeds the whole sequence again each step, so no
+    ``max_cache_len`` is enough."""
     advice = f"build the cache with max_cache_len>={start + length} (for generate(): prompt tokens + max_new_tokens)"
     if start > 0 and length > 1:
         advice += ("; if this is generate(use_cache=False), it feeds the whole sequence again each step and "
                    "fills any cache: pass no cache, or leave use_cache on")
     return advice
+
 
 def kernel_backend(device: torch.device) -> str:
     """"triton", "native" or "reference" for tensors on ``device``, from ``KVCOMPILE_KERNELS`` (read
