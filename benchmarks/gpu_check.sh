@@ -42,8 +42,9 @@ fi
 # 2. decode under CUDA graphs: replay == non-graph compiled code, no re-capture, no recompile; whole
 #    models whose attention the pass reaches through less common spellings (GPT-J, Falcon, GPT-2)
 if want graphs; then
-    # about 8 min on an H100 (each case compiles a model): run this step alone in a call
-    timeout 570 python -m pytest -q tests/test_cudagraphs.py tests/test_gpu_families.py > "$OUT/cudagraphs.log" 2>&1
+    # each case compiles a model: serially about 10.5 min on a fresh H100 (past one call), so 4 workers
+    # (session 31: 20 passed within one call); run this step alone in a call
+    timeout 570 python -m pytest -q -n 4 tests/test_cudagraphs.py tests/test_gpu_families.py > "$OUT/cudagraphs.log" 2>&1
     echo "cudagraph and model tests: $(tail -1 "$OUT/cudagraphs.log")"
 fi
 
