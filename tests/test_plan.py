@@ -124,6 +124,16 @@ def test_int8_k_by_int8_mma_where_the_bias_runs():
         assert P.plan(_call(B=1)).k_mma  # forced where it is not planned: still valid
 
 
+def test_no_int8_mma_below_sm_80():
+    """Triton lowers an int8 dot to MMAs from sm_80 on; on Turing (T4) its fallback takes no int8
+    operands and the kernel fails to compile, so K is widened there wherever sm_80 would take MMAs
+    (tests/test_sass.py compiles both for sm_75)."""
+    for kw in (dict(), dict(Tq=1024, decode=False, is_causal=True)):
+        assert P.plan(_call(cc=(8, 0), **kw)).k_mma, kw
+        turing = P.plan(_call(cc=(7, 5), **kw))
+        assert not turing.k_mma and turing.constexprs()["K_MMA"] is False, turing.describe()
+
+
 def test_override_is_scoped_and_kept_valid():
     c = _call(k_rot=P.ROT_SYLVESTER, v_rot=P.ROT_SYLVESTER)
     with P.override(splits=1):

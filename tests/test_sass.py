@@ -132,6 +132,15 @@ def test_every_launch_path_compiles(cc):
         assert r.count("HMMA") + r.count("HGMMA") > 0, (case, r.summary())
 
 
+def test_turing_compiles_the_default_format():
+    """sm_75 (T4): the default format (int8, K rotated) compiles for decode with many programs and for
+    the fused prefill, the two calls that take int8 MMAs from sm_80 on. Triton has no int8 MMA there
+    (its fallback refused the int8 operands: the kernel failed to compile), so K is widened."""
+    cases = [dict(cc=(7, 5), kv_dtype="int8", rotated="k", v_keys=True, q_len=q) for q in (1, 1024)]
+    for case, r in zip(cases, aot.compile_attention_isolated(cases)):
+        assert r.count("IMMA") == 0 and r.instructions > 0, (case, r.summary())
+
+
 def test_cli_prints_a_summary_and_refuses_a_bad_arch():
     import os
     import subprocess

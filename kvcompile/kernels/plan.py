@@ -367,7 +367,9 @@ def _plan(call: Call, tile: Optional[tiles.Tile]) -> LaunchPlan:
     # staging through registers are the work int8 adds to fp8's; the q halves are made once per program.
     # H100, session 29 run 2 (int8 K rotated, 16k cache, causal, us, MMA / K widened exactly, fp8):
     # 512 new tokens 477.1 / 531.2, fp8 505.7; 1024 920.8 / 1037.3, 982.0; 2048 1759.4 / 2014.3, 1911.5.
-    int8_mma = few_rows or (decode_rows and one_tile) or not c.decode
+    # Triton turns an int8 dot into MMAs from sm_80 on; below (Turing's T4, Volta) its fallback takes
+    # no int8 operands and the compile fails, so K is widened there
+    int8_mma = (few_rows or (decode_rows and one_tile) or not c.decode) and tuple(c.cc) >= (8, 0)
     # ... and with K by MMA, V's bias no longer pays (session 22 run 2, us, V biased / exact: B=8 L=4k
     # 29.5 / 28.8, B=4 L=8k 29.4 / 28.7, B=8 L=32k 141.2 / 142.2, B=32 L=8k 146.9 / 146.6): only an int8
     # V beside e4m3 K
