@@ -35,7 +35,7 @@ from kvcompile.kernels import attention_launcher as attn_mod  # noqa: E402
 from kvcompile.kernels import dense as dense_mod  # noqa: E402
 from kvcompile.kernels import plan as plan_mod  # noqa: E402
 from kvcompile.kernels import store as store_mod  # noqa: E402
-from kvcompile.kernels._codes import codes_to_f16_pinned, to_store_dtype  # noqa: E402
+from kvcompile.kernels._codes import codes_to, codes_to_f16_pinned, to_store_dtype  # noqa: E402
 from kvcompile.kernels.store import dequantize as dequantize_launcher  # noqa: E402
 
 FORMATS = [("fp8_e4m3", "token"), ("fp8_e4m3", "block32"), ("fp8_e4m3", "static"), ("q8_0", "block32")]
@@ -390,6 +390,53 @@ def test_attention_fp16_dot_path(kv_dtype, gran, Tq, v_layout, fp16_dots):
     q_dtype = torch.float32 if DEV == "cpu" else torch.float16
     check_attention(kv_dtype, gran, Tq=Tq, causal=True, L=45, kv_len=torch.tensor([45, 30], device=DEV),
                     tol=FP16_TOL, q_dtype=q_dtype, v_layout=v_layout)
+
+
+@triton.jit
+def _widen_e4m3_bits(C, O, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(O + i, codes_to(tl.load(C + i), tl.float16, True))
+
+
+def test_e4m3_bits_widen_to_fp16_exactly():
+    """Below sm_89 (A100, T4) the attention kernels take e4m3 codes as uint8 bits and widen them to
+    the fp16 dots' type by integer ops (``e4m3_bits_to_f16``): every one of the 256 codes against
+    torch's own conversion, subnormals, -0 and both NaNs included."""
+    bits = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    want = bits.view(torch.float8_e4m3fn).to(torch.float16)
+    out = torch.empty(256, dtype=torch.float16, device=DEV)
+    _widen_e4m3_bits[(1,)](bits.to(DEV), out, 256)
+    out = out.cpu()
+    assert torch.equal(out.isnan(), want.isnan()) and want.isnan().sum() == 2
+    finite = ~want.isnan()
+    assert torch.equal(out[finite].view(torch.int16), want[finite].view(torch.int16))  # -0 and subnormals too
+
+
+E4M3_FORMATS = [f for f in FORMATS if f[0] == "fp8_e4m3"]
+
+
+@pytest.mark.parametrize("kv_dtype,gran", E4M3_FORMATS, ids=["/".join(f) for f in E4M3_FORMATS])
+@pytest.mark.parametrize("Tq", [1, 20])
+@pytest.mark.parametrize("v_layout", ["head_dim", "keys"], ids=["v-d", "v-keys"])
+def test_attention_e4m3_by_bits_fp16_path(kv_dtype, gran, Tq, v_layout, fp16_dots, monkeypatch):
+    """The attention kernel as archs below sm_89 run it: K and V codes as uint8 bits, widened by
+    integer ops into the fp16 dots (the plan's ``k_fp8_bits`` / ``v_fp8_bits``, never planned on an
+    H100 / H200 or in the interpreter, so forced here). Held to the float64 reference with the
+    fp16 path's tolerance, and, in the interpreter, equal to the native widening (both give every
+    code's exact fp16 value to the same dots)."""
+    seen, orig = [], attn_mod.plan_of
+    monkeypatch.setattr(attn_mod, "plan_of", lambda call: seen.append(orig(call)) or seen[-1])
+    q_dtype = torch.float32 if DEV == "cpu" else torch.float16
+    kw = dict(Tq=Tq, causal=True, L=45, kv_len=torch.tensor([45, 30], device=DEV), tol=FP16_TOL, q_dtype=q_dtype,
+              v_layout=v_layout, seed=3)
+    with plan_mod.override(k_fp8_bits=True, v_fp8_bits=True, v_pin=False):
+        out, _ = check_attention(kv_dtype, gran, **kw)
+    consts = seen[-1].constexprs()
+    assert consts["K_FP8_BITS"] and consts["V_FP8_BITS"], seen[-1].describe()
+    if DEV == "cpu":
+        native, _ = check_attention(kv_dtype, gran, **kw)
+        assert not seen[-1].constexprs()["K_FP8_BITS"]
+        assert torch.equal(out, native)
 
 
 def _fp8_token_cache_with_v_magnitudes(mag, B, v_layout, seed, Hkv=2, group=4, D=64):

@@ -76,6 +76,19 @@ def e4m3_decode_bits(b):
 
 
 @triton.jit
+def e4m3_bits_to_f16(b):
+    """e4m3fn code (uint8) -> fp16, exactly, by 16-bit integer ops and one multiply (archs without
+    tl.float8e4nv). Shifted left by 7, e4m3's exponent and mantissa bits fill fp16's exponent and
+    mantissa fields. The fp16 value this makes, normal or subnormal, is the code's value times 2^-8,
+    because fp16's exponent bias (15) is 8 more than e4m3's (7). Multiplying by 256 is exact. NaN
+    (S.1111.111) is the one code this would read as 480, so it is taken apart."""
+    b = b.to(tl.uint16)
+    mag = b & 0x7F
+    h = ((mag << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True) * 256.0
+    return tl.where(mag == 0x7F, float("nan"), h)
+
+
+@triton.jit
 def codes_to_f16_pinned(c):
     """8-bit codes (e4m3fn as uint8 bits, or int8) -> fp16, exactly, as inline PTX that Triton
     treats as having side effects (``is_pure=False``), so the conversion stays where it is written.
@@ -164,7 +177,9 @@ def codes_to(c, DTYPE: tl.constexpr, FP8_BITS: tl.constexpr, INT8_PTX: tl.conste
     ``BIASED`` (int8 -> fp16 only): 1152 + code, without the subtraction (one ``sub.f16x2`` per two
     codes saved; the caller corrects its dot by 1152 times the sum of the other operand).
     """
-    if FP8_BITS:
+    if FP8_BITS and DTYPE == tl.float16:
+        return e4m3_bits_to_f16(c)
+    elif FP8_BITS:
         return e4m3_decode_bits(c).to(DTYPE)
     elif INT8_PTX and c.dtype == tl.int8 and DTYPE == tl.float16:
         if BIASED:
