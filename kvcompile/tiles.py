@@ -188,18 +188,28 @@ def _pick_prefill(cands, cc, head_dim, q_bytes, k_bytes, v_bytes, v_keys=False, 
 
 @functools.lru_cache(maxsize=None)
 def prefill_tile(cc: tuple[int, int], head_dim: int, q_bytes: int, k_bytes: int, v_bytes: int,
-                 v_keys: bool = False, scale_bytes: Optional[int] = None) -> Tile:
+                 v_keys: bool = False, scale_bytes: Optional[int] = None, fp8_bits: bool = False) -> Tile:
     """Tile of the prefill/extend kernel. ``*_bytes`` are the real bytes per element (1 for 8-bit);
-    ``v_keys``: V is key-contiguous; ``scale_bytes``: per key, for K and V each (see :func:`smem_bytes`)."""
+    ``v_keys``: V is key-contiguous; ``scale_bytes``: per key, for K and V each (see :func:`smem_bytes`);
+    ``fp8_bits``: e4m3 codes widened by integer ops (no fp8 type for the arch)."""
     check_head_dim(head_dim)
-    return _pick_prefill(prefill_candidates(cc, head_dim), tuple(cc), head_dim, q_bytes, k_bytes, v_bytes, v_keys,
-                 scale_bytes)
+    return _pick_prefill(prefill_candidates(cc, head_dim, fp8_bits), tuple(cc), head_dim, q_bytes, k_bytes, v_bytes,
+                         v_keys, scale_bytes)
 
 
-def prefill_candidates(cc: tuple[int, int], head_dim: int) -> tuple[Tile, ...]:
+# e4m3 widened by integer ops (below sm_89): the larger tiles spill. Triton 3.9 SASS, fp8 token scales,
+# D=128, sm_80: 128x128 / 8 warps / 3 stages 7088 B of stack and 17918 local loads and stores in the
+# key loops, 64x128 / 4 / 2 688 B and 470, this tile none; sm_86: 128x64 / 8 / 3 1016 B and 934, this
+# tile 16 B outside the loops. Chosen by the compiled code alone: never timed on such a GPU.
+_PREFILL_FP8_BITS = Tile(64, 64, 4, 3)
+
+
+def prefill_candidates(cc: tuple[int, int], head_dim: int, fp8_bits: bool = False) -> tuple[Tile, ...]:
     """Prefill tiles in order of preference for this arch and head_dim (before the smem check)."""
     cands = _PREFILL_CANDIDATES
-    if tuple(cc) in _PREFILL_MEASURED and head_dim <= 128:
+    if fp8_bits:
+        cands = (_PREFILL_FP8_BITS,) + tuple(t for t in cands if t.block_m * t.block_n <= 64 * 64)
+    elif tuple(cc) in _PREFILL_MEASURED and head_dim <= 128:
         cands = (_PREFILL_MEASURED[tuple(cc)],) + cands
     if head_dim > 128:  # register pressure of the fp32 accumulator: keep M at 64 for big heads
         cands = tuple(t for t in cands if t.block_m <= 64)

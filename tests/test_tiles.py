@@ -106,3 +106,17 @@ def test_unsupported_head_dim_is_refused_clearly():
 def test_unknown_newer_arch_uses_closest_known():
     assert tiles._smem_limit((9, 5)) == tiles.SMEM_BYTES[(9, 0)]
     assert tiles.prefill_tile((11, 0), 128, 2, 1, 1) == tiles.prefill_tile((10, 0), 128, 2, 1, 1)
+
+
+@pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
+@pytest.mark.parametrize("D", HEAD_DIMS)
+def test_e4m3_by_bits_prefills_in_small_tiles(cc, D):
+    """Where e4m3 is widened by integer ops (below sm_89) the fused prefill takes a tile of at most
+    64 x 64 (the larger ones spill: tests/test_sass.py); 64 x 64 / 4 warps when it fits. Other codes
+    keep the table's tile, larger where it fits."""
+    t = tiles.prefill_tile(cc, D, 2, 1, 1, True, 4, fp8_bits=True)
+    assert t.block_m * t.block_n <= 64 * 64, t
+    if D <= 128:
+        assert (t.block_m, t.block_n, t.num_warps) == (64, 64, 4), t
+    if cc in ((8, 0), (9, 0)) and D == 128:
+        assert area(tiles.prefill_tile(cc, D, 2, 1, 1, True, 4)) > 64 * 64

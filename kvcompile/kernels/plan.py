@@ -330,7 +330,7 @@ def _plan(call: Call, tile: Optional[tiles.Tile]) -> LaunchPlan:
         if c.decode:
             tile = tiles.decode_tile(c.cc, c.D, qb, kb, vb, rows, c.v_keys, c.scale_bytes)
         else:
-            tile = tiles.prefill_tile(c.cc, c.D, qb, kb, vb, c.v_keys, c.scale_bytes)
+            tile = tiles.prefill_tile(c.cc, c.D, qb, kb, vb, c.v_keys, c.scale_bytes, k_fp8_bits or v_fp8_bits)
         if c.interpret:
             tile = dataclasses.replace(tile, block_m=min(tile.block_m, INTERPRET_TILE[0]), block_n=INTERPRET_TILE[1])
     # int8 tiles widened to 1152 + code: the fp16 subtraction, one per two codes (BLOCK_N * D / 2 per
