@@ -292,6 +292,8 @@ def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False, R
         variants.append(("q-launch", dict(q_rotation="launch")))
     if name == "q8_0":
         variants.append(("int8ptx-off", dict(int8_ptx=False)))
+    if name.startswith("fp8"):  # e4m3 as archs below sm_89 take it: uint8 bits widened by integer ops
+        variants.append(("fp8bits", dict(k_fp8_bits=True, v_fp8_bits=True, v_pin=False)))
     if tiles_sweep and name in ("fp8", "q8_0"):
         for bn, w, st in ((128, 4, 2), (128, 4, 3), (128, 4, 4), (64, 4, 3), (64, 4, 4), (128, 8, 2), (256, 4, 2),
                           (64, 2, 3), (16, 1, 3), (32, 1, 3), (32, 1, 4), (64, 1, 3)):  # 1 warp: no cross-warp reductions
