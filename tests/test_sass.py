@@ -125,7 +125,7 @@ COMPILE_MATRIX = [
 ]
 
 
-@pytest.mark.parametrize("cc", [(8, 0), (8, 9), (9, 0)], ids=lambda c: f"sm_{c[0]}{c[1]}")
+@pytest.mark.parametrize("cc", [(8, 0), (8, 9), (9, 0), (12, 0)], ids=lambda c: f"sm_{c[0]}{c[1]}")
 def test_every_launch_path_compiles(cc):
     got = aot.compile_attention_isolated([dict(case, cc=cc) for case in COMPILE_MATRIX])
     for case, r in zip(COMPILE_MATRIX, got):
