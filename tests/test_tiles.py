@@ -47,8 +47,10 @@ def test_16bit_choices_unchanged_by_fp8_accounting(cc, D):
 def test_one_byte_cache_gets_the_larger_tile_where_16bit_does_not_fit():
     # H200 decode, head_dim 128: two programs per SM fit 128 keys of 1-byte K/V, not of 2-byte
     assert tiles.decode_tile((9, 0), 128, 2, 1, 1, 4).block_n > tiles.decode_tile((9, 0), 128, 2, 2, 2, 4).block_n
-    # sm_86 prefill, head_dim 64 (99 KB of shared memory)
-    assert area(tiles.prefill_tile((8, 6), 64, 2, 1, 1)) > area(tiles.prefill_tile((8, 6), 64, 2, 2, 2))
+    # sm_86 prefill, head_dim 64 (99 KB of shared memory), between 128x128 (not a candidate of the table,
+    # whose largest is 128x64: it spills) and 128x64
+    cands = (tiles.Tile(128, 128, 8, 3), tiles.Tile(128, 64, 8, 3))
+    assert area(tiles._pick_prefill(cands, (8, 6), 64, 2, 1, 1)) > area(tiles._pick_prefill(cands, (8, 6), 64, 2, 2, 2))
 
 
 @pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
