@@ -62,26 +62,13 @@ def e4m3_encode_hw(y):
 
 
 @triton.jit
-def e4m3_decode_bits(b):
-    """e4m3fn code (uint8) -> fp32 by bit manipulation (archs without tl.float8e4nv)."""
-    b = b.to(tl.uint32)
-    sign = (b >> 7) << 31
-    e = (b >> 3) & 0xF
-    m = b & 7
-    normal = ((e + 120) << 23) | (m << 20)  # rebias 7 -> 127, mantissa to the top 3 bits
-    val = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal.to(tl.float32, bitcast=True))  # 2**-9
-    val = (val.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-    is_nan = (e == 15) & (m == 7)
-    return tl.where(is_nan, float("nan"), val)
-
-
-@triton.jit
 def e4m3_bits_to_f16(b):
     """e4m3fn code (uint8) -> fp16, exactly, by 16-bit integer ops and one multiply (archs without
-    tl.float8e4nv). Shifted left by 7, e4m3's exponent and mantissa bits fill fp16's exponent and
-    mantissa fields. The fp16 value this makes, normal or subnormal, is the code's value times 2^-8,
-    because fp16's exponent bias (15) is 8 more than e4m3's (7). Multiplying by 256 is exact. NaN
-    (S.1111.111) is the one code this would read as 480, so it is taken apart."""
+    tl.float8e4nv; every decode of e4m3 bits goes through it). Shifted left by 7, e4m3's exponent and
+    mantissa bits fill fp16's exponent and mantissa fields. The fp16 value this makes, normal or
+    subnormal, is the code's value times 2^-8, because fp16's exponent bias (15) is 8 more than
+    e4m3's (7). Multiplying by 256 is exact. NaN (S.1111.111) is the one code this would read as 480,
+    so it is taken apart."""
     b = b.to(tl.uint16)
     mag = b & 0x7F
     h = ((mag << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True) * 256.0
@@ -143,7 +130,7 @@ def _widen_four_pinned(c, ASM: tl.constexpr):
 def codes_to_float(c, FP8_BITS: tl.constexpr):
     """Loaded codes (fp8, int8, or uint8 bits of e4m3 when FP8_BITS) -> fp32, exactly."""
     if FP8_BITS:
-        return e4m3_decode_bits(c)
+        return e4m3_bits_to_f16(c).to(tl.float32)
     else:
         return c.to(tl.float32)
 
@@ -177,10 +164,8 @@ def codes_to(c, DTYPE: tl.constexpr, FP8_BITS: tl.constexpr, INT8_PTX: tl.conste
     ``BIASED`` (int8 -> fp16 only): 1152 + code, without the subtraction (one ``sub.f16x2`` per two
     codes saved; the caller corrects its dot by 1152 times the sum of the other operand).
     """
-    if FP8_BITS and DTYPE == tl.float16:
-        return e4m3_bits_to_f16(c)
-    elif FP8_BITS:
-        return e4m3_decode_bits(c).to(DTYPE)
+    if FP8_BITS:  # e4m3 values are exact in fp16, fp32 and bf16 alike
+        return e4m3_bits_to_f16(c).to(DTYPE)
     elif INT8_PTX and c.dtype == tl.int8 and DTYPE == tl.float16:
         if BIASED:
             return tl.inline_asm_elementwise(asm=_INT8_TO_F16X2_BIASED, constraints="=r,=r,r", args=[c],
