@@ -649,6 +649,29 @@ def test_dense_path(case, monkeypatch):
                         mask=m.to(DEV))
 
 
+@pytest.mark.parametrize("hides", [False, True], ids=["keeps-live-keys", "hides-a-live-key"])
+def test_dense_key_mask(hides, monkeypatch):
+    """A key mask (size 1 along the queries, as the pass leaves a causal mask it took apart) that keeps
+    every live key is dropped: SDPA gets the lower-right causal bias and no tensor mask. One that hides
+    a live key reaches SDPA as a bool mask. Both equal the float64 reference."""
+    from torch.nn.attention.bias import CausalBias
+
+    monkeypatch.setenv("KVCOMPILE_PREFILL", "dense")
+    seen = []
+    real = dense_mod._sdpa
+    monkeypatch.setattr(dense_mod, "_sdpa", lambda q, k, v, m, c, s, g: (seen.append(m), real(q, k, v, m, c, s, g))[1])
+    m = torch.ones(2, 1, 1, 30, dtype=torch.bool)
+    m[:, :, :, 26:] = False  # past the live keys: hides none of them
+    if hides:
+        m[1, :, :, 3] = False
+    check_attention("fp8_e4m3", "token", Tq=20, L=30, causal=True, kv_len=torch.tensor(26, device=DEV), mask=m.to(DEV))
+    (used,) = seen
+    if hides:
+        assert isinstance(used, torch.Tensor) and used.dtype == torch.bool and used.shape[-2:] == (20, 26)
+    else:
+        assert isinstance(used, CausalBias)
+
+
 def test_dense_workspace_released_when_sdpa_raises(monkeypatch):
     """Inject a failure after the workspace exists: it must be freed, not kept by the traceback."""
     monkeypatch.setenv("KVCOMPILE_PREFILL", "dense")

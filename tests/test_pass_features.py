@@ -90,9 +90,11 @@ def test_gemma2_softcap_is_passed_to_the_op():
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     expected, got, without, backend = _feature_run(model, "fp8_e4m3", "softcap")
     _assert_rewritten_and_close(backend, 2, "eager+softcap", expected, got, without)
-    for calls in backend.calls:
-        for args in calls:
-            assert args[0].target == "contiguous" and args[7] is False
+    for graph, calls in enumerate(backend.calls):  # the prefill graph, then decode's
+        for layer, args in enumerate(calls):
+            # the model's causal mask taken apart (passes/causal.py): is_causal for the prompt's queries over
+            # the global layer 1 (the sliding layer 0's mask has a window term and reaches the op whole)
+            assert args[0].target == "contiguous" and args[7] is (graph == 0 and layer == 1), (graph, layer)
             assert args[8] == pytest.approx(32 ** -0.5) and args[10] == 2.0 and args[11] is None
             assert isinstance(args[9], int) and args[9] in (0, cfg.sliding_window)
 

@@ -57,17 +57,40 @@ def _unrotate(k, v, k_rotation, v_rotation):
     return k, v
 
 
+def _key_mask(attn_mask: Optional[Tensor], L: int) -> Optional[Tensor]:
+    """``attn_mask`` as [B or 1, H or 1, 1, L] when it is a key mask (size 1 along the query dim, as the
+    pass leaves a causal mask taken apart: padding), else None."""
+    if attn_mask is None or attn_mask.dim() > 4:
+        return None
+    m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    return m if m.shape[2] == 1 and m.shape[3] == L else None
+
+
+def _sync(kvl: Tensor, one_length: bool, key_mask: Optional[Tensor]) -> tuple[int, int, bool]:
+    """The one host sync: the shortest and longest live prefix, and whether ``key_mask`` keeps every
+    key below its row's length (one scalar copy when every row has one length and there is no mask)."""
+    if key_mask is None and one_length:
+        n = int(kvl[0].item())
+        return n, n, False
+    facts = [kvl.min(), kvl.max()]
+    if key_mask is not None:
+        pos = torch.arange(key_mask.shape[3], device=kvl.device)
+        kept = key_mask if key_mask.dtype == torch.bool else key_mask == 0
+        live = pos < kvl.view(-1, 1, 1, 1)  # [B, 1, 1, L]: the keys the row reads
+        facts.append((kept | ~live).all().to(kvl.dtype))
+    got = torch.stack(facts).tolist()
+    return int(got[0]), int(got[1]), key_mask is not None and bool(got[2])
+
+
 def _dense_sdpa(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, window: int = 0,
                 k_rotation=None, v_rotation=None) -> tuple[Tensor, Optional[Tensor]]:
     """SDPA's output, and V's rotation when the output is still in V's rotated space (else None)."""
     B, Hq, Tq, D = q.shape
     Hkv, L = k_q.shape[1], k_q.shape[2]
     kvl = kv_len.to(q.device).reshape(-1).expand(B)
-    # the one host sync: the live prefix length (one scalar copy when every row has one length)
-    if kv_len.numel() == 1:
-        lo = hi = int(kv_len.reshape(()).item())
-    else:
-        lo, hi = (int(x) for x in torch.stack([kvl.min(), kvl.max()]).tolist())
+    lo, hi, keeps_all = _sync(kvl, kv_len.numel() == 1, _key_mask(attn_mask, L))
+    if keeps_all:  # a key mask (padding) that hides none of the live keys: SDPA's causal forms serve
+        attn_mask = None
     n = min(max(hi, 1), L)
     # A window hides keys only where some query sits at >= window (the last one sits at hi - 1).
     # Keys below the first one any query sees (query 0 of the shortest row) are not dequantized.

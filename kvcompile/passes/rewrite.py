@@ -47,6 +47,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .. import ops, tiles
+from . import causal
 from .forms import AttentionCall, WhereMask
 from .graph import Skip, arg, before, cast_dtype, constant, copy_meta, known_eq, known_le, shape, val
 from .spellings import KVChain
@@ -114,7 +115,14 @@ def plan(call: AttentionCall, k: KVChain, v: KVChain) -> dict:
         "window": windows[0],
         "q": _query(call.q),
         "tile": tile,
+        "is_causal": call.is_causal,
     }
+    # a causal mask built as a tensor: the op's is_causal and the key terms instead (passes/causal.py)
+    parts = None if call.is_causal or k.source.ring else causal.factor(call.mask, q.shape[2], n)
+    if parts is not None:
+        found["mask"] = ("causal", [_mask(t, n, L, sliced) for t in parts.keys], parts)
+        found["q_positions"] = parts.q_positions
+        found["is_causal"] = not known_eq(q.shape[2], 1)  # one query: the key bound alone is causal
     if k.source.ring:
         found["store"] = _ring_store(k, v, call.anchor)
     return found
@@ -296,6 +304,14 @@ def _emit_mask(graph: fx.Graph, mask: Any) -> Any:
         return mask
     if mask[0] == "pad":  # bool: padded keys are dropped (False); additive: 0 (kv_len bounds them anyway)
         return graph.call_function(F.pad, (mask[1], (0, mask[2])))
+    if mask[0] == "causal":  # the key terms of a causal mask, as the mask it was (bool, or additive)
+        _, terms, parts = mask
+        keep = None
+        for t in (_emit_mask(graph, t) for t in terms):
+            keep = t if keep is None else graph.call_function(operator.and_, (keep, t))
+        if keep is None or parts.fill is None:
+            return keep
+        return graph.call_function(torch.where, (keep, parts.zero, parts.fill))
     keep, add = _emit_mask(graph, mask[1]), _emit_mask(graph, mask[2])
     return graph.call_function(torch.where, (keep, add, float("-inf")))
 
@@ -316,6 +332,10 @@ def emit(call: AttentionCall, k: KVChain, v: KVChain, p: dict) -> fx.Node:
             _, length, bound = kv_len
             kv_len = graph.call_method("clamp", (length,), {"max": bound})
             copy_meta(kv_len, length, ("example_value", "val"))
+        if "q_positions" in p:  # a causal mask taken apart: the keys up to the last query's position
+            last = graph.call_function(operator.getitem, (p["q_positions"], -1))
+            end = graph.call_function(operator.add, (last, 1))
+            kv_len = graph.call_function(torch.minimum, (kv_len, end))
         mask = _emit_mask(graph, p["mask"])
         if call.bias is not None:
             mask = _with_bias(graph, mask, call)
@@ -325,12 +345,12 @@ def emit(call: AttentionCall, k: KVChain, v: KVChain, p: dict) -> fx.Node:
             out = graph.call_function(ATTENTION_RING, (
                 q, k.source.codes, k.source.scale, v.source.codes, v.source.scale, cache_len,
                 arg(store, 4, "k"), arg(store, 5, "v"), arg(store, 7, "k_offset"),
-                None if kv_len is cache_len else kv_len, mask, call.is_causal, call.scale, float(call.softcap),
+                None if kv_len is cache_len else kv_len, mask, p["is_causal"], call.scale, float(call.softcap),
                 call.sinks, k.source.rotation, v.source.rotation,
             ))
         else:
             out = graph.call_function(ATTENTION, (
-                q, k.source.codes, k.source.scale, v.source.codes, v.source.scale, kv_len, mask, call.is_causal,
+                q, k.source.codes, k.source.scale, v.source.codes, v.source.scale, kv_len, mask, p["is_causal"],
                 call.scale, p["window"], float(call.softcap), call.sinks, k.source.rotation, v.source.rotation,
             ))
         if tile > 1:
