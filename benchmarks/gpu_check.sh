@@ -8,6 +8,7 @@
 #   STEPS=e2e,generate bash benchmarks/gpu_check.sh   # only these steps (tests, graphs, e2e, kernels,
 #                                                     # standing, sanitize, generate) when a call must stay short
 #   STEPS=standing bash benchmarks/gpu_check.sh       # the default format against fp8: decode, prefill, model step
+#   STEPS=ttft bash benchmarks/gpu_check.sh           # long prompts: time to first token, attention over a prefix
 #
 # tests/test_formats.py needs the gguf package: `pip install gguf`, or a copy of it in .whl/gguf
 # on a machine without a package index (see below).
@@ -78,6 +79,20 @@ if want standing; then
         --out "$OUT/e2e_standing_${commit}.csv" > "$OUT/standing_e2e.log" 2>&1
     grep -hE "^\| (decode|prefill) " "$OUT/standing_decode.log" "$OUT/standing_prefill.log"
     grep "^{" "$OUT/standing_e2e.log" | cut -c1-110
+fi
+
+# 4c. optional: long prompts. Time to first token of a 32k prompt over 8 Llama-3-8B-shaped layers (one forward and
+#     chunks of 2048, against DynamicCache eager and StaticCache compiled), and the attention over an 8-bit prefix
+#     against the fastest bf16 SDPA path per shape (fused and dense, 16k and 32k cached positions)
+if want ttft; then
+    timeout 150 python benchmarks/bench_kv.py --subjects prefill --prefill-q 16384,4096,2048,1024 --prefill-L 16384 \
+        --prefill-formats fp8,int8+krot --out "$OUT/prefill16k_${commit}.csv" > "$OUT/ttft_prefill16k.log" 2>&1
+    timeout 100 python benchmarks/bench_kv.py --subjects prefill --prefill-q 2048 --prefill-L 32768 \
+        --prefill-formats fp8,int8+krot --out "$OUT/prefill32k_${commit}.csv" > "$OUT/ttft_prefill32k.log" 2>&1
+    timeout 330 python benchmarks/bench_ttft.py --layers 8 --prompts "${TTFT_PROMPTS:-32768}" --chunks 0,2048 \
+        --out "$OUT/ttft_${commit}.csv" > "$OUT/ttft.log" 2>&1
+    grep -hE "^prefill " "$OUT/ttft_prefill16k.log" "$OUT/ttft_prefill32k.log" | grep -v eager
+    grep -E "^\| |failed" "$OUT/ttft.log"
 fi
 
 # 4b. optional: memcheck of every kernel on odd shapes (both V layouts), every format and rotation
