@@ -93,11 +93,27 @@ def run(name: str, model, P: int, chunk: int, repeat: int, device) -> dict:
         times.append(a.elapsed_time(b))
         del cache
     peak = torch.cuda.max_memory_allocated() / 2**30
+    if PROFILE:
+        profile_prefill(name, lambda: prefill(fwd, model, ids, make_cache(name, cfg, P + 64, device), chunk))
     Hq, D, layers = cfg.num_attention_heads, cfg.head_dim, cfg.num_hidden_layers
     attn_tflop = 4 * D * Hq * layers * P * (P + 1) / 2 / 1e12
     return dict(provider=name, prompt=P, chunk=chunk, ms=statistics.median(times), peak_gib=peak,
                 attn_tflop=attn_tflop, compile_s=compile_s, top1=int(logits[0, -1].argmax()),
                 first_top1=int(first[0, -1].argmax()))
+
+
+PROFILE = False  # --profile
+
+
+def profile_prefill(name: str, fn) -> None:
+    """The GPU kernels of one prefill by total device time (torch.profiler): where a provider's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    print(f"--- {name}: GPU kernels of one prefill ---")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
 
 
 def main(argv=None):
@@ -109,7 +125,10 @@ def main(argv=None):
     p.add_argument("--providers", default=PROVIDERS)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--out", default="bench_ttft.csv")
+    p.add_argument("--profile", action="store_true", help="print the GPU kernels of one prefill per provider")
     args = p.parse_args(argv)
+    global PROFILE
+    PROFILE = args.profile
     if not torch.cuda.is_available():
         sys.exit("bench_ttft needs a CUDA device")
     torch._dynamo.config.recompile_limit = 64

@@ -137,6 +137,11 @@ def info(out=print) -> None:
     out("launch plans (kvcompile/kernels/plan.py; B=8, 32 q / 8 kv heads, bf16 q, 32k cache; prefill: 1024 tokens):")
     for line in _plan_lines(archs):
         out("  " + line)
+    from .kernels.plan import DECODE_MAX_Q, DENSE_MIN_Q
+
+    out(f"  prefill path (KVCOMPILE_PREFILL=auto, on a GPU): split-K decode up to {DECODE_MAX_Q} new tokens, the fused")
+    out(f"  kernel up to {DENSE_MIN_Q - 1}, from {DENSE_MIN_Q} the dense path (the live prefix dequantized once, then SDPA's")
+    out("  causal kernels); the fused kernel under CUDA graph capture, with softcap or sinks, or a window that hides keys.")
 
 
 def _load_config(src: str):

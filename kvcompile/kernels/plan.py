@@ -42,10 +42,13 @@ ROT_NONE, ROT_MATRIX, ROT_SYLVESTER = 0, 1, 2
 
 # Query blocks up to this length go to the split-K decode kernel (decode, speculative verification).
 DECODE_MAX_Q = 16
-# auto: prefills of at least this many new tokens use the dense-dequant path. H200, 16k prefix
-# (BENCHMARKS.md, session 5): the fused kernel is faster up to 2048 (1933 vs 2072 us), dense from
-# 4096 (3192 vs 3593 us); 3072 lies between the two measured points.
-DENSE_MIN_Q = 3072
+# auto: prefills of at least this many new tokens use the dense-dequant path (the pass hands the op
+# a causal mask as is_causal, so SDPA runs its causal kernels). H100, bench_kv --subjects prefill,
+# 16k prefix, at 8ff7f09 (us, dense / fused): Tq=1024 fp8 922 / 995, int8 936 / 928; Tq=2048 fp8
+# 1662 / 1912, int8 1680 / 1755; 2048 over 32k fp8 3285 / 3837, int8 3385 / 3514. Inside a model the
+# fused kernel also reads the padding's key mask per score (bench_ttft, 32k prompt in chunks of 2048,
+# int8: 557 ms in the fused kernel against 213 in SDPA's): dense from 1024.
+DENSE_MIN_Q = 1024
 DECODE_SMALL_PROGRAMS = 16  # programs per split at most: no full wave (latency-bound), no int8 bias
 # Split-K: the split count whose equal-work programs fill whole waves of the resident programs
 # best, at most this many waves (H200, session 6 run 5: 1-4 within 1% at B=8 L=32k and B=4 L=128k;
