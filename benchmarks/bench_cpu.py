@@ -152,7 +152,7 @@ def _timed_row(provider: str, length, session, repeat: int, phase: int) -> dict:
 
 def summarize(rows: list[dict]) -> list[dict]:
     """Per (provider, length, phase): the rate at the median step and its ratios
-    (``tables.cpu_summary``, which BENCHMARKS.md's table is drawn with)."""
+    (``tables.cpu_summary``, which BENCHMARKS.md's CPU table is drawn with)."""
     return tables.cpu_summary(rows)
 
 

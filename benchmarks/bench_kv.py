@@ -283,7 +283,7 @@ def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False, R
     variants.append(("preload-off", dict(preload=False)))
     if name.startswith("int8"):
         # K unwidened into int8 MMAs (q in two int8 halves) forced on / off (off: K and V widened to
-        # 1152 + code and the products corrected, the plan before session 22); V biased beside it
+        # 1152 + code and the products corrected, the plan before 5b0f37b); V biased beside it
         variants.append(("int8mma-on", dict(int8_mma=True)))
         variants.append(("int8mma-off", dict(int8_mma=False, int8_bias=True)))
         variants.append(("int8mma-off exact", dict(int8_mma=False, int8_bias=False)))
@@ -415,7 +415,7 @@ def prefill(args):
             if path == "fused":  # timed as the dense path is too: the crossover compares like with like
                 record("prefill", shape, f"kvcompile-{fname}-fused eager", time_eager(fn), 0, flops, base_ms=base)
             if path == "fused" and args.sweep and fname.startswith("int8"):
-                # K widened exactly instead of scored by int8 MMAs (the plan before session 29), and the
+                # K widened exactly instead of scored by int8 MMAs (the plan before 9e48688), and the
                 # decode tiles' int8 bias beside the widening, forced
                 for label, changes in (("int8mma-off", dict(int8_mma=False)),
                                        ("int8bias-on", dict(int8_mma=False, int8_bias=True))):

@@ -44,7 +44,7 @@ fi
 #    models whose attention the pass reaches through less common spellings (GPT-J, Falcon, GPT-2)
 if want graphs; then
     # each case compiles a model: serially about 10.5 min on a fresh H100 (past one call), so 4 workers
-    # (session 31: 20 passed within one call); run this step alone in a call
+    # (03d07a9 on an H100: 20 passed within one call); run this step alone in a call
     timeout 570 python -m pytest -q -n 4 tests/test_cudagraphs.py tests/test_gpu_families.py > "$OUT/cudagraphs.log" 2>&1
     echo "cudagraph and model tests: $(tail -1 "$OUT/cudagraphs.log")"
 fi
@@ -67,7 +67,7 @@ if want kernels; then
 fi
 
 # 4a. optional: the standing comparison of the default format with fp8 (seven decode shapes, prefill at five
-#     lengths with int8's K widened beside its int8 MMAs, the model step), as the s29-* runs in benchmarks/tables.py
+#     lengths with int8's K widened beside its int8 MMAs, the model step), as the standing run of benchmarks/tables.py
 if want standing; then
     timeout 200 python benchmarks/bench_kv.py --subjects decode --formats fp8,int8+krot \
         --decode-shapes 1x4096,8x4096,4x8192,1x32768,8x32768,32x8192,4x131072 \

@@ -10,10 +10,14 @@ README.md and BENCHMARKS.md quote benchmark results only inside generated blocks
     python benchmarks/tables.py --write     # rewrite the blocks in README.md and BENCHMARKS.md
     python benchmarks/tables.py --check     # exit 1 if a block differs from what the CSVs give
 
-``tests/test_tables.py`` runs ``--check`` on the CPU, so a table cannot drift from its CSV. To
-publish a new run: add its CSV under ``benchmarks/results/``, point the entry of :data:`RUNS`
-at it (file, commit that ran, device, command) and run ``--write``. The CSVs do not record the
-commit that produced them; :data:`RUNS` does. Standard library only (no torch, no GPU).
+``tests/test_tables.py`` runs ``--check`` on the CPU, so a table cannot drift from its CSV. The
+docs quote the standing run (:data:`RUNS` ``decode``, ``prefill``, ``e2e``: the default format
+beside fp8 token, one GPU, one commit) and the CPU benchmark's latest run (``cpu``). To publish a
+new run: add its CSV under ``benchmarks/results/``, point the entry of :data:`RUNS` at it (file,
+commit that ran, device, date, command), run ``--write``, and add a dated entry with the same
+commit and device to ``docs/perf-log.md``. The CSVs do not record the commit that produced them;
+:data:`RUNS` does. Older runs are history: their tables are text in docs/perf-log.md. Standard
+library only (no torch, no GPU).
 """
 
 from __future__ import annotations
@@ -31,8 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 DOCS = ("README.md", "BENCHMARKS.md")
 
-H200 = "H200 (sm_90, 132 SMs), torch 2.11, Triton 3.6"
-H100 = "H100 (SXM 80 GB HBM3, sm_90, 132 SMs), torch 2.11, Triton 3.6"
+H100 = "H100 (SXM 80 GB HBM3, sm_90, 132 SMs), torch 2.11, Triton 3.6, transformers 5.17"
 CPU2 = "CPU, 2 shared cores, torch 2.13.0+cpu, transformers 5.24"
 
 
@@ -43,210 +46,38 @@ class Run:
     csv: str
     commit: str
     device: str
-    session: str  # the session and run in docs/perf-log.md
+    date: str  # the date of its entry in docs/perf-log.md
     command: str
 
     def caption(self) -> str:
-        return f"{self.device}; code at {self.commit} ({self.session}); raw: `benchmarks/results/{self.csv}`."
+        return (f"{self.device}; code at {self.commit} ({self.date}, docs/perf-log.md); "
+                f"raw: `benchmarks/results/{self.csv}`.")
 
 
-# bench_kv's standard decode shapes (BxL)
-DECODE_SHAPES = "--decode-shapes 1x4096,1x32768,8x32768,32x8192,4x131072"
+# the seven decode shapes (BxL) of the standing run
+DECODE_SHAPES = "1x4096,8x4096,4x8192,1x32768,8x32768,32x8192,4x131072"
 
-# session 22's runs: the working tree of 5b0f37b before its commit (the same kernel and plan, lines rewrapped)
-S22 = "5b0f37b"
-
-# session 25's code: the one-tile splits read before q's prologue, int8 K by MMA there. Run 2's tree, not yet
-# committed, had 55f1f31's plan and kernel but for comments, the name of the opaque move's switch and where the
-# loops read the tile's scales (55f1f31 reads them where 0e7a470 did: the same SASS in the loops)
-S25 = "55f1f31"
-
-# The latest run of each table. The commits were recorded by hand at the time (docs/perf-log.md).
+# The run each table quotes. The commits were recorded by hand when the runs were made.
 RUNS = {
     "decode": Run(
-        "h200_s6_run6_decode_table.csv", "aecdf70", H200, "session 6, run 6",
-        "python benchmarks/bench_kv.py --subjects decode " + DECODE_SHAPES),
+        "h100_s29_run3_decode.csv", "e072935", H100, "2026-12-06",
+        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8+krot --decode-shapes " + DECODE_SHAPES),
     "prefill": Run(
-        "h200_s6_run2_prefill_dense.csv", "7e2f11c", H200, "session 6, run 2",
-        "python benchmarks/bench_kv.py --subjects prefill --prefill-q 16384,4096,1024"),
-    "prefill-crossover": Run(
-        "h200_s5_run3_prefill_crossover.csv", "55e063b", H200, "session 5, run 3",
-        "python benchmarks/bench_kv.py --subjects prefill --prefill-q 256,512,1024,2048,4096"),
-    "store": Run(
-        "h200_bench_kv_eb79b98.csv", "eb79b98", H200, "session 4, run 9",
-        "python benchmarks/bench_kv.py --subjects decode,store --decode-shapes 1x4096,1x32768,8x32768,4x131072"),
-    "e2e": Run(
-        "h200_e2e_grid_s6_7e2f11c.csv", "7e2f11c", H200, "session 6, run 3",
-        "python benchmarks/bench_decode_e2e.py --layers 4 --batches 1,8,32 --contexts 1024,8192,32768 "
-        "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-q8_0-graphs"),
-    "e2e-b32": Run(
-        "h200_s6_run7_e2e_b32_aecdf70.csv", "aecdf70", H200, "session 6, run 7",
-        "python benchmarks/bench_decode_e2e.py --layers 4 --cases 32x8192,32x32768 "
-        "--providers hf-static-compiled,kvc-fp8_e4m3-graphs"),
-    "default-decode": Run(
-        "h200_s22_run3_decode.csv", S22, H200, "session 22, run 3",
-        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8+krot "
-        "--decode-shapes 1x4096,8x4096,4x8192,1x32768,8x32768,32x8192,4x131072 "
-        "--sweep --variants 'int8mma|int8bias-on|splits' --splits '1x4096:50;1x32768:50'"),
-    "s22-e2e": Run(
-        "h200_s22_run3_e2e.csv", S22, H200, "session 22, run 3",
-        "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024 --steps 10 "
-        "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs"),
-    "s22-e2e-old": Run(
-        "h200_s22_run3_e2e_old_plan.csv", S22, H200, "session 22, run 3",
-        "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024 --steps 10 "
-        "--providers kvc-int8-graphs --plan int8_mma=0,int8_bias=1"),
-    # session 24, run 1: one call, two processes; the tree was b93e87a's prologue plus R's signs read from memory
-    "s24-abc": Run(
-        "h100_s24_run1_decode_abc_vs_base.csv", "b93e87a + R read", H100, "session 24, run 1",
-        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8+krot,int8 "
-        "--decode-shapes 1x4096,8x4096,4x8192,1x32768,8x32768 --sweep --variants kernel --ab-kernel BEFORE"),
-    "s24-ac": Run(
-        "h100_s24_run1_decode_ac.csv", "b93e87a + R read", H100, "session 24, run 1",
-        "python benchmarks/bench_kv.py --subjects decode --formats int8+krot "
-        "--decode-shapes 1x4096,8x4096,4x8192,1x32768,8x32768 --sweep --variants kernel --ab-kernel B93E87A"),
-    # session 24, run 2: the seven shapes at b93e87a's kernel (tree 0e7a470), one process; two scratch
-    # kernels timed in the same call by other processes (the perf log)
-    "s24-decode": Run(
-        "h100_s24_run2_decode.csv", "0e7a470", H100, "session 24, run 2",
-        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8+krot "
-        "--decode-shapes 1x4096,8x4096,4x8192,1x32768,8x32768,32x8192,4x131072"),
-    # session 25: three calls on an H100; run 2 timed the plan's one-tile splits against its variants at B=1
-    "s25-ab": Run(
-        "h100_s25_run2_sweep.csv", f"{S25}'s tree before its commit", H100, "session 25, run 2",
-        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8+krot,int8 "
-        "--decode-shapes 1x4096,1x32768,1x1024 --sweep --variants 'preload|int8mma' --splits '1x1024:8'"),
-    "s25-decode": Run(
-        "h100_s25_run3_decode.csv", S25, H100, "session 25, run 3",
-        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8+krot "
-        "--decode-shapes 1x4096,8x4096,4x8192,1x32768,8x32768,32x8192,4x131072"),
-    "s25-e2e": Run(
-        "h100_s25_run3_e2e.csv", S25, H100, "session 25, run 3",
-        "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024,1x4096 --steps 10 "
-        "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs"),
-    # session 27: one call on an H100, kernels as at 55f1f31 (dfb77e6's tree: no kernel change since)
-    "s27-decode": Run(
-        "h100_s27_run1_decode.csv", "dfb77e6", H100, "session 27, run 1",
-        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8+krot "
-        "--decode-shapes 1x4096,8x4096,4x8192,1x32768,8x32768,32x8192,4x131072"),
-    "s27-prefill": Run(
-        "h100_s27_run1_prefill.csv", "dfb77e6", H100, "session 27, run 1",
-        "python benchmarks/bench_kv.py --subjects prefill --prefill-q 16384,4096,2048,1024,512 "
-        "--prefill-formats fp8,int8+krot"),
-    "s27-e2e": Run(
-        "h100_s27_run1_e2e.csv", "dfb77e6", H100, "session 27, run 1",
-        "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024,1x4096 --steps 10 "
-        "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs"),
-    # session 28: two calls; run 1 on an H100 at a5238a7 (kernels unchanged since 55f1f31), run 2 on an H200 with
-    # 682b658's first draft in the tree (it changes only graphs that allocate cache storage; these allocate none)
-    "s28-decode": Run(
-        "h100_s28_run1_decode.csv", "a5238a7", H100, "session 28, run 1",
-        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8+krot "
-        "--decode-shapes 1x4096,8x4096,4x8192,1x32768,8x32768,32x8192,4x131072"),
-    "s28-prefill": Run(
-        "h100_s28_run1_prefill.csv", "a5238a7", H100, "session 28, run 1",
-        "python benchmarks/bench_kv.py --subjects prefill --prefill-q 16384,4096,2048,1024,512 "
-        "--prefill-formats fp8,int8+krot"),
-    "s28-e2e": Run(
-        "h200_s28_run2_e2e.csv", "a5238a7 + 682b658 (draft)", H200, "session 28, run 2",
-        "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024,1x4096 --steps 10 "
-        "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs"),
-    "s29-decode": Run(
-        "h100_s29_run3_decode.csv", "e072935", H100, "session 29, run 3",
-        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8+krot "
-        "--decode-shapes 1x4096,8x4096,4x8192,1x32768,8x32768,32x8192,4x131072"),
-    "s29-prefill": Run(
-        "h100_s29_run3_prefill.csv", "e072935", H100, "session 29, run 3",
+        "h100_s29_run3_prefill.csv", "e072935", H100, "2026-12-06",
         "python benchmarks/bench_kv.py --subjects prefill --prefill-q 16384,4096,2048,1024,512 "
         "--prefill-formats fp8,int8+krot --sweep"),
-    "s29-e2e": Run(
-        "h100_s29_run3_e2e.csv", "e072935", H100, "session 29, run 3",
+    "e2e": Run(
+        "h100_s29_run3_e2e.csv", "e072935", H100, "2026-12-06",
         "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024,1x4096 --steps 10 "
         "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs"),
-    "s17-decode": Run(
-        "h200_s17_run1_decode_window.csv", "8a31ed1", H200, "session 17, run 1",
-        "python benchmarks/bench_kv.py --subjects decode,window --formats fp8,int8+krot "
-        "--decode-shapes 1x4096,8x4096,4x8192,1x32768,8x32768,32x8192,4x131072 --window-batches 1,8,32"),
-    "int8-decode": Run(
-        "h200_s7_run1_decode_window_0fb37d1.csv", "0fb37d1", H200, "session 7, run 1",
-        "python benchmarks/bench_kv.py --subjects decode,window,prefill --formats fp8,int8 "
-        "--decode-shapes 1x4096,1x32768,8x32768,32x8192,4x131072 --prefill-q 16384 --window-batches 1,8"),
-    "int8-e2e-llama": Run(
-        "h200_s7_run3_e2e_llama_b8_32k.csv", "59f8b29", H200, "session 7, run 3",
-        "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768 --steps 10 "
-        "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs"),
-    "int8-e2e-gemma3": Run(
-        "h200_s7_run3_e2e_gemma3_b8_32k.csv", "59f8b29", H200, "session 7, run 3",
-        "python benchmarks/bench_decode_e2e.py --model gemma3 --layers 6 --cases 8x32768 --steps 10 "
-        "--providers hf-static-compiled,kvc-int8-graphs"),
-    "rot-decode": Run(
-        "h200_s8_run5_decode_rot.csv", "693e9f5", H200, "session 8, run 5",
-        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8,int8+rot " +
-        DECODE_SHAPES),
-    "rot-store": Run(
-        "h200_s8_run3_decode_store.csv", "b138f24", H200, "session 8, run 3",
-        "python benchmarks/bench_kv.py --subjects decode,store --formats fp8,int8,int8+rot " +
-        DECODE_SHAPES),
-    "rot-prefill": Run(
-        "h200_s8_run3_prefill.csv", "b138f24", H200, "session 8, run 3",
-        "python benchmarks/bench_kv.py --subjects prefill --formats fp8 --prefill-formats fp8,int8+rot "
-        "--prefill-q 16384,1024"),
-    "s9-before": Run(
-        "h200_s9_run1_decode_before.csv", "0790e5d", H200, "session 9, run 1",
-        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8,int8+rot,q8_0 " +
-        DECODE_SHAPES),
-    "s9-after": Run(
-        "h200_s9_run1_decode_after.csv", "489df26's tree before the epilogue's removal", H200, "session 9, run 1",
-        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8,int8+rot,q8_0 " +
-        DECODE_SHAPES + " --sweep --variants int8bias-off"),
-    "s9-decode": Run(
-        "h200_s9_run2_decode.csv", "489df26 (its tree plus an unused epilogue path, removed before the commit)", H200,
-        "session 9, run 2",
-        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8,int8+rot " +
-        DECODE_SHAPES + " --sweep --variants 'q-launch|out-kernel'"),
-    "s9-prefill": Run(
-        "h200_s9_run2_prefill.csv", "489df26 (its tree plus an unused epilogue path, removed before the commit)", H200,
-        "session 9, run 2",
-        "python benchmarks/bench_kv.py --subjects prefill --formats fp8 --prefill-formats fp8,int8,int8+rot "
-        "--prefill-q 16384,1024"),
-    "s9-e2e": Run(
-        "h200_s9_run5_e2e_ab.csv", "489df26's tree (--plan selects each configuration)", H200, "session 9, run 5",
-        "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768 --steps 10 "
-        "--providers kvc-fp8_e4m3-graphs,kvc-int8-graphs [--plan o_rotation=merge[,int8_bias=0]]"),
-    "s9-e2e-small": Run(
-        "h200_s9_run3_e2e.csv", "489df26's tree with the epilogue above 16 programs per split", H200,
-        "session 9, run 3",
-        "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024 "
-        "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs"),
-    "s10-bias": Run(
-        "h200_s10_run1_decode_bias.csv", "87306cd's kernel, the int8 bias planned for every decode tile (B=1 too)", H200,
-        "session 10, run 1",
-        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8,int8+krot,int8+rot " +
-        DECODE_SHAPES + " --sweep --variants int8bias-off"),
-    "s10-prefill": Run(
-        "h200_s10_run1_prefill.csv", "87306cd (its prefill plan)", H200,
-        "session 10, run 1",
-        "python benchmarks/bench_kv.py --subjects prefill --formats fp8 --prefill-formats fp8,int8+krot "
-        "--prefill-q 16384,1024 --sweep"),
-    "s10-decode": Run(
-        "h200_s10_run2_decode.csv", "c09273f", H200, "session 10, run 2",
-        "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8,int8+krot,int8+rot " + DECODE_SHAPES),
-    "s10-e2e": Run(
-        "h200_s10_run3_e2e.csv", "c09273f", H200, "session 10, run 3",
-        "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024 "
-        "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs,kvc-int8+rot-graphs"),
     "cpu": Run(
-        "cpu_s21_bench_cpu_r5.csv", "8b183a7", CPU2, "session 21",
+        "cpu_s21_bench_cpu_r5.csv", "8b183a7", CPU2, "2026-12-04",
         "python benchmarks/bench_cpu.py --repeats 5"),
-    "rot-e2e": Run(
-        "h200_s8_run3_e2e.csv", "b138f24", H200, "session 8, run 3",
-        "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024 "
-        "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs"),
 }
 
-# bench_kv's provider names -> the docs' names, in the docs' column order
-FORMATS = (("kvcompile-fp8", "fp8 token"), ("kvcompile-fp8/static", "fp8 static"),
-           ("kvcompile-q8_0", "q8_0"), ("kvcompile-fp8/block32", "fp8 block32"))
+# bench_kv's format names -> the docs' names (and short ones), in the docs' column order
+FORMATS = (("fp8", "fp8 token"), ("int8+krot", "int8, K rotated (the default)"))
+SHORT = {"fp8": "fp8", "int8+krot": "int8"}
 
 
 def read(run: Run, results: str = RESULTS) -> list[dict]:
@@ -262,7 +93,7 @@ def _k(n: int) -> str:
 
 
 def _shape(label: str) -> dict:
-    """'B=8 L=32768' / 'Tq=1024 L=16384' / 'B=1 T=16384' -> {'B': 8, 'L': 32768}."""
+    """'B=8 L=32768' / 'Tq=1024 L=16384' -> {'B': 8, 'L': 32768}."""
     return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", label)}
 
 
@@ -275,46 +106,28 @@ def _by(rows: list[dict], *keys: str) -> dict:
 
 
 def _shapes(rows: list[dict], subject: str) -> list[str]:
-    seen = []
-    for r in rows:
-        if r["subject"] == subject and r["shape"] not in seen:
-            seen.append(r["shape"])
-    return seen
+    return list(dict.fromkeys(r["shape"] for r in rows if r["subject"] == subject))
 
 
-def _cell(rows: dict, provider: str, shape: str, render: Callable[[dict], str]) -> str:
-    r = rows.get((provider, shape))
-    return render(r) if r is not None else "—"
-
-
-def _by_shape(key: str, subject: str, title: str, columns: list[str], lead: Callable[[dict, str], list[str]],
-              providers, render: Callable[[dict], str], results: str,
-              last: tuple[str, Callable[[dict, str], str]] | None = None) -> str:
-    """A table of one row per shape of ``subject`` in ``RUNS[key]``: the ``lead`` cells of the row (first
-    ``columns``), then one ``render``-ed cell per ``(provider, name)`` of ``providers``, then, with
-    ``last=(column, cell)``, one more column. ``title`` is a format string of ``caption`` (the run's)."""
-    run = RUNS[key]
-    rows = read(run, results)
-    by = _by(rows, "provider", "shape")
-    names = columns + [name for _, name in providers] + ([last[0]] if last else [])
-    lines = [title.format(caption=run.caption()), "", "| " + " | ".join(names) + " |",
-             "|---|" + "---:|" * (len(names) - 1)]
-    for shape in _shapes(rows, subject):
-        cells = lead(by, shape) + [_cell(by, p, shape, render) for p, _ in providers]
-        lines.append("| " + " | ".join(cells + ([last[1](by, shape)] if last else [])) + " |")
-    return "\n".join(lines)
+def _us(by: dict, provider: str, shape: str) -> float:
+    return float(by[(provider, shape)]["us"])
 
 
 def decode_ratios(results: str = RESULTS) -> str:
-    """README: decode speed of each format as a ratio to bf16 SDPA, per shape."""
-
-    def lead(by: dict, shape: str) -> list[str]:
+    """README: decode speed of fp8 token and the default format as a ratio to bf16 SDPA, per shape."""
+    run = RUNS["decode"]
+    rows = read(run, results)
+    by = _by(rows, "provider", "shape")
+    lines = [f"Decode, one layer, bf16 SDPA time / kvcompile time in the same run (> 1: faster); the last column is "
+             f"fp8's time over int8's (> 1: int8 faster). {run.caption()}", "",
+             "| decode shape | " + " | ".join(name for _, name in FORMATS) + " | int8 / fp8 |",
+             "|---|" + "---:|" * (len(FORMATS) + 1)]
+    for shape in _shapes(rows, "decode"):
         s = _shape(shape)
-        return [f"B={s['B']}, L={_k(s['L'])}"]
-
-    title = "Decode, one layer, bf16 SDPA time / kvcompile time in the same run (> 1: faster). {caption}"
-    return _by_shape("decode", "decode", title, ["decode shape"], lead, FORMATS, lambda r: _x(float(r["vs_sdpa"])),
-                     results)
+        cells = [_x(float(by[(f"kvcompile-{f}", shape)]["vs_sdpa"])) for f, _ in FORMATS]
+        ratio = _us(by, "kvcompile-fp8", shape) / _us(by, "kvcompile-int8+krot", shape)
+        lines.append(f"| B={s['B']}, L={_k(s['L'])} | " + " | ".join(cells) + f" | {ratio:.2f} |")
+    return "\n".join(lines)
 
 
 def decode_full(results: str = RESULTS) -> str:
@@ -322,11 +135,12 @@ def decode_full(results: str = RESULTS) -> str:
     run = RUNS["decode"]
     rows = read(run, results)
     by = _by(rows, "provider", "shape")
-    lines = [run.caption(), "", "| shape | cache | splits | us | TB/s | vs SDPA bf16 |", "|---|---|---:|---:|---:|---:|"]
+    lines = [f"TB/s: the bytes the provider must read and write over its time. {run.caption()}", "",
+             "| shape | cache | splits | us | TB/s | vs SDPA bf16 |", "|---|---|---:|---:|---:|---:|"]
     for shape in _shapes(rows, "decode"):
         s = _shape(shape)
         label = f"B={s['B']} L={_k(s['L'])}"
-        for provider, name in (("sdpa-bf16", "SDPA bf16"),) + FORMATS:
+        for provider, name in (("sdpa-bf16", "SDPA bf16"),) + tuple((f"kvcompile-{f}", n) for f, n in FORMATS):
             r = by.get((provider, shape))
             if r is None:
                 continue
@@ -336,468 +150,50 @@ def decode_full(results: str = RESULTS) -> str:
     return "\n".join(lines)
 
 
-def _prefill(key: str, results: str, formats=(("fp8", "fp8 token"),)) -> str:
-    """Fused and dense prefill of each ``(format, name)`` against bf16 SDPA; the faster path of a format in bold."""
-    run = RUNS[key]
+def prefill(results: str = RESULTS) -> str:
+    """README, BENCHMARKS: fused and dense prefill of each format against bf16 SDPA (the faster path in bold)."""
+    run = RUNS["prefill"]
     rows = read(run, results)
     by = _by(rows, "provider", "shape")
-    paths = (("fused", "fused kernel, us"), ("dense", "dense dequantize + SDPA, us"))
-    heads = [head if len(formats) == 1 else f"{name} {path}, us" for _, name in formats for path, head in paths]
-    cache = " and ".join(name for _, name in formats) + (" cache" if len(formats) == 1 else " caches")
-    lines = [f"{cache}, causal, B=1; us and bf16 SDPA time / kvcompile time. {run.caption()}", "",
-             "| new tokens | cache length | SDPA bf16, us | " + " | ".join(heads) + " |",
-             "|---:|---:|---:|" + "---:|" * len(heads)]
+    paths = ("fused", "dense")
+    lines = [f"One layer's attention, causal, B=1: the new tokens are the last of the cache length; us and bf16 SDPA "
+             f"time / kvcompile time (> 1: faster); the faster path of each format in bold; int8 is the default format, K "
+             f"rotated. {run.caption()}", "",
+             "| new tokens | cache length | SDPA bf16, us | "
+             + " | ".join(f"{SHORT[fmt]} {path}, us" for fmt, _ in FORMATS for path in paths) + " |",
+             "|---:|---:|---:|" + "---:|" * (len(FORMATS) * len(paths))]
     for shape in _shapes(rows, "prefill"):
         s = _shape(shape)
-        base = by[("sdpa-bf16", shape)]
         cells = []
-        for fmt, _ in formats:
-            ps = [f"kvcompile-{fmt}-{path}" for path, _ in paths]
-            times = {p: float(by[(p, shape)]["us"]) for p in ps if (p, shape) in by}
+        for fmt, _ in FORMATS:
+            ps = [f"kvcompile-{fmt}-{path}" for path in paths]
+            times = {p: _us(by, p, shape) for p in ps if (p, shape) in by}
             best = min(times, key=times.get) if times else None
             for p in ps:
                 r = by.get((p, shape))
-                if r is None:
-                    cells.append("—")
-                    continue
-                cell = f"{float(r['us']):.1f} ({_x(float(r['vs_sdpa']))})"
+                cell = "—" if r is None else f"{float(r['us']):.1f} ({_x(float(r['vs_sdpa']))})"
                 cells.append(f"**{cell}**" if p == best else cell)
-        lines.append(f"| {s['Tq']} | {s['L']} | {float(base['us']):.1f} | " + " | ".join(cells) + " |")
+        lines.append(f"| {s['Tq']} | {s['L']} | {_us(by, 'sdpa-bf16', shape):.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def prefill(results: str = RESULTS) -> str:
-    """README, BENCHMARKS: fused and dense prefill against bf16 SDPA (the faster path in bold)."""
-    return _prefill("prefill", results)
-
-
-def prefill_crossover(results: str = RESULTS) -> str:
-    """BENCHMARKS: the run behind the launcher's fused/dense crossover (DENSE_MIN_Q)."""
-    return _prefill("prefill-crossover", results)
-
-
-def _store(key: str, providers, note: str, results: str) -> str:
-    def lead(by: dict, shape: str) -> list[str]:
-        s = _shape(shape)
-        bf16 = float(by[("bf16-index_copy", shape)]["us"])
-        return [f"B={s['B']}, {s['T']} token{'s' if s['T'] != 1 else ''}", f"{bf16:.1f}"]
-
-    title = "Store of one layer's K and V, us (bf16 write time / store time). {caption}" + note
-    return _by_shape(key, "store", title, ["write", "bf16 `index_copy_`"], lead, providers,
-                     lambda r: f"{float(r['us']):.1f} ({_x(float(r['vs_sdpa']))})", results)
-
-
-def store(results: str = RESULTS) -> str:
-    """README, BENCHMARKS: quantize-on-store of K and V against a bf16 write of them."""
-    return _store("store", FORMATS, " fp8 static has stored V key-contiguous since 2da443f (session 5); its row "
-                  "predates that.", results)
-
-
-def _e2e_ratio(by: dict, B: str, ctx: str, provider: str) -> float:
-    return float(by[(B, ctx, provider)]["tok_s"]) / float(by[(B, ctx, "hf-static-compiled")]["tok_s"])
 
 
 def e2e(results: str = RESULTS) -> str:
-    """README, BENCHMARKS: tokens/s of a decode step against HF StaticCache, fp8 token (q8_0)."""
-    run, b32 = RUNS["e2e"], RUNS["e2e-b32"]
-    rows = read(run, results)
-    by = _by(rows, "B", "ctx", "provider")
-    batches = sorted({r["B"] for r in rows}, key=int)
-    ctxs = sorted({r["ctx"] for r in rows}, key=int)
-    lines = ["4-layer Llama-3-8B-shaped model, random bf16 weights, CUDA graphs; tokens/s over HF `StaticCache` bf16 + "
-             f"`torch.compile(mode=\"reduce-overhead\")` in the same run, fp8 token (q8_0). {run.caption()}", "",
-             "| B | " + " | ".join(f"ctx {_k(int(c))}" for c in ctxs) + " |", "|---|" + "---:|" * len(ctxs)]
-    for B in batches:
-        cells = []
-        for c in ctxs:
-            if (B, c, "hf-static-compiled") not in by:
-                cells.append("—")
-                continue
-            fp8 = _x(_e2e_ratio(by, B, c, "kvc-fp8_e4m3-graphs")) if (B, c, "kvc-fp8_e4m3-graphs") in by else "—"
-            q8 = f" ({_x(_e2e_ratio(by, B, c, 'kvc-q8_0-graphs'))})" if (B, c, "kvc-q8_0-graphs") in by else ""
-            cells.append(fp8 + q8)
-        lines.append(f"| {B} | " + " | ".join(cells) + " |")
-    rows32 = read(b32, results)
-    by32 = _by(rows32, "B", "ctx", "provider")
-    after = ", ".join(f"{_x(_e2e_ratio(by32, B, c, 'kvc-fp8_e4m3-graphs'))} at B={B} ctx {_k(int(c))}"
-                      for B, c, p in by32 if p == "kvc-fp8_e4m3-graphs")
-    lines += ["", f"After the decode split-count change, fp8 token, same run as HF: {after}. {b32.caption()}"]
-    # the longest context one budget of KV memory holds, per provider (the same at every ctx of a batch)
-    B = batches[0]
-    cap = {p: int(r["max_ctx_in_budget"]) for (b, _, p), r in by.items() if b == B}
-    if "hf-static-compiled" in cap:
-        held = ", ".join(f"{name} {_x(cap[p] / cap['hf-static-compiled'])}" for p, name in
-                         (("kvc-fp8_e4m3-graphs", "fp8 token"), ("kvc-q8_0-graphs", "q8_0")) if p in cap)
-        lines += ["", f"Context that fits the same KV memory, against bf16: {held}."]
-    return "\n".join(lines)
-
-
-def e2e_ms(results: str = RESULTS) -> str:
-    """BENCHMARKS: the end-to-end grid in ms per decode step."""
+    """README, BENCHMARKS: one decode step of the model, HF's compiled StaticCache, fp8 token and the default."""
     run = RUNS["e2e"]
-    rows = read(run, results)
-    providers = (("hf-static-compiled", "HF static bf16"), ("kvc-fp8_e4m3-graphs", "fp8 token"),
-                 ("kvc-q8_0-graphs", "q8_0"))
-    by = _by(rows, "B", "ctx", "provider")
-    lines = [f"ms per decode step (median of 20), KV GiB of the kvcompile fp8 cache. {run.caption()}", "",
-             "| B | ctx | " + " | ".join(name + ", ms" for _, name in providers) + " | fp8 KV GiB |",
-             "|---:|---:|" + "---:|" * (len(providers) + 1)]
-    keys = sorted({(r["B"], r["ctx"]) for r in rows}, key=lambda k: (int(k[0]), int(k[1])))
-    for B, c in keys:
-        cells = [f"{float(by[(B, c, p)]['ms_per_step']):.3f}" if (B, c, p) in by else "—" for p, _ in providers]
-        gib = by.get((B, c, "kvc-fp8_e4m3-graphs"))
-        lines.append(f"| {B} | {c} | " + " | ".join(cells) + (f" | {float(gib['kv_gib']):.2f} |" if gib else " | — |"))
+    by = _by(read(run, results), "B", "ctx", "provider")
+    hf, fp8, int8 = "hf-static-compiled", "kvc-fp8_e4m3-graphs", "kvc-int8-graphs"
+    lines = ["4-layer Llama-3-8B-shaped model, random bf16 weights, cache pre-filled to `ctx`, CUDA graphs; ms per "
+             "decode step, median of 10; HF is transformers' `StaticCache` bf16 under `torch.compile(mode="
+             f"\"reduce-overhead\")`. {run.caption()}", "",
+             "| case | HF StaticCache bf16, ms | fp8 token, ms | int8, K rotated (the default), ms | HF / int8 | "
+             "fp8 / int8 | KV GiB, bf16 / int8 |", "|---|---:|---:|---:|---:|---:|---:|"]
+    cases = list(dict.fromkeys((B, ctx) for B, ctx, _ in by))
+    for B, ctx in cases:
+        ms = {p: float(by[(B, ctx, p)]["ms_per_step"]) for p in (hf, fp8, int8)}
+        lines.append(f"| B={B} ctx {_k(int(ctx))} | {ms[hf]:.3f} | {ms[fp8]:.3f} | {ms[int8]:.3f} | "
+                     f"{_x(ms[hf] / ms[int8])} | {ms[fp8] / ms[int8]:.2f} | "
+                     f"{float(by[(B, ctx, hf)]['kv_gib']):.2f} / {float(by[(B, ctx, int8)]['kv_gib']):.2f} |")
     return "\n".join(lines)
-
-
-def _us(by: dict, provider: str, shape: str) -> float:
-    return float(by[(provider, shape)]["us"])
-
-
-def _vs_fp8(key: str, providers, ratios: tuple[str, ...], results: str) -> str:
-    """Decode of fp8 token and ``providers`` with their bandwidth, then fp8 time / the time of each
-    ``kvcompile-<format>`` of ``ratios`` (speed against fp8, > 1: faster)."""
-
-    def lead(by: dict, shape: str) -> list[str]:
-        s = _shape(shape)
-        return [f"B={s['B']} L={_k(s['L'])}", f"{_us(by, 'sdpa-bf16', shape):.1f}"]
-
-    def over_fp8(by: dict, shape: str) -> str:
-        return ", ".join(f"{_us(by, 'kvcompile-fp8', shape) / _us(by, f'kvcompile-{f}', shape):.2f}" for f in ratios)
-
-    title = "bf16 SDPA time / kvcompile time in the same run (> 1: faster), TB/s of the bytes read. {caption}"
-    return _by_shape(key, "decode", title, ["shape", "SDPA bf16, us"], lead,
-                     (("kvcompile-fp8", "fp8 token"),) + providers,
-                     lambda r: f"{_x(float(r['vs_sdpa']))} ({float(r['tbps']):.2f} TB/s)", results,
-                     last=(", ".join(f"{f} / fp8" for f in ratios), over_fp8))
-
-
-def int8_decode(results: str = RESULTS) -> str:
-    """BENCHMARKS: int8 decode against fp8 token, one run, with the bandwidth of each."""
-    return _vs_fp8("int8-decode", (("kvcompile-int8", "int8"),), ("int8",), results)
-
-
-def _default_vs_fp8(key: str, results: str) -> str:
-    """The default format (int8, K rotated) beside fp8 token in ``RUNS[key]``."""
-    return _vs_fp8(key, (("kvcompile-int8+krot", "int8, K rotated (the default)"),), ("int8+krot",), results)
-
-
-def default_decode(results: str = RESULTS) -> str:
-    """README: the default format (int8, K rotated) beside fp8 token, one run."""
-    return _default_vs_fp8("default-decode", results)
-
-
-def s24_decode(results: str = RESULTS) -> str:
-    """BENCHMARKS: the default format beside fp8 token at the seven shapes after b93e87a (H100)."""
-    return _default_vs_fp8("s24-decode", results)
-
-
-def s25_ab(results: str = RESULTS) -> str:
-    """BENCHMARKS: the one-tile splits at B=1 against the plan's variants (sweep rows), one run."""
-    run = RUNS["s25-ab"]
-    rows = read(run, results)
-    by = _by(rows, "provider", "shape")
-    cols = (("", "as planned"), (" preload-off", "tile read after q's prologue (`preload-off`)"),
-            (" int8mma-on", "K by int8 MMA forced"), (" int8mma-off exact", "K widened exactly"),
-            (" int8mma-off", "K widened, K and V biased"))
-    lines = [f"us per call; the last column is fp8's time over the planned one's (> 1: faster than fp8). {run.caption()}",
-             "", "| shape | format | " + " | ".join(name for _, name in cols) + " | fp8 / as planned |",
-             "|---|---|" + "---:|" * (len(cols) + 1)]
-    for shape in _shapes(rows, "sweep"):
-        sh = _shape(shape)
-        fp8 = _us(by, "kvcompile-fp8", shape)
-        for fmt, name in (("fp8", "fp8 token"), ("int8+krot", "int8, K rotated"), ("int8", "int8, not rotated")):
-            p = f"kvcompile-{fmt}"
-            cells = [f"{_us(by, p + v, shape):.2f}" if (p + v, shape) in by else "—" for v, _ in cols]
-            lines.append(f"| B={sh['B']} L={_k(sh['L'])} | {name} | " + " | ".join(cells)
-                         + f" | {fp8 / _us(by, p, shape):.2f} |")
-    return "\n".join(lines)
-
-
-def s29_prefill_mma(results: str = RESULTS) -> str:
-    """BENCHMARKS: the fused prefill of int8 (K rotated) with K by int8 MMAs (the plan from session 29)
-    against K widened exactly (the ``int8mma-off`` sweep rows), beside fp8's, one run."""
-    run = RUNS["s29-prefill"]
-    rows = read(run, results)
-    by = _by(rows, "provider", "shape")
-    p = "kvcompile-int8+krot-fused"
-    lines = [f"Fused kernel, causal, B=1, us; int8 is K rotated; the ratios are fp8's time over int8's (> 1: int8 "
-             f"faster). {run.caption()}", "",
-             "| new tokens | cache length | fp8 token | int8, K by int8 MMA (planned) | int8, K widened (`int8mma-off`) "
-             "| fp8 / planned | fp8 / widened |", "|---:|---:|---:|---:|---:|---:|---:|"]
-    for shape in _shapes(rows, "sweep"):
-        if (p + " int8mma-off", shape) not in by:
-            continue
-        sh = _shape(shape)
-        fp8, mma, wide = (_us(by, q, shape) for q in ("kvcompile-fp8-fused", p, p + " int8mma-off"))
-        lines.append(f"| {sh['Tq']} | {sh['L']} | {fp8:.1f} | {mma:.1f} | {wide:.1f} | {fp8 / mma:.2f} | {fp8 / wide:.2f} |")
-    return "\n".join(lines)
-
-
-def s25_decode(results: str = RESULTS) -> str:
-    """BENCHMARKS, README: the default format beside fp8 token at the seven shapes, session 25 (H100)."""
-    return _default_vs_fp8("s25-decode", results)
-
-
-def _e2e_default_vs_fp8(key: str, results: str) -> str:
-    """One decode step of the model in ``RUNS[key]``: HF's static cache, fp8 and int8 (K rotated)."""
-    run = RUNS[key]
-    ms = {(r["B"], r["ctx"], r["provider"]): float(r["ms_per_step"]) for r in read(run, results)}
-    cols = (("hf-static-compiled", "HF StaticCache bf16, compiled"), ("kvc-fp8_e4m3-graphs", "fp8 token"),
-            ("kvc-int8-graphs", "int8, K rotated (the default)"))
-    lines = [f"ms per decode step, CUDA graphs, Llama-3-8B shape, 4 layers, 10 steps (median); the last column is "
-             f"fp8's step over int8's (> 1: int8 faster). {run.caption()}", ""]
-    return "\n".join(lines + _e2e_rows(ms, cols))
-
-
-def s25_e2e(results: str = RESULTS) -> str:
-    """BENCHMARKS: one decode step of the model, fp8 and int8 (K rotated), session 25 (H100)."""
-    return _e2e_default_vs_fp8("s25-e2e", results)
-
-
-def s17_decode(results: str = RESULTS) -> str:
-    """BENCHMARKS: the default format beside fp8 token in session 17 (int8 K widened, both sides biased)."""
-    return _default_vs_fp8("s17-decode", results)
-
-
-def s22_mma(results: str = RESULTS) -> str:
-    """BENCHMARKS: int8 (K rotated) decode as planned against its plan variants (sweep rows), one run."""
-    run = RUNS["default-decode"]
-    rows = read(run, results)
-    by = _by(rows, "provider", "shape")
-    p = "kvcompile-int8+krot"
-    variants = (("", "as planned"), (" int8mma-off", "K widened, K and V biased (`int8mma-off`)"),
-                (" int8mma-on", "K by int8 MMA forced (`int8mma-on`)"), (" int8bias-on", "V biased beside (`int8bias-on`)"))
-    lines = [f"us per call; the last column is fp8's time over the planned int8's (> 1: int8 faster). {run.caption()}",
-             "", "| shape | fp8 token | " + " | ".join(name for _, name in variants) + " | fp8 / int8 |",
-             "|---|" + "---:|" * (len(variants) + 2)]
-    for shape in _shapes(rows, "decode"):
-        sh = _shape(shape)
-        cells = [f"{_us(by, p + v, shape):.1f}" if (p + v, shape) in by else "—" for v, _ in variants]
-        lines.append(f"| B={sh['B']} L={_k(sh['L'])} | {_us(by, 'kvcompile-fp8', shape):.1f} | " + " | ".join(cells)
-                     + f" | {_us(by, 'kvcompile-fp8', shape) / _us(by, p, shape):.2f} |")
-    return "\n".join(lines)
-
-
-def s24_prologue(results: str = RESULTS) -> str:
-    """BENCHMARKS: int8 (K rotated) decode with q's prologue before and after b93e87a, fp8 beside it."""
-    a, c = RUNS["s24-abc"], RUNS["s24-ac"]
-    by = _by(read(a, results), "provider", "shape")
-    p = "kvcompile-int8+krot"
-    by.update({k: r for k, r in _by(read(c, results), "provider", "shape").items() if k[0] == p + " kernel ac_kernel.py"})
-    cols = ((p + " kernel base_kernel.py", "before (cb04449)"), (p + " kernel ac_kernel.py", "b93e87a"),
-            (p, "b93e87a + R's signs read"), ("kvcompile-int8 kernel base_kernel.py", "int8 not rotated, before"))
-    lines = [f"us per call; the last two columns are fp8's time over int8's (> 1: int8 faster). {a.caption()} "
-             f"The b93e87a column is the second process of the same call (`benchmarks/results/{c.csv}`).", "",
-             "| shape | fp8 token | " + " | ".join(name for _, name in cols) + " | fp8 / before | fp8 / b93e87a |",
-             "|---|" + "---:|" * (len(cols) + 3)]
-    for shape in _shapes(read(a, results), "sweep"):
-        sh = _shape(shape)
-        fp8 = _us(by, "kvcompile-fp8", shape)
-        cells = [f"{_us(by, k, shape):.1f}" for k, _ in cols]
-        lines.append(f"| B={sh['B']} L={_k(sh['L'])} | {fp8:.1f} | " + " | ".join(cells)
-                     + f" | {fp8 / _us(by, cols[0][0], shape):.2f} | {fp8 / _us(by, cols[1][0], shape):.2f} |")
-    return "\n".join(lines)
-
-
-def _e2e_rows(ms: dict, cols) -> list[str]:
-    """The markdown rows of ms per step by (B, ctx, provider) for ``cols``, then fp8's step over int8's."""
-    lines = ["| case | " + " | ".join(name for _, name in cols) + " | fp8 / int8 |", "|---|" + "---:|" * (len(cols) + 1)]
-    for B, c in sorted({(k[0], k[1]) for k in ms}, key=lambda k: (-int(k[0]), int(k[1]))):
-        cells = [f"{ms[(B, c, p)]:.3f}" for p, _ in cols]
-        lines.append(f"| B={B} ctx {_k(int(c))} | " + " | ".join(cells)
-                     + f" | {ms[(B, c, 'kvc-fp8_e4m3-graphs')] / ms[(B, c, 'kvc-int8-graphs')]:.2f} |")
-    return lines
-
-
-def s22_e2e(results: str = RESULTS) -> str:
-    """BENCHMARKS, README: one decode step, int8 (K rotated) as planned and with the plan before session 22."""
-    run, old = RUNS["s22-e2e"], RUNS["s22-e2e-old"]
-    ms = {(r["B"], r["ctx"], r["provider"]): float(r["ms_per_step"]) for r in read(run, results)}
-    ms.update({(r["B"], r["ctx"], "old"): float(r["ms_per_step"]) for r in read(old, results)})
-    cols = (("hf-static-compiled", "HF StaticCache bf16, compiled"), ("kvc-fp8_e4m3-graphs", "fp8 token"),
-            ("kvc-int8-graphs", "int8, K rotated (the default)"), ("old", "int8, K widened, K and V biased (forced)"))
-    lines = [f"ms per decode step, CUDA graphs, Llama-3-8B shape, 4 layers, 10 steps (median); the last column is "
-             f"fp8's step over int8's (> 1: int8 faster). {run.caption()} The forced column is `--plan "
-             f"int8_mma=0,int8_bias=1` in the same run (`benchmarks/results/{old.csv}`): at B=8 the plan before "
-             f"session 22; at B=1 that plan widened K and V without the bias.", ""]
-    return "\n".join(lines + _e2e_rows(ms, cols))
-
-
-UNROTATED = ("kvcompile-int8", "int8, not rotated")
-
-
-def rot_decode(results: str = RESULTS) -> str:
-    """BENCHMARKS: int8 stored rotated, the rotations in the op (and, A/B, as torch matmuls around it)."""
-    return _vs_fp8("rot-decode", (UNROTATED, ("kvcompile-int8+rot", "int8+rot"),
-                                  ("kvcompile-int8+rot torch-rot", "int8+rot, torch matmuls")), ("int8", "int8+rot"),
-                   results)
-
-
-def rot_store(results: str = RESULTS) -> str:
-    """BENCHMARKS: the store of int8+rot (K and V rotated by one launch, then quantized) against fp8 and int8."""
-    return _store("rot-store", (("kvcompile-fp8", "fp8 token"), UNROTATED, ("kvcompile-int8+rot", "int8+rot")), "",
-                  results)
-
-
-def rot_prefill(results: str = RESULTS) -> str:
-    """BENCHMARKS: prefill of int8+rot against fp8 token, one run."""
-    return _prefill("rot-prefill", results, (("fp8", "fp8 token"), ("int8+rot", "int8+rot")))
-
-
-def s9_decode(results: str = RESULTS) -> str:
-    """BENCHMARKS: int8+rot with q rotated in the kernel and the output in the merge (the plan's default)."""
-    return _vs_fp8("s9-decode", (UNROTATED, ("kvcompile-int8+rot", "int8+rot"),
-                                 ("kvcompile-int8+rot R-launches", "int8+rot, R read")), ("int8", "int8+rot"), results)
-
-
-def s9_restructure(results: str = RESULTS) -> str:
-    """BENCHMARKS: decode before (0790e5d) and after the launch-plan restructure, one machine."""
-    before, after = RUNS["s9-before"], RUNS["s9-after"]
-    b = _by(read(before, results), "provider", "shape")
-    a = _by(read(after, results), "provider", "shape")
-    fmts = (("fp8", "fp8 token"), ("q8_0", "q8_0"), ("int8", "int8, not rotated"))
-    lines = [f"us per call, before / after, in one run. {before.device}; before: code at {before.commit}, after: "
-             f"{after.commit} ({after.session}); raw: `benchmarks/results/{before.csv}`, `benchmarks/results/{after.csv}`.",
-             "", "| shape | " + " | ".join(name for _, name in fmts) + " |", "|---|" + "---:|" * len(fmts)]
-    for shape in _shapes(read(after, results), "decode"):
-        sh = _shape(shape)
-        cells = [f"{_us(b, 'kvcompile-' + f, shape):.1f} / {_us(a, 'kvcompile-' + f, shape):.1f}" for f, _ in fmts]
-        lines.append(f"| B={sh['B']} L={_k(sh['L'])} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def s9_prefill(results: str = RESULTS) -> str:
-    """BENCHMARKS: prefill of int8 and int8+rot against fp8 token, one run."""
-    return _prefill("s9-prefill", results, (("fp8", "fp8 token"), ("int8", "int8"), ("int8+rot", "int8+rot")))
-
-
-def s9_e2e(results: str = RESULTS) -> str:
-    """BENCHMARKS: one decode step with int8 (the default) against fp8 token, and the A/B of run 5."""
-    names = {"hf-static-compiled": "HF StaticCache bf16, compiled", "kvc-fp8_e4m3-graphs": "kvcompile fp8 token",
-             "kvc-int8-graphs": "kvcompile int8, output rotated in the epilogue (removed)",
-             "kvc-int8-graphs o_rotation=merge": "kvcompile int8 (the default: output rotated by the merge)",
-             "kvc-int8-graphs o_rotation=merge,int8_bias=0": "kvcompile int8, merge, K bias off"}
-    lines = ["ms per decode step, CUDA graphs, Llama-3-8B shape, 4 layers. Each block is one run.", "",
-             "| case | provider | ms/step | fp8 / this | run |", "|---|---|---:|---:|---|"]
-    # run 3 planned the epilogue only above 16 programs per split: its B=1 rows ran the default
-    small = dict(names, **{"kvc-int8-graphs": "kvcompile int8 (the default: at B=1 the merge rotated in run 3 too)"})
-    for key, keep, labels in (("s9-e2e", None, names), ("s9-e2e-small", ("1", "1024"), small)):
-        run = RUNS[key]
-        rows = [r for r in read(run, results) if keep is None or (r["B"], r["ctx"]) == keep]
-        fp8 = {(r["B"], r["ctx"]): float(r["ms_per_step"]) for r in rows if r["provider"] == "kvc-fp8_e4m3-graphs"}
-        for r in rows:
-            ms = float(r["ms_per_step"])
-            lines.append(f"| B={r['B']} ctx {_k(int(r['ctx']))} | {labels[r['provider']]} | {ms:.3f} | "
-                         f"{fp8[(r['B'], r['ctx'])] / ms:.2f} | {run.session} |")
-    lines += ["", f"{RUNS['s9-e2e'].device}; raw: `benchmarks/results/{RUNS['s9-e2e'].csv}`, "
-              f"`benchmarks/results/{RUNS['s9-e2e-small'].csv}` (its B=1 ctx 1k rows: the default configuration)."]
-    return "\n".join(lines)
-
-
-KROT = ("kvcompile-int8+krot", "int8, K rotated (the default)")
-KVROT = ("kvcompile-int8+rot", "int8, K and V rotated")
-
-
-def s10_decode(results: str = RESULTS) -> str:
-    """BENCHMARKS: int8 with K rotated (the default), K and V rotated, and unrotated, against fp8 token."""
-    return _vs_fp8("s10-decode", (UNROTATED, KROT, KVROT), ("int8", "int8+krot", "int8+rot"), results)
-
-
-def s10_bias(results: str = RESULTS) -> str:
-    """BENCHMARKS: the int8 bias (K and V widened to 1152 + code) on and off, per int8 variant, one run."""
-    run = RUNS["s10-bias"]
-    rows = read(run, results)
-    by = _by(rows, "provider", "shape")
-    fmts = (UNROTATED, KROT, KVROT)
-    lines = [f"us per call, bias on / off (`int8bias-off`), and fp8 token for scale. {run.caption()}", "",
-             "| shape | fp8 token | " + " | ".join(name for _, name in fmts) + " |", "|---|" + "---:|" * (len(fmts) + 1)]
-    for shape in _shapes(rows, "decode"):
-        sh = _shape(shape)
-        cells = [f"{_us(by, p, shape):.1f} / {_us(by, p + ' int8bias-off', shape):.1f}" for p, _ in fmts]
-        lines.append(f"| B={sh['B']} L={_k(sh['L'])} | {_us(by, 'kvcompile-fp8', shape):.1f} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def s10_prefill(results: str = RESULTS) -> str:
-    """BENCHMARKS: prefill of int8 (K rotated) against fp8 token, and the int8 bias forced on."""
-    body = _prefill("s10-prefill", results, (("fp8", "fp8 token"), ("int8+krot", "int8 (K rotated)")))
-    by = _by(read(RUNS["s10-prefill"], results), "provider", "shape")
-    forced = [f"{_shape(shape)['Tq']} new tokens {float(r['us']):.1f} us against "
-              f"{_us(by, 'kvcompile-int8+krot-fused', shape):.1f}"
-              for (p, shape), r in by.items() if p == "kvcompile-int8+krot-fused int8bias-on"]
-    return body + "\n\nThe fused kernel with the int8 bias forced on (`int8bias-on`): " + "; ".join(forced) + "."
-
-
-def s10_e2e(results: str = RESULTS) -> str:
-    """BENCHMARKS: one decode step, int8 K rotated (the default) and K and V rotated, against fp8 token and HF."""
-    run = RUNS["s10-e2e"]
-    names = {"hf-static-compiled": "HF StaticCache bf16, compiled", "kvc-fp8_e4m3-graphs": "kvcompile fp8 token",
-             "kvc-int8-graphs": "kvcompile int8, K rotated (the default)",
-             "kvc-int8+rot-graphs": "kvcompile int8, K and V rotated"}
-    rows = read(run, results)
-    ms = {(r["B"], r["ctx"], r["provider"]): float(r["ms_per_step"]) for r in rows}
-    lines = [f"ms per decode step, CUDA graphs, Llama-3-8B shape, 4 layers. {run.caption()}", "",
-             "| case | provider | ms/step | HF / this | fp8 / this |", "|---|---|---:|---:|---:|"]
-    for r in rows:
-        key = (r["B"], r["ctx"])
-        t = ms[key + (r["provider"],)]
-        lines.append(f"| B={r['B']} ctx {_k(int(r['ctx']))} | {names[r['provider']]} | {t:.3f} | "
-                     f"{ms[key + ('hf-static-compiled',)] / t:.2f} | {ms[key + ('kvc-fp8_e4m3-graphs',)] / t:.2f} |")
-    return "\n".join(lines)
-
-
-def window(results: str = RESULTS) -> str:
-    """BENCHMARKS: a sliding-window layer against a full layer of the window's length and bf16 SDPA over it."""
-
-    def lead(by: dict, shape: str) -> list[str]:
-        return [str(_shape(shape)["B"]), f"{_us(by, 'sdpa-bf16 over W', shape):.1f}"]
-
-    def sliding_over_full(by: dict, shape: str) -> str:
-        return ", ".join(f"{_us(by, f'kvcompile-{f} sliding', shape) / _us(by, f'kvcompile-{f} full L=W', shape):.2f}"
-                         for f in ("fp8", "int8"))
-
-    providers = tuple((f"kvcompile-{f} {kind}", f"{f} {kind}")
-                      for f in ("fp8", "int8") for kind in ("full L=W", "sliding"))
-    title = "bf16 SDPA time over the window's keys / kvcompile time in the same run (> 1: faster). {caption}"
-    return _by_shape("int8-decode", "window", title, ["B", "SDPA bf16 over W, us"], lead, providers,
-                     lambda r: _x(float(r["vs_sdpa"])), results, last=("sliding / full (fp8, int8)", sliding_over_full))
-
-
-def _e2e_steps(models, title: str, results: str) -> str:
-    """One row per provider and case of each ``(RUNS key, model)``; the runs share one caption."""
-    providers = (("hf-static-compiled", "HF StaticCache bf16, compiled"),
-                 ("kvc-fp8_e4m3-graphs", "kvcompile fp8 token"), ("kvc-int8-graphs", "kvcompile int8"))
-    first = RUNS[models[0][0]]
-    assert all((RUNS[key].device, RUNS[key].commit, RUNS[key].session) == (first.device, first.commit, first.session)
-               for key, _ in models), "e2e steps: the runs of one table share one caption (device, commit, session)"
-    raw = ", ".join(f"`benchmarks/results/{RUNS[key].csv}`" for key, _ in models)
-    lines = [f"{title} {first.device}; code at {first.commit} ({first.session}); raw: {raw}.", "",
-             "| model | provider | ms/step | vs HF static | KV GiB |", "|---|---|---:|---:|---:|"]
-    for key, model in models:
-        by = _by(read(RUNS[key], results), "B", "ctx", "provider")
-        cases = list(dict.fromkeys((B, ctx) for B, ctx, _ in by))
-        for B, ctx in cases:
-            label = model if len(cases) == 1 else f"{model}, B={B} ctx {_k(int(ctx))}"
-            for p, name in providers:
-                r = by.get((B, ctx, p))
-                if r is not None:
-                    lines.append(f"| {label} | {name} | {float(r['ms_per_step']):.2f} | "
-                                 f"{_x(_e2e_ratio(by, B, ctx, p))} | {float(r['kv_gib']):.2f} |")
-                    label = ""
-    return "\n".join(lines)
-
-
-def int8_e2e(results: str = RESULTS) -> str:
-    """BENCHMARKS: one decode step, B=8 ctx 32k, of a Llama-shaped and a Gemma-3-shaped hybrid model."""
-    return _e2e_steps((("int8-e2e-llama", "Llama-3-8B shape, 4 layers"),
-                       ("int8-e2e-gemma3", "Gemma-3-12B shape, 6 layers (5 × window 1024, 1 full)")),
-                      "CUDA graphs, 10 steps (median).", results)
-
-
-def rot_e2e(results: str = RESULTS) -> str:
-    """BENCHMARKS: one decode step with int8 (rotations in the op) against fp8 token and HF."""
-    return _e2e_steps((("rot-e2e", "Llama-3-8B shape, 4 layers"),), "CUDA graphs, 20 steps (median).", results)
 
 
 def cpu_summary(rows: list[dict]) -> list[dict]:
@@ -859,18 +255,6 @@ def cpu(results: str = RESULTS) -> str:
     return "\n".join(lines)
 
 
-def standing(session: str) -> dict[str, Callable[[str], str]]:
-    """The tables of one standing run of the default format beside fp8 token (RUNS ``<session>-decode``: the
-    seven decode shapes; ``-prefill``: fused and dense prefill; ``-e2e``: one decode step of the model) and
-    their commands (``<session>-command``)."""
-    decode, pre, e2e = (f"{session}-{t}" for t in ("decode", "prefill", "e2e"))
-    formats = (("fp8", "fp8 token"), ("int8+krot", "int8, K rotated"))
-    return {decode: lambda results=RESULTS: _default_vs_fp8(decode, results),
-            pre: lambda results=RESULTS: _prefill(pre, results, formats=formats),
-            e2e: lambda results=RESULTS: _e2e_default_vs_fp8(e2e, results),
-            f"{session}-command": command(decode, pre, e2e)}
-
-
 def command(*keys: str) -> Callable[[str], str]:
     def render(results: str = RESULTS) -> str:
         return "```\n" + "\n".join(RUNS[key].command for key in keys) + "\n```"
@@ -880,58 +264,15 @@ def command(*keys: str) -> Callable[[str], str]:
 
 
 TABLES: dict[str, Callable[[str], str]] = {
-    "cpu": cpu,
-    "s10-decode": s10_decode,
-    "s10-bias": s10_bias,
-    "s10-prefill": s10_prefill,
-    "s10-e2e": s10_e2e,
-    "s10-command": command("s10-bias", "s10-prefill", "s10-decode", "s10-e2e"),
-    "cpu-command": command("cpu"),
     "decode-ratios": decode_ratios,
     "decode": decode_full,
     "decode-command": command("decode"),
     "prefill": prefill,
     "prefill-command": command("prefill"),
-    "prefill-crossover": prefill_crossover,
-    "store": store,
-    "store-command": command("store"),
     "e2e": e2e,
-    "e2e-ms": e2e_ms,
     "e2e-command": command("e2e"),
-    "default-decode": default_decode,
-    "s22-mma": s22_mma,
-    "s24-prologue": s24_prologue,
-    "s24-command": command("s24-abc", "s24-ac"),
-    "s24-decode": s24_decode,
-    "s25-ab": s25_ab,
-    "s25-decode": s25_decode,
-    "s25-e2e": s25_e2e,
-    "s25-command": command("s25-ab", "s25-decode", "s25-e2e"),
-    **standing("s27"),
-    **standing("s28"),
-    **standing("s29"),
-    "s29-prefill-mma": s29_prefill_mma,
-    "s24-decode-command": command("s24-decode"),
-    "s22-e2e": s22_e2e,
-    "s22-command": command("default-decode", "s22-e2e", "s22-e2e-old"),
-    "s17-decode": s17_decode,
-    "s17-decode-command": command("s17-decode"),
-    "int8-decode": int8_decode,
-    "int8-decode-command": command("int8-decode"),
-    "window": window,
-    "int8-e2e": int8_e2e,
-    "int8-e2e-command": command("int8-e2e-llama", "int8-e2e-gemma3"),
-    "rot-decode": rot_decode,
-    "rot-decode-command": command("rot-decode"),
-    "rot-store": rot_store,
-    "rot-prefill": rot_prefill,
-    "rot-e2e": rot_e2e,
-    "rot-command": command("rot-store", "rot-prefill", "rot-e2e"),
-    "s9-restructure": s9_restructure,
-    "s9-decode": s9_decode,
-    "s9-prefill": s9_prefill,
-    "s9-e2e": s9_e2e,
-    "s9-command": command("s9-after", "s9-decode", "s9-prefill", "s9-e2e-small", "s9-e2e"),
+    "cpu": cpu,
+    "cpu-command": command("cpu"),
 }
 
 BLOCK = re.compile(r"(<!-- table:(?P<name>[\w-]+) [^>]*-->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)

@@ -154,7 +154,7 @@ class QuantizedCache(Cache):
         granularity: fp8 scale granularity: ``"token"`` (default: one fp32 scale per token and kv
             head; the fastest format without calibration), ``"block32"`` (one per 32 values: about
             half the perplexity cost on SmolLM2-135M, see QUALITY.md, but its decode kernel is
-            15-22% slower, see BENCHMARKS.md) or ``"static"`` (calibrated, per layer and kv head; needs
+            15-22% slower, see docs/perf-log.md) or ``"static"`` (calibrated, per layer and kv head; needs
             ``calibration``). q8_0 is always block32, int8 always token.
         calibration: output of :func:`kvcompile.calibrate`, a safetensors path holding it, or the
             name of a calibration shipped with kvcompile (``"smollm2-135m-instruct"``; see
@@ -165,7 +165,7 @@ class QuantizedCache(Cache):
             so a layer's ``k_offset`` lives in K's rotated space).
         v_layout: how V codes are laid out in memory: ``"auto"`` (default: on a GPU key-contiguous for
             token and static scales, head_dim-contiguous otherwise, the faster layout of each on the H200, see
-            BENCHMARKS.md; on the CPU head_dim-contiguous, whose stored prefix is one run of memory
+            docs/perf-log.md; on the CPU head_dim-contiguous, whose stored prefix is one run of memory
             at any ``max_cache_len``), ``"keys"`` or ``"head_dim"``. ``v_codes`` is
             ``[B, Hkv, L, D]`` either way.
         tp_size: under tensor parallelism (``from_pretrained(...,

@@ -147,8 +147,8 @@ class KVFormat:
 
         The attention kernels reduce V over keys (``P @ V``): stored key-contiguous, an 8-bit V tile
         feeds the dot like K does, with no transpose, and the decode tile fits three programs per
-        SM instead of two (nothing staged for a transpose). Measured on the H200 (BENCHMARKS.md):
-        token scales decode 1.09-1.10x faster that way, static scales 1.09-1.11x (session 5); q8_0
+        SM instead of two (nothing staged for a transpose). Measured on the H200 (bench_kv.py, docs/perf-log.md):
+        token scales decode 1.09-1.10x faster that way (7d3664b), static scales 1.09-1.11x (2da443f); q8_0
         and fp8/block32 (scales along head_dim, applied to the tile) run slower, so those keep V
         head_dim-contiguous.
         """

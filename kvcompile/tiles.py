@@ -23,7 +23,7 @@ memory (from sm_80 on an SM has ``SMEM_BYTES`` + 1 KB, and each resident block t
 besides its own allocation) and by its 64K registers. Each decode candidate names the programs
 per SM it is meant to run at, and is taken only where that many fit; a candidate may cap its
 registers (``Tile.maxnreg``) to make room.
-Measured on the H200 (BENCHMARKS.md): the fp8 tile 16x128 with 4 stages at one program per SM
+Measured on the H200 (docs/perf-log.md): the fp8 tile 16x128 with 4 stages at one program per SM
 is 1.37x slower than 3 stages at two; with V key-contiguous, 3 stages capped at 168 registers
 run three programs per SM and are 1.10-1.14x faster than two at B*L >= 256k.
 
@@ -156,7 +156,7 @@ _PREFILL_CANDIDATES = (
     Tile(32, 32, 4, 2),
     Tile(16, 16, 4, 2),
 )
-# Measured first choices per compute capability (BENCHMARKS.md), for head_dim <= 128. H200, fp8
+# Measured first choices per compute capability (docs/perf-log.md), for head_dim <= 128. H200, fp8
 # cache, D=128, 16k and 1k new tokens: 64x128, 4 warps, 2 stages runs the fused prefill 1.4x faster
 # than 128x128 / 8 warps / 3 stages (which spills on sm_90).
 _PREFILL_MEASURED = {(9, 0): Tile(64, 128, 4, 2)}

@@ -1,7 +1,7 @@
 """The family matrix: the Hugging Face families kvcompile serves (``tests/test_families.py`` runs
 every row) and the ones it refuses (with :mod:`kvcompile.hf`'s reason).
 
-    PYTHONPATH=. python tests/families.py     # prints the README's table of families
+    PYTHONPATH=. python tests/families.py     # prints the table of families (the README's "Model families" sums it up)
 
 The table is generated from these two lists: a supported row's attention column comes from
 :func:`kvcompile.hf.layer_windows` on its example model's config (transformers' default config of

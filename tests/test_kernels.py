@@ -366,7 +366,7 @@ def _store_bf16(X, O, N: tl.constexpr):
 def test_to_store_dtype_bf16_rounds_like_torch_and_keeps_nan():
     """Every kernel's bf16 output goes through ``to_store_dtype``: round to nearest even, as torch's
     cast, and a NaN stays NaN whatever its payload. The GPU's own NaN is 0x7FFFFFFF, whose rounding
-    carries into the sign bit: it once came out as -0.0 (a NaN query's attention output, session 22)."""
+    carries into the sign bit: it once came out as -0.0 (a NaN query's attention output on an H200, before 7c6c782)."""
     specials = [0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0x7F800001, 0xFFBFFFFF, 0x7F800000, 0xFF800000,
                 0x7F7FFFFF, 0x3F808000, 0x3F818000, 0x3F80FFFF, 0x00000001, 0x80000000]
     rand = torch.randint(0, 1 << 31, (243,), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
@@ -582,7 +582,7 @@ def test_decode_splits_depend_on_shapes_only():
                                                         (24, 1000, 2)])
 def test_decode_splits_fill_whole_waves(programs, max_len, resident):
     """The split count fills its waves of resident programs at least as well as any other count
-    within DECODE_WAVES waves (the H200 cases of BENCHMARKS.md session 6 among them), and covers
+    within DECODE_WAVES waves (the H200 cases of docs/perf-log.md at aecdf70 among them), and covers
     the cache with whole blocks."""
     sms, block_n = 132, 128
     slots = resident * sms
@@ -606,12 +606,12 @@ def test_decode_splits_fill_whole_waves(programs, max_len, resident):
 
 
 def test_decode_splits_h200_picks():
-    """The counts measured best on the H200 (fp8 token tile: 3 programs per SM; BENCHMARKS.md sessions
-    6 and 16; us are fp8 / int8 with K rotated)."""
+    """The counts measured best on the H200 (fp8 token tile: 3 programs per SM; bench_kv.py --splits at
+    aecdf70 and 7300928, docs/perf-log.md; us are fp8 / int8 with K rotated)."""
     assert plan_mod.decode_splits(32 * 8, 8192, 128, 132, 3)[0] == 3  # was 5: 3.2 waves, 8% slower
     assert plan_mod.decode_splits(32 * 8, 32768, 128, 132, 3)[0] == 3
     assert plan_mod.decode_splits(8 * 8, 32768, 128, 132, 3)[0] == 6
-    # one wave, not two of equal fill (session 6: within 1% of each other here)
+    # one wave, not two of equal fill (aecdf70: within 1% of each other here)
     assert plan_mod.decode_splits(4 * 8, 131072, 128, 132, 3)[0] == 12
     assert plan_mod.decode_splits(8 * 8, 16384, 128, 132, 3)[0] == 6  # 78.3 / 82.3 us, 12: 81.4 / 85.6
     # splits under 8 tiles: one wave of two programs per SM

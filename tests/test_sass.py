@@ -2,7 +2,7 @@
 
 The attention kernel is compiled for sm_90 exactly as the launcher would launch it on an H200
 (Triton's bundled ptxas; cuobjdump reads the SASS). What is pinned here was measured to matter on
-the H200 (BENCHMARKS.md, session 2): V read from shared memory one byte per lane (LDS.U8/S8)
+the H200 (bench_kv.py at a785dad, docs/perf-log.md): V read from shared memory one byte per lane (LDS.U8/S8)
 with 255 registers made fp8 decode 1.3x slower than with V widened before its transpose.
 
 Counts are Triton 3.9's (CI's); where Triton 3.6 (torch 2.11's) compiles a loop differently, the
@@ -41,7 +41,7 @@ def reports():
         aot.tool_path("cuobjdump")
     except RuntimeError as e:  # the Triton wheel ships it; say so loudly if a build does not
         pytest.fail(str(e))
-    # one fresh process compiles them all (this session may run Triton's interpreter)
+    # one fresh process compiles them all (this test process may run Triton's interpreter)
     cases = [dict(cc=H200, kv_dtype=kv, granularity=g) for kv, g in CASES]
     cases += [dict(cc=H200, kv_dtype=kv, granularity=g, v_keys=True) for kv, g, _ in KEYS_CASES]
     cases.append(dict(cc=H200, kv_dtype="fp8_e4m3", granularity="token", v_pin=False))
@@ -81,7 +81,7 @@ def test_decode_interior_loop_runs_without_masks(reports, case):
     """Two key loops (kernel order): the tiles every row sees in full, then the masked tail. The
     interior one has no where(-inf) over the 16x128 S tile (16 selects per thread) and no NaN
     clearing of key-contiguous V (HMNMX2, 64 per thread); the tail has both. Measured on the H200
-    (BENCHMARKS.md, session 5): 2-15% faster decode, 1.3x faster fused prefill."""
+    (bench_kv.py at 01b419f, docs/perf-log.md): 2-15% faster decode, 1.3x faster fused prefill."""
     r = reports[case]
     assert len(r.loops) == 2, r.summary()
     interior, tail = r.loops
@@ -200,7 +200,7 @@ def store_reports():
 @pytest.mark.parametrize("fmt", STORE_FORMATS, ids=lambda f: "/".join(f))
 def test_store_rounds_e4m3_by_the_convert_instruction_from_sm_89(store_reports, cc, fmt):
     """From sm_89 the store encodes e4m3 with cvt.rn.satfinite.e4m3x2.f32 (one rounding from fp32;
-    on the H200 it made a 16k-token block32 store 1.5x faster, BENCHMARKS.md session 4); below
+    on the H200 it made a 16k-token block32 store 1.5x faster, bench_kv.py at eb79b98); below
     sm_89 (no such instruction) and for q8_0, integer arithmetic. Every path compiles, none spills."""
     r = store_reports[(cc, *fmt)]
     assert r.stack_bytes == 0, r.summary()

@@ -69,11 +69,11 @@ def test_decode_tile_leaves_room_for_the_programs_it_is_meant_for(cc, D, v_keys)
 
 
 def test_h200_fp8_decode_tile_is_the_measured_best():
-    # BENCHMARKS.md (decode tile sweep, pinned V): 16x128, 4 warps, 3 stages; 4 stages runs one
+    # docs/perf-log.md (decode tile sweep, pinned V, a785dad): 16x128, 4 warps, 3 stages; 4 stages runs one
     # program per SM and is 1.37x slower at B=8, L=32k
     assert tiles.decode_tile((9, 0), 128, 2, 1, 1, 4) == tiles.Tile(16, 128, 4, 3)
     # V key-contiguous, fp32 token scales (4 B per key): no widened V tile in shared memory, so
-    # 3 stages fit three programs per SM at 168 registers (BENCHMARKS.md, session 5: 1.10-1.14x
+    # 3 stages fit three programs per SM at 168 registers (bench_kv.py, H200, 45b913a: 1.10-1.14x
     # faster than two programs at B*L >= 256k)
     t = tiles.decode_tile((9, 0), 128, 2, 1, 1, 4, True, 4)
     assert t == tiles.Tile(16, 128, 4, 3, maxnreg=168)

@@ -51,17 +51,17 @@ DECODE_MAX_Q = 16
 DENSE_MIN_Q = 1024
 DECODE_SMALL_PROGRAMS = 16  # programs per split at most: no full wave (latency-bound), no int8 bias
 # Split-K: the split count whose equal-work programs fill whole waves of the resident programs
-# best, at most this many waves (H200, session 6 run 5: 1-4 within 1% at B=8 L=32k and B=4 L=128k;
+# best, at most this many waves (bench_kv.py --splits, H200, aecdf70: 1-4 within 1% at B=8 L=32k and B=4 L=128k;
 # 1 loses 7% at B=32 L=32k, 6 loses 4-8%).
 DECODE_WAVES = 2
 # ... but splits shorter than this many key tiles: their per-program fixed cost (prologue, q, partial
 # output) outweighs the waves' fill, and one wave of DECODE_PROGRAMS_PER_SM_SMALL programs per SM
-# wins (H200, session 16, fp8 / int8 us: B=8 L=4k 26.1 / 29.5 with 4 splits against 30.6 / 34.3
-# with the fill's 11, B=4 L=8k 25.9 / 28.9 with 8 against 31.5 / 35.7 with 22, B=4 L=4k 17.7 /
-# 19.7 with 8 against 18.7 / 21.0 with 11; 128-key tiles).
+# wins (bench_kv.py --splits, H200, c2148e7 and 7300928, fp8 / int8 us: B=8 L=4k 26.1 / 29.5 with
+# 4 splits against 30.6 / 34.3 with the fill's 11, B=4 L=8k 25.9 / 28.9 with 8 against 31.5 / 35.7
+# with 22, B=4 L=4k 17.7 / 19.7 with 8 against 18.7 / 21.0 with 11; 128-key tiles).
 DECODE_MIN_SPLIT_TILES = 8
 # ... when there are at most DECODE_SMALL_PROGRAMS a split per program cannot fill a wave anyway: this
-# many programs per SM (session 6 run 3: 3 instead of 2 at B=1 L=32k, 27.3 vs 26.0 us fp8, 49.6 vs
+# many programs per SM (bench_kv.py --sweep, H200, aecdf70: 3 instead of 2 at B=1 L=32k, 27.3 vs 26.0 us fp8, 49.6 vs
 # 38.2 q8_0).
 DECODE_PROGRAMS_PER_SM_SMALL = 2
 # The interpreter (tests): small tiles so that short test caches cross tile edges.
@@ -313,17 +313,17 @@ def _plan(call: Call, tile: Optional[tiles.Tile]) -> LaunchPlan:
         dot_dtype = torch.float32
     else:
         # fp16 dots for 16-bit q: e4m3 -> fp16 is one convert per two values and int8 -> fp16 a
-        # magic-number add, and decode is bound by those instructions (H200, session 1 run 4: dots
+        # magic-number add, and decode is bound by those instructions (bench_kv.py, H200, 9dfbe0c: dots
         # in bf16 took fp8 B=8 L=32k 267.8 instead of 201.5 us, q8_0 1061.9 instead of 301.2). A q
         # block beyond fp16's range is scaled by a power of two inside the kernel.
         dot_dtype = torch.float16
     gpu16 = not c.interpret and dot_dtype == torch.float16
     # V widened by pinned PTX before its transpose (GPU, fp16 PV dot, codes the PTX decodes: int8 or
-    # native e4m3; never for key-contiguous V, which needs no transpose). H200, session 2 run 3:
+    # native e4m3; never for key-contiguous V, which needs no transpose). bench_kv.py, H200, 88147e6:
     # Triton's own placement of the convert reads V a byte per lane, fp8 B=8 L=32k 201.9 vs 190.5 us,
     # fp8/block32 638.0 vs 292.6.
     v_pin = gpu16 and not c.v_keys and not v_fp8_bits
-    # int8 tiles widened by PTX four codes at a time (H200, session 5 run 1: q8_0 decode 2.7-3% faster
+    # int8 tiles widened by PTX four codes at a time (bench_kv.py, H200, 6e126b2: q8_0 decode 2.7-3% faster
     # than Triton's per-code arithmetic, which the interpreter keeps)
     int8_ptx = gpu16 and torch.int8 in (c.k_code, c.v_code)
     qb = torch.empty((), dtype=dot_dtype).element_size()
@@ -340,7 +340,7 @@ def _plan(call: Call, tile: Optional[tiles.Tile]) -> LaunchPlan:
     # tile and side), becomes a correction per score (K: one subtraction) or per P element (V: the
     # row sums of P, about two instructions each and a cross-warp reduction), BLOCK_M * BLOCK_N per
     # tile: fewer instructions only for decode tiles, faster only where enough programs hide the
-    # reduction's latency (H200, session 10 run 1, docs/perf-log.md: +1-3% at B >= 4, -3% at B=1,
+    # reduction's latency (bench_kv.py --sweep, H200, 87306cd, docs/perf-log.md: +1-3% at B >= 4, -3% at B=1,
     # -4% in prefill). Not for block32 scales, which scale the widened tile (LaunchPlan.k_bias / v_bias).
     programs = c.B * c.Hkv * -(-rows // tile.block_m)  # per split
     # programs of this tile one SM holds at once: the decode split count fills whole waves of them
@@ -354,26 +354,27 @@ def _plan(call: Call, tile: Optional[tiles.Tile]) -> LaunchPlan:
     few_rows = decode_rows and programs > DECODE_SMALL_PROGRAMS
     # A decode program whose split is one key tile (few programs over a short cache: B=1 at 4k keys)
     # waits on q's prologue, then on that tile's reads; issued first, the reads overlap the prologue
-    # (LaunchPlan.one_tile). H100, session 25 run 2 (us, this plan / preload off): B=1 L=4k fp8 11.07 /
+    # (LaunchPlan.one_tile). bench_kv.py --sweep, H100, 55f1f31 (us, this plan / preload off): B=1 L=4k fp8 11.07 /
     # 11.00, int8 K rotated 11.00 / 11.95; B=1 L=1k fp8 7.29 / 7.61, int8 K rotated 7.58 / 8.74.
     preload = c.decode
     one_tile = preload and _one_tile_splits(split_len, tile)
     # Where many programs run, int8 K goes unwidened into int8 MMAs (LaunchPlan.k_mma): the decode loop
     # drops K's widening and its score correction for one int -> float convert per score (Triton 3.9
     # SASS, per tile pair: 765 instructions, 920 with K widened and both sides biased, fp8's 787). H200,
-    # session 22 run 3 (K rotated, us, this plan / K widened and both sides biased): B=8 L=32k 148.4 /
+    # bench_kv.py --sweep at 5b0f37b (K rotated, us, this plan / K widened and both sides biased): B=8 L=32k 148.4 /
     # 154.9, B=32 L=8k 152.7 / 158.9, B=4 L=128k 289.0 / 303.4, B=8 L=4k 28.6 / 29.6. With few programs
     # q's split into int8 halves sits on the critical path (B=1 L=4k 11.9 forced against 11.5), unless
-    # a one-tile split's reads overlap it: H100, session 25 run 2, K rotated, us, MMA / K widened
+    # a one-tile split's reads overlap it: bench_kv.py --sweep, H100, 55f1f31, K rotated, us, MMA / K widened
     # exactly: B=1 L=4k 11.00 / 11.35, B=1 L=1k 7.58 / 8.03 (B=1 L=32k, eight tiles a split: 34.60 /
     # 34.45, not taken). The fused prefill too: its tile is compute-bound, and K's widening and its
     # staging through registers are the work int8 adds to fp8's; the q halves are made once per program.
-    # H100, session 29 run 2 (int8 K rotated, 16k cache, causal, us, MMA / K widened exactly, fp8):
+    # H100, the prefill A/B before 9e48688 (h100_s29_run2_prefill_ab.log; int8 K rotated, 16k cache, causal,
+    # us, MMA / K widened exactly, fp8):
     # 512 new tokens 477.1 / 531.2, fp8 505.7; 1024 920.8 / 1037.3, 982.0; 2048 1759.4 / 2014.3, 1911.5.
     # Triton turns an int8 dot into MMAs from sm_80 on; below (Turing's T4, Volta) its fallback takes
     # no int8 operands and the compile fails, so K is widened there
     int8_mma = (few_rows or (decode_rows and one_tile) or not c.decode) and tuple(c.cc) >= (8, 0)
-    # ... and with K by MMA, V's bias no longer pays (session 22 run 2, us, V biased / exact: B=8 L=4k
+    # ... and with K by MMA, V's bias no longer pays (H200, the A/B before 5b0f37b, us, V biased / exact: B=8 L=4k
     # 29.5 / 28.8, B=4 L=8k 29.4 / 28.7, B=8 L=32k 141.2 / 142.2, B=32 L=8k 146.9 / 146.6): only an int8
     # V beside e4m3 K
     int8_bias = few_rows and c.k_code != torch.int8
@@ -383,7 +384,7 @@ def _plan(call: Call, tile: Optional[tiles.Tile]) -> LaunchPlan:
     # rotate_rows launch per call (prefill: amortized over its tokens). The output: by the split-K
     # merge (H generated there for the Sylvester matrix, else R read), or by one launch when the
     # call is not split. (Rotating each split's partial in the kernel's epilogue instead spilled
-    # under the decode tile's register cap and lost end to end: H200, session 9, B=8 ctx 32k, 2.467
+    # under the decode tile's register cap and lost end to end: bench_decode_e2e.py, H200, 489df26, B=8 ctx 32k, 2.467
     # against 2.133 ms per step.)
     q_rot = o_rot = ""
     if c.k_rot != ROT_NONE:

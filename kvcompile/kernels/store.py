@@ -110,7 +110,7 @@ def _in_kernel(rotation_matrix: Tensor, static: bool, groups_p2: int, tokens: in
     """Whether the store kernel rotates a side itself: the shared Sylvester matrix (its entries
     generated, not read) over one scale per token (a whole row per tile), 16 tokens or more.
 
-    Measured on the H200 (bench_kv's store, int8, K rotated, session 13): a 16k-token store of one
+    Measured on the H200 (bench_kv's store, int8, K rotated, 0e64080): a 16k-token store of one
     layer in 170 instead of 177 us (K and V rotated: 208 instead of 261), and no float32 copy of the
     rotated K. A decode step's one token was slower in the kernel, 5.9 against 4.5 us for the rotation
     launch plus the store at B=8: the rotation's 16-row dot tile is 15 rows of padding whose
@@ -120,7 +120,7 @@ def _in_kernel(rotation_matrix: Tensor, static: bool, groups_p2: int, tokens: in
 
 def hw_e4m3(device: torch.device) -> bool:
     """Whether e4m3 codes are encoded by the sm_89+ convert (``cvt.rn.satfinite.e4m3x2.f32``; H200,
-    session 4: fp8 store at T=16k 92.5 instead of 100.2 us, block32 86.6 instead of 133.2) or by
+    bench_kv.py at eb79b98: fp8 store at T=16k 92.5 instead of 100.2 us, block32 86.6 instead of 133.2) or by
     integer arithmetic (archs below sm_89, the interpreter). Both are bit-exact with formats.py."""
     return not interpreting() and tiles.has_native_fp8(device_cc(device))
 
