@@ -85,7 +85,7 @@ fi
 #     chunks of 2048, against DynamicCache eager and StaticCache compiled), and the attention over an 8-bit prefix
 #     against the fastest bf16 SDPA path per shape (fused and dense, 16k and 32k cached positions)
 if want ttft; then
-    timeout 150 python benchmarks/bench_kv.py --subjects prefill --prefill-q 16384,4096,2048,1024 --prefill-L 16384 \
+    timeout 150 python benchmarks/bench_kv.py --subjects prefill --prefill-q 16384,4096,2048,1024,512 --prefill-L 16384 \
         --prefill-formats fp8,int8+krot --out "$OUT/prefill16k_${commit}.csv" > "$OUT/ttft_prefill16k.log" 2>&1
     timeout 100 python benchmarks/bench_kv.py --subjects prefill --prefill-q 2048 --prefill-L 32768 \
         --prefill-formats fp8,int8+krot --out "$OUT/prefill32k_${commit}.csv" > "$OUT/ttft_prefill32k.log" 2>&1

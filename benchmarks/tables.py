@@ -196,6 +196,34 @@ def e2e(results: str = RESULTS) -> str:
     return "\n".join(lines)
 
 
+def ttft(results: str = RESULTS) -> str:
+    """README, BENCHMARKS: time to first token of a long prompt, one forward and in chunks, per cache."""
+    run = RUNS["ttft"]
+    by = _by(read(run, results), "prompt", "chunk", "provider")
+    provs = (("hf-dynamic-eager", "DynamicCache, eager SDPA"), ("hf-static-compiled", "StaticCache, compiled"),
+             ("kvc-int8", "kvcompile int8 (the default)"), ("kvc-fp8_e4m3", "kvcompile fp8_e4m3"))
+    lines = ["8 Llama-3-8B-shaped layers, random bf16 weights, B=1; ms from the first prompt token to the first "
+             "token's logits (median of 3), peak GPU memory in GiB (weights included); DynamicCache with eager SDPA "
+             "is what transformers gives by default; chunks run as `generate(prefill_chunk_size=N)` does; "
+             f"in brackets: DynamicCache time / this time (> 1: faster). {run.caption()}", "",
+             "| prompt | prefill | " + " | ".join(label for _, label in provs) + " |",
+             "|---:|---|" + "---:|" * len(provs)]
+    for prompt, chunk in dict.fromkeys((P, c) for P, c, _ in by):
+        base = float(by[(prompt, chunk, provs[0][0])]["ms"])
+        cells = []
+        for name, _ in provs:
+            r = by.get((prompt, chunk, name))
+            if r is None:
+                cells.append("—")
+                continue
+            ms = float(r["ms"])
+            rel = "" if name == provs[0][0] else f", {_x(base / ms)}"
+            cells.append(f"{ms:.0f} ({float(r['peak_gib']):.1f} GiB{rel})")
+        how = "one forward" if chunk == "0" else f"chunks of {chunk}"
+        lines.append(f"| {_k(int(prompt))} | {how} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def cpu_summary(rows: list[dict]) -> list[dict]:
     """bench_cpu's rows (as it returns them, or read back from its CSV) summarized per (provider,
     length, phase: the rounds of one length; hf-dynamic, whose length is "-", once per phase).
@@ -271,6 +299,8 @@ TABLES: dict[str, Callable[[str], str]] = {
     "prefill-command": command("prefill"),
     "e2e": e2e,
     "e2e-command": command("e2e"),
+    "ttft": ttft,
+    "ttft-command": command("ttft"),
     "cpu": cpu,
     "cpu-command": command("cpu"),
 }
