@@ -63,13 +63,15 @@ RUNS = {
         "h100_s29_run3_decode.csv", "e072935", H100, "2026-12-06",
         "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8+krot --decode-shapes " + DECODE_SHAPES),
     "prefill": Run(
-        "h100_s29_run3_prefill.csv", "e072935", H100, "2026-12-06",
-        "python benchmarks/bench_kv.py --subjects prefill --prefill-q 16384,4096,2048,1024,512 "
-        "--prefill-formats fp8,int8+krot --sweep"),
+        "h100_prefill_25a3a40.csv", "25a3a40", H100, "2026-12-07",
+        "STEPS=ttft bash benchmarks/gpu_check.sh   # bench_kv.py --subjects prefill, 16k and 32k caches"),
     "e2e": Run(
         "h100_s29_run3_e2e.csv", "e072935", H100, "2026-12-06",
         "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024,1x4096 --steps 10 "
         "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs"),
+    "ttft": Run(
+        "h100_ttft_25a3a40.csv", "25a3a40", H100, "2026-12-07",
+        "python benchmarks/bench_ttft.py --layers 8 --prompts 8192,32768 --chunks 0,2048"),
     "cpu": Run(
         "cpu_s21_bench_cpu_r5.csv", "8b183a7", CPU2, "2026-12-04",
         "python benchmarks/bench_cpu.py --repeats 5"),
