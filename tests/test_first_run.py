@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -115,6 +116,58 @@ def test_unknown_device_refused():
 def test_cuda_without_cuda_refused():
     with pytest.raises(ValueError, match="device='cuda' but CUDA is not available.*device='cpu'"):
         QuantizedCache(config(), max_batch_size=1, max_cache_len=16, device="cuda")
+
+
+@pytest.mark.parametrize("cls,task", [("ViTConfig", "image classification"), ("DistilBertConfig", "masked LM"),
+                                      ("CLIPTextConfig", "text encoding"), ("ResNetConfig", "image classification")])
+def test_configs_of_models_that_are_not_causal_decoders_refused(cls, task):
+    """A vision model, an encoder, a text encoder: refused by name when the cache is built, with what
+    transformers serves the model for (a ResNet is no "recurrent model such as Mamba"); a decoder builds."""
+    import transformers
+
+    with pytest.raises(ValueError, match=rf"{cls} \(model_type '\w+'\) is not a causal decoder: transformers serves "
+                                         rf"it for [^;]*{task}.*AutoModelForCausalLM") as e:
+        QuantizedCache(getattr(transformers, cls)(), max_batch_size=1, max_cache_len=16)
+    assert "Mamba" not in str(e.value)
+    assert len(QuantizedCache(config(), max_batch_size=1, max_cache_len=16).layers) == 2
+
+
+def test_cache_larger_than_the_device_refused_before_allocating(monkeypatch):
+    """The bytes a cache needs, against what its device holds (the CPU: total memory, here patched to
+    1 MiB), refused before anything is allocated, with the bytes and the length that would fit; built with
+    device=None, at the first update. A cache that fits is built."""
+    from kvcompile import checks
+
+    fits = QuantizedCache(config(), max_batch_size=1, max_cache_len=16, kv_dtype="fp8_e4m3", device="cpu")
+    per_position = fits.nbytes // 16  # 2 layers x 2 kv heads x (2 x 32 code bytes + 2 x 4 scale bytes) + ...
+    monkeypatch.setattr(checks, "_system_memory", lambda: 2**20)
+    QuantizedCache(config(), max_batch_size=1, max_cache_len=16, kv_dtype="fp8_e4m3", device="cpu")
+    too_long = 2 * 2**20 // per_position
+    need = QuantizedCache(config(), max_cache_len=too_long, kv_dtype="fp8_e4m3").planned_nbytes(device="cpu")
+    match = (rf"max_batch_size=1 x max_cache_len={too_long:,} needs {need:,} bytes \([\d.]+ MiB\) of K/V storage in "
+             r"2 layers, but this machine has 1.00 MiB of memory in all; pass max_cache_len=.*at most about ([\d,]+) fit")
+    with pytest.raises(ValueError, match=match) as e:
+        QuantizedCache(config(), max_batch_size=1, max_cache_len=too_long, kv_dtype="fp8_e4m3", device="cpu")
+    advised = int(re.search(match, str(e.value)).group(1).replace(",", ""))
+    # the advice is the longest that fits: it builds, 1% more does not
+    QuantizedCache(config(), max_batch_size=1, max_cache_len=advised, kv_dtype="fp8_e4m3", device="cpu")
+    with pytest.raises(ValueError, match="this machine has 1.00 MiB"):
+        QuantizedCache(config(), max_batch_size=1, max_cache_len=advised * 101 // 100, kv_dtype="fp8_e4m3", device="cpu")
+    lazy = QuantizedCache(config(), max_batch_size=1, max_cache_len=too_long, kv_dtype="fp8_e4m3")
+    k = torch.randn(1, 2, 1, 32)
+    with pytest.raises(ValueError, match=match):
+        lazy.update(k, k, 0)
+    assert lazy.nbytes == 0 and lazy.unallocated_layers() == [0, 1]
+    # on a GPU: its free memory, and what this process's allocator holds unused
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
+    assert checks.room_on(torch.device("cuda", 0)) == (4 * 2**30, "cuda:0 has 4.00 GiB free of 80.00 GiB")
+
+
+def test_cache_beyond_any_memory_refused():
+    with pytest.raises(ValueError, match=r"max_cache_len=10,000,000,000,000 needs [\d,]+ bytes \([\d,.]+ TiB\)"):
+        QuantizedCache(config(), max_batch_size=1, max_cache_len=10**13, device="cpu")
 
 
 # ------------------------------------------------------------------------------------------------
