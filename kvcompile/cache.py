@@ -375,13 +375,16 @@ class QuantizedCache(Cache):
                 f"kvcompile.QuantizedCache.update: layer_idx={layer_idx!r} is not a layer of the cache: it takes an "
                 f"int in 0..{n - 1} ({n} layers; a negative index does not count from the end)"
             )
-        if isinstance(key_states, torch.Tensor) and not torch.compiler.is_compiling():
+        if isinstance(key_states, torch.Tensor) and not torch.compiler.is_compiling():  # compiled: the backend's
             self._check_first_writes(key_states, value_states, layer_idx)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _check_first_writes(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
-        """Eager checks of an update: before the first write of a lazily allocated cache, the bytes its device
-        can hold."""
+        """Eager checks of an update: gradients (refused: kvcompile.backend refuses a compiled graph with the
+        same message), and before the first write of a lazily allocated cache, the bytes its device can hold."""
+        if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            side = "key_states" if key_states.requires_grad else "value_states"
+            raise checks.grad_refusal("kvcompile.QuantizedCache", f"layer {layer_idx}'s {side}")
         if not self._size_checked:
             self._size_checked = True
             # fewer heads than the layer's: a tensor-parallel rank's, sized once sharded (kvcompile.tp)

@@ -4,7 +4,8 @@ naming the argument, what is wrong with it and the fix, before torch or transfor
 * :func:`positive_int`, :func:`checked_config`, :func:`checked_device`: ``QuantizedCache``'s arguments;
 * :func:`not_a_causal_decoder`: a config whose model writes no K/V while generating (a ViT, DistilBERT);
 * :func:`room_on`: the bytes a device can hold, for refusing a cache before it is allocated;
-* :func:`check_rows`: row indices (``reorder_cache``'s ``beam_idx``).
+* :func:`check_rows`: row indices (``reorder_cache``'s ``beam_idx``);
+* :func:`grad_refusal`: the error for a forward with gradients enabled.
 
 Imports nothing of kvcompile (:mod:`kvcompile.hf` uses it too).
 """
@@ -18,8 +19,8 @@ from typing import Mapping
 
 import torch
 
-__all__ = ["checked_config", "checked_device", "check_rows", "gib", "not_a_causal_decoder", "positive_int",
-           "room_on"]
+__all__ = ["checked_config", "checked_device", "check_rows", "gib", "grad_refusal", "not_a_causal_decoder",
+           "positive_int", "room_on"]
 
 
 def positive_int(name: str, value, who: str = "kvcompile.QuantizedCache") -> int:
@@ -158,7 +159,7 @@ def room_on(device: torch.device) -> tuple[int, str] | None:
     return None
 
 
-# -- indices --------------------------------------------------------------------------------------
+# -- indices, gradients --------------------------------------------------------------------------
 
 
 def check_rows(who: str, name: str, idx, rows: int) -> None:
@@ -176,3 +177,12 @@ def check_rows(who: str, name: str, idx, rows: int) -> None:
     if lo < 0 or hi >= rows:
         raise ValueError(f"{who}: {name} holds {lo if lo < 0 else hi}, outside the cache's rows 0..{rows - 1} "
                          f"(max_batch_size={rows}); pass row indices of the current batch")
+
+
+def grad_refusal(who: str, what: str, why: str = "k_proj and v_proj would get none") -> RuntimeError:
+    """The one-line error for a forward with gradients enabled over the cache: the fix comes first."""
+    return RuntimeError(
+        f"{who}: run the model under torch.no_grad() or torch.inference_mode() (generate() does): {what} requires "
+        f"grad, and the cache stores K/V as 8-bit integer codes, which no gradient flows through ({why}). To take "
+        "gradients, use transformers' DynamicCache, or use_cache=False"
+    )

@@ -88,6 +88,7 @@ def greedy_tokens(model, ids, am, n):
     return toks
 
 
+@torch.no_grad()
 def run_steps_continue(model, cache, am, toks):
     a = torch.cat([am, torch.ones(am.shape[0], len(toks), dtype=am.dtype)], dim=1)
     pos = (a.cumsum(-1) - 1)[:, -1:]

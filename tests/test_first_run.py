@@ -171,6 +171,57 @@ def test_cache_beyond_any_memory_refused():
 
 
 # ------------------------------------------------------------------------------------------------
+# gradients: refused, naming torch.no_grad()
+# ------------------------------------------------------------------------------------------------
+
+NO_GRAD = r"run the model under torch.no_grad\(\) or torch.inference_mode\(\)"
+
+
+def test_forward_with_gradients_refused_at_the_first_update():
+    """The codes are integers: no gradient reaches k_proj / v_proj through the cache, so a forward whose K/V
+    require grad is refused at the first update (before anything is stored), in one line naming the fix.
+    Under torch.no_grad() or torch.inference_mode() the same forward runs."""
+    model = tiny_model()
+    cache = QuantizedCache(model.config, max_batch_size=1, max_cache_len=16, device="cpu")
+    with pytest.raises(RuntimeError, match=rf"^kvcompile.QuantizedCache: {NO_GRAD} \(generate\(\) does\): layer 0's "
+                                           r"key_states requires grad.*DynamicCache, or use_cache=False$") as e:
+        model(input_ids=IDS, use_cache=True, **kv(cache))
+    assert "\n" not in str(e.value) and int(cache.get_seq_length()) == 0
+    for mode in (torch.no_grad, torch.inference_mode):
+        cache.reset()
+        with mode():
+            model(input_ids=IDS, use_cache=True, **kv(cache))
+        assert int(cache.get_seq_length()) == IDS.shape[1]
+
+
+@pytest.mark.usefixtures("dynamo_reset_around")
+def test_compiled_forward_with_gradients_names_the_fix_first():
+    """Compiled, the graph that stores K/V requiring grad raises kvcompile's line as the first line (not
+    torch's BackendCompilerFailed), before Inductor; a graph traced under no_grad is let through."""
+    from kvcompile import compile_backend
+
+    cache = QuantizedCache(config(num_hidden_layers=1), max_batch_size=1, max_cache_len=8, kv_dtype="fp8_e4m3",
+                           device="cpu")
+    k = torch.randn(1, 2, 1, 32, requires_grad=True)
+    backend = kvcompile.backend(kv_dtype="fp8_e4m3")
+    with pytest.raises(RuntimeError) as e:
+        torch.compile(lambda k, v: cache.update(k, v, 0), backend=backend, fullgraph=True)(k, k * 2)
+    first = str(e.value).splitlines()[0]
+    assert first.startswith("kvcompile.backend: run the model under torch.no_grad() or torch.inference_mode()"), first
+    assert "kvcompile::store_kv" in first and backend.report() == []
+    refusals = []  # what kvcompile.backend's check says where the backend is called, here under no_grad
+
+    def check_only(gm, _):
+        refusals.append(compile_backend._grad_refusal(gm.graph, 0))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(lambda k, v: cache.update(k, v, 0), backend=check_only, fullgraph=True)(k, k * 2)
+    assert refusals == [None]
+
+
+# ------------------------------------------------------------------------------------------------
 # calibration: shipped by name, wrong types named
 # ------------------------------------------------------------------------------------------------
 
