@@ -153,7 +153,8 @@ def main(argv=None, model=None, tok=None) -> list[dict]:
 
         if args.calibration:
             L, H, D = _layer_shapes(model.config)
-            calib = kvcompile.load_calibration(args.calibration, num_layers=L, num_kv_heads=H, head_dim=D)
+            calib = kvcompile.load_calibration(args.calibration, num_layers=L, num_kv_heads=H, head_dim=D,
+                                               config=model.config)
         else:  # the haystack is the file's start; calibrate on its end
             calib_ids = torch.tensor(_common.encode(tok, text[-40000:])[-4096:])
             calib = kvcompile.calibrate(model, [calib_ids], max_length=2048)

@@ -171,7 +171,7 @@ def first_departure(gen: torch.Tensor, ref: torch.Tensor) -> list[int]:
 def _calibration(args, model, tok, text, eval_chars, device):
     if args.calibration:
         print(f"calibration: {args.calibration}")
-        return kvcompile.load_calibration(args.calibration, **_shapes(model))
+        return kvcompile.load_calibration(args.calibration, **_shapes(model), config=model.config)
     # Disjoint from the evaluation window: start in the middle of the text (or after the window).
     start = max(len(text) // 2, eval_chars)
     ids = torch.tensor(_common.encode(tok, text[start:])[: args.calib_tokens])

@@ -212,7 +212,8 @@ class QuantizedCache(Cache):
                 config, shapes, "kvcompile.QuantizedCache", "a calibration holds one [layers, kv heads(, head_dim)] "
                 "shape: build this model's cache without calibration (per-token scales need none)")
             calib = tp.load_calibration(
-                calibration, num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim, tp_size=tp_size
+                calibration, num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim, tp_size=tp_size,
+                config=config,
             )
         if fmt.is_static and ("k_scale" not in calib or "v_scale" not in calib):
             raise ValueError(

@@ -5,7 +5,8 @@ naming the argument, what is wrong with it and the fix, before torch or transfor
 * :func:`not_a_causal_decoder`: a config whose model writes no K/V while generating (a ViT, DistilBERT);
 * :func:`room_on`: the bytes a device can hold, for refusing a cache before it is allocated;
 * :func:`check_rows`: row indices (``reorder_cache``'s ``beam_idx``);
-* :func:`grad_refusal`: the error for a forward with gradients enabled.
+* :func:`grad_refusal`: the error for a forward with gradients enabled;
+* :func:`file_to_read` / :func:`file_to_write`: paths that are directories or in missing folders.
 
 Imports nothing of kvcompile (:mod:`kvcompile.hf` uses it too).
 """
@@ -19,8 +20,8 @@ from typing import Mapping
 
 import torch
 
-__all__ = ["checked_config", "checked_device", "check_rows", "gib", "grad_refusal", "not_a_causal_decoder",
-           "positive_int", "room_on"]
+__all__ = ["checked_config", "checked_device", "check_rows", "file_to_read", "file_to_write", "gib",
+           "grad_refusal", "not_a_causal_decoder", "positive_int", "room_on"]
 
 
 def positive_int(name: str, value, who: str = "kvcompile.QuantizedCache") -> int:
@@ -159,7 +160,7 @@ def room_on(device: torch.device) -> tuple[int, str] | None:
     return None
 
 
-# -- indices, gradients --------------------------------------------------------------------------
+# -- indices, gradients, paths --------------------------------------------------------------------
 
 
 def check_rows(who: str, name: str, idx, rows: int) -> None:
@@ -186,3 +187,26 @@ def grad_refusal(who: str, what: str, why: str = "k_proj and v_proj would get no
         f"grad, and the cache stores K/V as 8-bit integer codes, which no gradient flows through ({why}). To take "
         "gradients, use transformers' DynamicCache, or use_cache=False"
     )
+
+
+def file_to_read(path, who: str) -> str:
+    """``path`` as a string, refused when it is a directory (naming the safetensors files inside)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        inside = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))[:5]
+        hint = f" (it holds {', '.join(inside)})" if inside else ""
+        raise ValueError(f"{who} {path!r} is a directory{hint}; pass the path of the safetensors file itself")
+    return path
+
+
+def file_to_write(path, who: str, example: str = "calibration.safetensors") -> str:
+    """``path`` as a string, refused when it is a directory or its folder does not exist."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{who}: {path!r} is a directory; pass a file path inside it, e.g. "
+                                f"{os.path.join(path, example)!r}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"{who}: cannot write {path!r}: its folder {folder!r} does not exist; create it "
+                                "first (os.makedirs) or pass a path in an existing folder")
+    return path

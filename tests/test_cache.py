@@ -433,8 +433,13 @@ def test_corrupted_calibration_raises(corrupt, match, tmp_path):
     corrupt(calib)
     with pytest.raises(ValueError, match=match):
         QuantizedCache(tiny_config("llama"), max_batch_size=1, max_cache_len=8, kv_dtype="fp8_e4m3", granularity="static", calibration=calib)
-    path = tmp_path / "c.safetensors"  # the same through a file
-    save_calibration(calib, path)
+    path = tmp_path / "c.safetensors"
+    with pytest.raises(ValueError, match=match):  # refused at save for this model, as at load
+        save_calibration(calib, path, config=tiny_config("llama"))
+    assert not path.exists()
+    from safetensors.torch import save_file
+
+    save_file(calib, str(path))  # the same through a file written by other means
     with pytest.raises(ValueError, match=match):
         QuantizedCache(tiny_config("llama"), max_batch_size=1, max_cache_len=8, kv_dtype="fp8_e4m3", granularity="static",
                        calibration=path)

@@ -257,8 +257,9 @@ def test_unknown_calibration_name_lists_the_shipped_ones():
 
 
 def test_shipped_calibration_for_another_model_refused():
-    # the tiny model has 2 layers of 2 kv heads: the SmolLM2 file does not fit it
-    with pytest.raises(ValueError, match="has shape .*calibrate this model again"):
+    # the tiny model has 2 layers of 2 kv heads: the SmolLM2 file, which records its model, does not fit it
+    with pytest.raises(ValueError, match=r"was taken from HuggingFaceTB/SmolLM2-135M-Instruct .*\(num_layers 30 vs 2, "
+                                         r"num_kv_heads 3 vs 2, .*calibrate this model"):
         QuantizedCache(config(), max_batch_size=1, max_cache_len=16, calibration="smollm2-135m-instruct")
 
 
