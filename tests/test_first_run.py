@@ -437,6 +437,23 @@ def test_info_config_allocates_nothing(tmp_path):
     assert "(528.00 GiB)" in out and "8.25 GiB" in out, out  # total; per batch row
 
 
+@pytest.mark.parametrize("args,match", [
+    (["--kv-dtype", "int4"], "argument --kv-dtype: unknown kv_dtype 'int4'"),
+    (["--max-cache-len", "0"], "argument --max-cache-len: must be a positive int, got 0"),
+    (["--batch", "two"], "argument --batch: expected a positive int, got 'two'"),
+    (["--granularity", "tokens"], "argument --granularity: invalid choice: 'tokens'"),
+    (["--calibration", "."], "argument --calibration: kvcompile calibration '.' is a directory"),
+], ids=["kv-dtype", "max-cache-len", "batch", "granularity", "calibration"])
+def test_info_arguments_are_checked_before_the_config_is_read(args, match, capsys):
+    """One line from argparse, before the config (here a path that does not exist) is read."""
+    from kvcompile.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["info", "--config", "no/such/config", *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and match in err and "Traceback" not in err and "info works offline" not in err, err
+
+
 def test_info_config_cli_offline(tmp_path):
     LlamaConfig(**TINY).save_pretrained(tmp_path)
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=ROOT)
