@@ -5,6 +5,7 @@ Not part of the kvcompile API; the examples import it as a sibling module.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import math
 import os
@@ -23,8 +24,10 @@ __all__ = [
     "ByteTokenizer",
     "build_cache",
     "cache_kwarg",
+    "check_args",
     "default_device",
     "load_model",
+    "positive_int",
     "read_text",
     "tiny_model",
     "variant_cache",
@@ -129,6 +132,83 @@ def load_model(model: str | None, *, tiny: bool = False, device: str | None = No
     tok = AutoTokenizer.from_pretrained(path, **kw)
     m = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kw).to(device).eval()
     return m, tok
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an int >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {n}")
+    return n
+
+
+def check_args(p: argparse.ArgumentParser, args, *, calibration_off: str | None = None) -> None:
+    """Refuse, with ``p.error`` (one line, before any model loads), the arguments of an example that are wrong
+    on their face: the formats, ``--device``, ``--dtype``, the paths read and written, ``--variants``.
+    ``calibration_off``: the ``--calibration`` value that means none."""
+    flags = [(f"--{a.replace('_', '-')}", getattr(args, a, None)) for a in ("kv_dtype", "k_dtype", "v_dtype")]
+    for flag, value in flags:
+        if value is not None:
+            try:
+                kvcompile.get_format(value)
+            except ValueError as e:
+                p.error(f"argument {flag}: {e}")
+    if any(v is not None for _, v in flags) or getattr(args, "granularity", None) is not None:
+        try:
+            k, v = kvcompile.formats.resolve_kv_dtypes(*(value for _, value in flags))
+            kvcompile.formats.check_pair(kvcompile.get_format(k, args.granularity),
+                                         kvcompile.get_format(v, args.granularity))
+        except ValueError as e:
+            p.error(f"arguments --kv-dtype / --k-dtype / --v-dtype / --granularity: {e}")
+    device = getattr(args, "device", None)
+    if device and (not _is_device(device) or (torch.device(device).type == "cuda" and not torch.cuda.is_available())):
+        p.error(f"argument --device: {device!r} is not a device this machine has; use cpu" +
+                (" or cuda" if torch.cuda.is_available() else " (no CUDA here)"))
+    dtype = getattr(args, "dtype", "auto")
+    if dtype != "auto" and not (isinstance(getattr(torch, dtype, None), torch.dtype)
+                                and getattr(torch, dtype).is_floating_point):
+        p.error(f"argument --dtype: {dtype!r} is not a floating torch dtype; use auto, bfloat16, float16 or float32")
+    bad = [v for v in getattr(args, "variants", None) or () if v not in VARIANTS]
+    if bad:
+        p.error(f"argument --variants: unknown {bad}; choose from {list(VARIANTS)}")
+    _check_paths(p, args, calibration_off)
+
+
+def _is_device(name: str) -> bool:
+    try:
+        torch.device(name)
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
+def _check_paths(p: argparse.ArgumentParser, args, calibration_off: str | None) -> None:
+    from kvcompile.calibration import shipped_calibrations
+
+    calib = getattr(args, "calibration", None)
+    shipped = shipped_calibrations()
+    if calib is not None and calib != calibration_off and calib.removesuffix(".safetensors") not in shipped:
+        if os.path.isdir(calib):
+            p.error(f"argument --calibration: {calib!r} is a directory; pass the safetensors file inside it")
+        if not os.path.isfile(calib):
+            p.error(f"argument --calibration: no file {calib!r}, and no calibration shipped with kvcompile has that "
+                    f"name (shipped: {shipped})")
+    text = getattr(args, "text", None)
+    if text and not os.path.isfile(text):
+        p.error(f"argument --text: no file {text!r}" + (" (a directory)" if os.path.isdir(text) else "")
+                + f"; pass a text file, or no --text ({DEFAULT_TEXT})")
+    from kvcompile.checks import file_to_write
+
+    for flag, example in (("save_calibration", "calibration.safetensors"), ("markdown", "results.md")):
+        out = getattr(args, flag, None)
+        if out:
+            try:
+                file_to_write(out, f"argument --{flag.replace('_', '-')}", example)
+            except OSError as e:
+                p.error(str(e))
 
 
 def model_and_text(args, model=None, tok=None):

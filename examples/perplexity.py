@@ -73,23 +73,27 @@ def parse_args(argv=None):
     p.add_argument("--gguf-file", default=None)
     p.add_argument("--tiny", action="store_true", help="a tiny random model (tests)")
     p.add_argument("--text", default=None, help=f"text file (default: {_common.DEFAULT_TEXT}, inside Python)")
-    p.add_argument("--tokens", type=int, default=2048, help="evaluation tokens of the text")
-    p.add_argument("--chunk", type=int, default=512, help="prefill chunk")
+    p.add_argument("--tokens", type=_common.positive_int, default=2048, help="evaluation tokens of the text")
+    p.add_argument("--chunk", type=_common.positive_int, default=512, help="prefill chunk")
     p.add_argument("--new-tokens", "--continuation", dest="new_tokens", type=int, default=128,
                    help="greedy tokens per prompt (0: skip the greedy comparison)")
-    p.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts")
+    p.add_argument("--prompts", type=_common.positive_int, default=len(PROMPTS),
+                   help=f"how many of the {len(PROMPTS)} prompts")
     p.add_argument("--variants", nargs="+", default=list(_common.DEFAULT_VARIANTS),
                    help=f"from {list(_common.VARIANTS)} (default {list(_common.DEFAULT_VARIANTS)})")
     p.add_argument("--calibration", default=None,
                    help="safetensors calibration file, or a shipped name such as smollm2-135m-instruct "
                         "(kvcompile.calibration.shipped_calibrations()); default: calibrate now")
-    p.add_argument("--calib-tokens", type=int, default=4096, help="tokens to calibrate on (disjoint text)")
+    p.add_argument("--calib-tokens", type=_common.positive_int, default=4096,
+                   help="tokens to calibrate on (disjoint text)")
     p.add_argument("--save-calibration", default=None, help="write the calibration used to this file")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--markdown", default=None, help="append the results table to this file")
     p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    _common.check_args(p, args)  # before the model loads
+    return args
 
 
 def _forward(model, ids, cache, kwarg, **kw):
@@ -171,7 +175,7 @@ def first_departure(gen: torch.Tensor, ref: torch.Tensor) -> list[int]:
 def _calibration(args, model, tok, text, eval_chars, device):
     if args.calibration:
         print(f"calibration: {args.calibration}")
-        return kvcompile.load_calibration(args.calibration, **_shapes(model))
+        return kvcompile.load_calibration(args.calibration, **_shapes(model), config=model.config)
     # Disjoint from the evaluation window: start in the middle of the text (or after the window).
     start = max(len(text) // 2, eval_chars)
     ids = torch.tensor(_common.encode(tok, text[start:])[: args.calib_tokens])

@@ -238,7 +238,31 @@ def cache_size_lines(config, *, max_cache_len=None, batch=1, kv_dtype=None, gran
     return lines
 
 
-def main(argv=None) -> int:
+def _positive_int(text: str) -> int:
+    """An argparse ``type``: an int >= 1 (a mistake is one line from argparse, not a traceback)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {n}")
+    return n
+
+
+def _kv_dtype(text: str) -> str:
+    """An argparse ``type``: one of :data:`kvcompile.KV_DTYPES`."""
+    from . import formats
+
+    try:
+        formats.get_format(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .formats import SCALE_GRANULARITIES
+
     p = argparse.ArgumentParser(prog="python -m kvcompile", description="kvcompile utilities")
     sub = p.add_subparsers(dest="cmd")
     ip = sub.add_parser("info", help="GPU/arch, attention tiles per head dim and format, KV formats; with --config: "
@@ -246,31 +270,46 @@ def main(argv=None) -> int:
     ip.add_argument("--config", default=None, metavar="MODEL_OR_CONFIG",
                     help="a local model directory or config.json (no network): print the cache's bytes per layer and "
                          "in total instead of the device report")
-    ip.add_argument("--max-cache-len", type=int, default=None,
+    ip.add_argument("--max-cache-len", type=_positive_int, default=None,
                     help="positions per sequence (default: the config's max_position_embeddings, what QuantizedCache "
                          "allocates when max_cache_len is omitted)")
-    ip.add_argument("--batch", type=int, default=1, help="max_batch_size (default 1)")
-    ip.add_argument("--kv-dtype", default=None, help="cache format (default: QuantizedCache's default)")
-    ip.add_argument("--granularity", default=None, help="token / block32 / static (default: the format's)")
+    ip.add_argument("--batch", type=_positive_int, default=1, help="max_batch_size (default 1)")
+    ip.add_argument("--kv-dtype", type=_kv_dtype, default=None, help="cache format (default: QuantizedCache's default)")
+    ip.add_argument("--granularity", choices=SCALE_GRANULARITIES, default=None,
+                    help="token / block32 / static (default: the format's)")
     ip.add_argument("--calibration", default=None,
                     help="calibration file or shipped name (static scales need one)")
     sp = sub.add_parser("sass", help="compile the attention (or store) kernel for an arch (no GPU) and summarize "
                                      "its SASS")
     sp.add_argument("--kernel", choices=("attention", "store"), default="attention",
                     help="store: quantize-on-store of a --tokens-long write (default attention)")
-    sp.add_argument("--tokens", type=int, default=16384, help="store: tokens written by the launch")
+    sp.add_argument("--tokens", type=_positive_int, default=16384, help="store: tokens written by the launch")
     sp.add_argument("--arch", default="90", help="compute capability, e.g. 90 or 89 (default 90)")
-    sp.add_argument("--kv-dtype", default="fp8_e4m3")
-    sp.add_argument("--granularity", default=None, help="token / block32 / static (default: the format's)")
-    sp.add_argument("--head-dim", type=int, default=128)
-    sp.add_argument("--group", type=int, default=4, help="query heads per kv head")
-    sp.add_argument("--q-len", type=int, default=1, help="<= 16: split-K decode launch; longer: fused prefill")
+    sp.add_argument("--kv-dtype", type=_kv_dtype, default="fp8_e4m3")
+    sp.add_argument("--granularity", choices=SCALE_GRANULARITIES, default=None,
+                    help="token / block32 / static (default: the format's)")
+    sp.add_argument("--head-dim", type=_positive_int, default=128)
+    sp.add_argument("--group", type=_positive_int, default=4, help="query heads per kv head")
+    sp.add_argument("--q-len", type=_positive_int, default=1,
+                    help="<= 16: split-K decode launch; longer: fused prefill")
     sp.add_argument("--no-v-pin", action="store_true", help="let Triton place the V conversion (for A/B)")
     sp.add_argument("--v-layout", choices=("auto", "keys", "head_dim"), default="auto",
                     help="V codes key- or head_dim-contiguous (auto: QuantizedCache's choice for the format)")
-    sp.add_argument("--top", type=int, default=24, help="opcodes to list")
+    sp.add_argument("--top", type=_positive_int, default=24, help="opcodes to list")
+    return p
+
+
+def main(argv=None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     if args.cmd == "info" and args.config is not None:
+        if args.calibration is not None:  # before the config is read
+            from .calibration import _resolve_path
+
+            try:
+                _resolve_path(args.calibration)
+            except ValueError as e:
+                p.error(f"argument --calibration: {e}")
         config = _load_config(args.config)
         try:
             lines = cache_size_lines(config, max_cache_len=args.max_cache_len, batch=args.batch,
@@ -291,7 +330,10 @@ def main(argv=None) -> int:
         from . import formats
 
         cc = (int(args.arch[:-1]), int(args.arch[-1]))
-        fmt = formats.get_format(args.kv_dtype, args.granularity)
+        try:
+            fmt = formats.get_format(args.kv_dtype, args.granularity)
+        except ValueError as e:
+            p.error(f"arguments --kv-dtype / --granularity: {e}")
         v_keys = fmt.v_keys_contiguous if args.v_layout == "auto" else args.v_layout == "keys"
         if args.kernel == "store":
             r = aot.compile_store(cc, args.kv_dtype, args.granularity, args.head_dim, args.tokens, v_keys)

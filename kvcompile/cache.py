@@ -12,7 +12,6 @@ directly.
 from __future__ import annotations
 
 import copy
-import operator
 import os
 import warnings
 import weakref
@@ -21,7 +20,7 @@ from typing import Any, Mapping
 import torch
 from transformers.cache_utils import Cache
 
-from . import formats, hf, rotation, tp
+from . import checks, formats, hf, rotation, tp
 # re-exported: kvcompile.cache names them too
 from .cache_layer import NoKVLayer, QuantizedLayer, v_codes_buffer
 from .state_layers import HybridLayer, StateLayer
@@ -38,61 +37,6 @@ def live_caches() -> list["QuantizedCache"]:
 
 class CacheSizeWarning(UserWarning):
     """``QuantizedCache`` was sized from the config's ``max_position_embeddings`` (no ``max_cache_len``)."""
-
-
-def _positive_int(name: str, value) -> int:
-    """``value`` as an int >= 1 (ints and integer-like numpy/torch scalars); floats and bools are refused."""
-    if isinstance(value, bool) or isinstance(value, float):
-        hint = f" (use {int(value)})" if isinstance(value, float) and value.is_integer() and value >= 1 else ""
-        raise TypeError(f"kvcompile.QuantizedCache: {name} must be an int, got {type(value).__name__} {value!r}{hint}")
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"kvcompile.QuantizedCache: {name} must be an int, got {type(value).__name__} {value!r}"
-        ) from None
-    if n < 1:
-        raise ValueError(f"kvcompile.QuantizedCache: {name} must be a positive int, got {n}")
-    return n
-
-
-def _checked_config(config):
-    """The model config the cache is built from; a model, a name or a dict is refused with the fix."""
-    if isinstance(config, torch.nn.Module):
-        raise TypeError(
-            f"kvcompile.QuantizedCache: got the model ({type(config).__name__}) where the config goes; "
-            "pass model.config"
-        )
-    if isinstance(config, (str, os.PathLike, Mapping)):
-        raise TypeError(
-            f"kvcompile.QuantizedCache: config must be a transformers config object, got a {type(config).__name__}; "
-            "pass model.config or transformers.AutoConfig.from_pretrained(...)"
-        )
-    if not hasattr(config, "num_hidden_layers") and not hasattr(config, "get_text_config"):
-        raise TypeError(
-            f"kvcompile.QuantizedCache: config must be a transformers config object (model.config), "
-            f"got {type(config).__name__}"
-        )
-    return config
-
-
-def _checked_device(device):
-    """``device`` as a torch.device (None stays None: allocate lazily); a device torch cannot use is refused."""
-    if device is None:
-        return None
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(
-            f"kvcompile.QuantizedCache: device={device!r} is not a torch device; use e.g. 'cuda', 'cuda:1' "
-            "or 'cpu', or device=None to allocate on the first update's device"
-        ) from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            f"kvcompile.QuantizedCache: device={device!r} but CUDA is not available here (torch "
-            f"{torch.__version__}); use device='cpu' (or device=None: the first update's device)"
-        )
-    return dev
 
 
 def _layer_nbytes(layer: "QuantizedLayer", device=None) -> int:
@@ -112,7 +56,8 @@ class QuantizedCache(Cache):
         config: the model config (``model.config``). Its layer shapes, attention types and sliding
             windows are read as transformers' own caches read them (:mod:`kvcompile.hf`); a model the
             cache cannot serve (encoder-decoder, cross-attention, multi-head latent attention, MPT's ALiBi,
-            chunked attention, a model with no K/V at all) raises ``ValueError`` naming why. Layers may differ in shape
+            chunked attention, a model with no K/V at all, a model that is no causal decoder: a ViT,
+            DistilBERT) raises ``ValueError`` naming why. Layers may differ in shape
             (Gemma 4), and a layer that stores no K/V of its own (Gemma 3n / 4's shared layers, which
             attend over the K/V an earlier layer returned) holds a :class:`NoKVLayer`, and a layer that
             keeps a recurrent or convolution state instead of K/V (the Mamba / gated-delta-net layers
@@ -131,7 +76,9 @@ class QuantizedCache(Cache):
             will be allocated and how to choose; ``python -m kvcompile info --config MODEL
             --max-cache-len N`` prints them before anything is allocated. A cache built for one
             ``generate()`` call cannot learn that call's length (transformers hands a user's cache
-            over as is), hence the warning rather than a guess.
+            over as is), hence the warning rather than a guess. A cache larger than its device holds (a
+            GPU's free memory, the CPU's total memory) is refused before anything is allocated (with
+            ``device=None``: at the first update, outside ``torch.compile``), naming its bytes.
         kv_dtype: one of :data:`kvcompile.KV_DTYPES` (``"fp8_e4m3"``, ``"q8_0"``, ``"int8"``) for K and
             V; ``None``: :data:`kvcompile.formats.DEFAULT_KV_DTYPE`.
         device: where to allocate now; ``None`` allocates lazily on the first update's device (under
@@ -213,13 +160,13 @@ class QuantizedCache(Cache):
             raise TypeError(f"kvcompile.QuantizedCache: rotate must be None, True, False, 'k' or 'v', got {rotate!r}")
         if not isinstance(ring, bool):
             raise TypeError(f"kvcompile.QuantizedCache: ring must be True or False, got {ring!r}")
-        config = _checked_config(config)
+        config = checks.checked_config(config)
         text_config = hf.text_config(config)
         k_name, v_name = formats.resolve_kv_dtypes(kv_dtype, k_dtype, v_dtype)
         k_fmt, v_fmt = formats.get_format(k_name, granularity), formats.get_format(v_name, granularity)
         formats.check_pair(k_fmt, v_fmt)
         fmt = k_fmt
-        max_batch_size = _positive_int("max_batch_size", max_batch_size)
+        max_batch_size = checks.positive_int("max_batch_size", max_batch_size)
         size_from_config = max_cache_len is None
         if size_from_config:
             max_cache_len = getattr(text_config, "max_position_embeddings", None)
@@ -228,8 +175,8 @@ class QuantizedCache(Cache):
                     "kvcompile.QuantizedCache: pass max_cache_len (prompt + generated tokens per sequence); the "
                     "config has no max_position_embeddings to fall back on"
                 )
-        max_cache_len = _positive_int("max_cache_len", max_cache_len)
-        device = _checked_device(device)
+        max_cache_len = checks.positive_int("max_cache_len", max_cache_len)
+        device = checks.checked_device(device)
         # (kv heads, head_dim) per layer, None for a layer without K/V of its own; refuses what the cache cannot serve
         shapes = hf.per_layer_shapes(config)
         states = hf.state_layers(config)  # layer -> number of states, for layers that keep a state instead of K/V
@@ -265,7 +212,8 @@ class QuantizedCache(Cache):
                 config, shapes, "kvcompile.QuantizedCache", "a calibration holds one [layers, kv heads(, head_dim)] "
                 "shape: build this model's cache without calibration (per-token scales need none)")
             calib = tp.load_calibration(
-                calibration, num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim, tp_size=tp_size
+                calibration, num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim, tp_size=tp_size,
+                config=config,
             )
         if fmt.is_static and ("k_scale" not in calib or "v_scale" not in calib):
             raise ValueError(
@@ -302,6 +250,9 @@ class QuantizedCache(Cache):
         # transformers 5.17's Cache defines read-only (deprecated) properties of these names
         self._max_batch_size = max_batch_size
         self._max_cache_len = max_cache_len
+        self._size_checked = device is not None  # lazily allocated (device=None): checked at the first update
+        if device is not None:
+            self._refuse_if_too_large(device, size_from_config)
         if size_from_config:
             self._warn_size_from_config(stacklevel=3)
         if device is not None:
@@ -392,19 +343,69 @@ class QuantizedCache(Cache):
         stores, a sliding layer's window included, as transformers' ``StaticCache`` holds them."""
         return sum(2 * 2 * l.max_batch_size * l.num_heads * l.slots * l.head_dim for l in self.layers)
 
+    def _refuse_if_too_large(self, device: torch.device, size_from_config: bool = False) -> None:
+        """Refuse, before anything is allocated on ``device``, a cache larger than the device can hold
+        (:func:`kvcompile.checks.room_on`), stating its bytes and the ``max_cache_len`` that would fit."""
+        room = checks.room_on(device)
+        sizes = [_layer_nbytes(layer, device) if isinstance(layer, QuantizedLayer) and not layer.is_initialized else 0
+                 for layer in self.layers]  # what allocating the rest takes (all of it before the first write)
+        total = sum(sizes)
+        if room is None or total <= room[0]:
+            return
+        # a sliding layer's ring holds its window whatever max_cache_len; the other layers grow with it
+        fixed = sum(size for layer, size in zip(self.layers, sizes) if layer.ring)
+        per_position = (total - fixed) / self.max_cache_len
+        fits = int((room[0] - fixed) // per_position) if per_position else 0
+        given = " (the config's max_position_embeddings)" if size_from_config else ""
+        raise ValueError(
+            f"kvcompile.QuantizedCache: max_batch_size={self.max_batch_size} x max_cache_len={self.max_cache_len:,}"
+            f"{given} needs {total:,} bytes ({checks.gib(total)}) of K/V storage in {len(self.layers)} layers, but "
+            f"{room[1]}; pass max_cache_len=<prompt tokens + max_new_tokens>"
+            + (f" (at most about {fits:,} fit at this batch)" if fits >= 1 else ", and a smaller max_batch_size")
+        )
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if layer_idx >= len(self.layers):
+        n = len(self.layers)
+        if type(layer_idx) is not int or not 0 <= layer_idx < n:
+            if isinstance(layer_idx, int) and not isinstance(layer_idx, bool) and layer_idx >= n:
+                raise ValueError(
+                    f"kvcompile.QuantizedCache: the model wrote attention layer {layer_idx}, but the cache was built "
+                    f"for {n} layers; build it from this model's config (QuantizedCache(model.config, ...))"
+                )
             raise ValueError(
-                f"kvcompile.QuantizedCache: the model wrote attention layer {layer_idx}, but the cache was built for "
-                f"{len(self.layers)} layers; build it from this model's config (QuantizedCache(model.config, ...))"
+                f"kvcompile.QuantizedCache.update: layer_idx={layer_idx!r} is not a layer of the cache: it takes an "
+                f"int in 0..{n - 1} ({n} layers; a negative index does not count from the end)"
             )
+        if isinstance(key_states, torch.Tensor) and not torch.compiler.is_compiling():  # compiled: the backend's
+            self._check_first_writes(key_states, value_states, layer_idx)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
+    def _check_first_writes(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
+        """Eager checks of an update: gradients (refused: kvcompile.backend refuses a compiled graph with the
+        same message), and before the first write of a lazily allocated cache, the bytes its device can hold."""
+        if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            side = "key_states" if key_states.requires_grad else "value_states"
+            raise checks.grad_refusal("kvcompile.QuantizedCache", f"layer {layer_idx}'s {side}")
+        if not self._size_checked:
+            self._size_checked = True
+            # fewer heads than the layer's: a tensor-parallel rank's, sized once sharded (kvcompile.tp)
+            if key_states.dim() == 4 and key_states.shape[1] == getattr(self.layers[layer_idx], "num_heads", -1):
+                self._refuse_if_too_large(key_states.device)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        checks.check_rows("kvcompile.QuantizedCache.reorder_cache", "beam_idx", beam_idx, self.max_batch_size)
+        super().reorder_cache(beam_idx)
+
     def early_initialization(self, batch_size, num_heads, head_dim, dtype, device):
-        for i, layer in enumerate(self.layers):
-            if isinstance(layer, QuantizedLayer) and not layer.is_initialized:  # each tensor-parallel rank's heads
-                tp.shard_to_local_heads(layer, num_heads[i] if isinstance(num_heads, (list, tuple)) else num_heads)
-                layer.allocate(torch.device(device))
+        fresh = [(i, layer) for i, layer in enumerate(self.layers)
+                 if isinstance(layer, QuantizedLayer) and not layer.is_initialized]
+        for i, layer in fresh:  # each tensor-parallel rank's heads
+            tp.shard_to_local_heads(layer, num_heads[i] if isinstance(num_heads, (list, tuple)) else num_heads)
+        if fresh and not torch.compiler.is_compiling():
+            self._size_checked = True
+            self._refuse_if_too_large(torch.device(device))
+        for _, layer in fresh:
+            layer.allocate(torch.device(device))
 
     @property
     def sliding_windows(self) -> list[int]:

@@ -13,10 +13,12 @@ scales are refused with a rotation (they were measured on unrotated K/V) and wit
 but fp8_e4m3 (:class:`kvcompile.formats.KVFormat`). A cache with per-token or block32 scales
 reads only ``k_offset`` from a calibration and ignores its scales.
 
-Loading validates everything and fails closed: a missing layer, a wrong shape, a
-non-finite value, a non-positive scale, or a file made for another format (its metadata)
-raises ``ValueError`` naming the tensor and the fix. Files without metadata (older ones, and
-the dict :func:`calibrate` returns) are fp8 scales and unrotated offsets.
+Loading validates everything and fails closed: a missing layer, a wrong shape, a non-finite
+value, a scale that is not positive or outside the plausible range for the model's dtype, a file
+made for another format (its metadata) or taken from another model raises ``ValueError`` naming
+the tensor and the fix (:mod:`kvcompile.calibration_checks`, which also says where the line between
+another model and a fine-tune is). Saving makes the same checks. Files without metadata (older
+ones, and plain dicts) are fp8 scales and unrotated offsets of a model they do not name.
 
 :func:`calibrate` produces these tensors from a model and some text: it runs the model with a
 recording cache that sees K and V exactly as a cache stores them (post-RoPE K, in the order and
@@ -38,14 +40,18 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from . import checks
+from .calibration_checks import (CALIBRATION_KEYS, MIN_AMAX, Calibration, check_identity, model_dtype,
+                                 model_identity, validate)
 from .hf import cache_kwarg, one_shape, per_layer_shapes
 
 __all__ = ["calibrate", "load_calibration", "save_calibration", "shipped_calibrations", "CALIBRATION_KEYS",
-           "FILE_METADATA"]
+           "Calibration", "FILE_METADATA"]
 
-CALIBRATION_KEYS = ("k_scale", "v_scale", "k_offset")
-# What save_calibration writes into the safetensors header, and what load_calibration accepts.
+# What save_calibration writes into the safetensors header, and what load_calibration accepts; the model a
+# calibration was taken from follows, one "model.<key>" entry per key of calibration_checks.model_identity.
 FILE_METADATA = {"kvcompile": "calibration", "scales": "fp8_e4m3", "k_offset": "unrotated"}
+_MODEL_PREFIX = "model."
 
 
 def _check_metadata(meta: Mapping[str, str] | None, source: str) -> None:
@@ -88,7 +94,7 @@ def _resolve_path(calibration: str | os.PathLike) -> str:
     """A file path as given, or the shipped file of that name; neither raises with the names available."""
     path = os.fspath(calibration)
     if os.path.exists(path):
-        return path
+        return checks.file_to_read(path, "kvcompile calibration")
     name = path[: -len(_SHIPPED_SUFFIX)] if path.endswith(_SHIPPED_SUFFIX) else path
     if name in shipped_calibrations():
         return str(_shipped_dir() / (name + _SHIPPED_SUFFIX))
@@ -99,80 +105,91 @@ def _resolve_path(calibration: str | os.PathLike) -> str:
     )
 
 
-def _validate(calib: Mapping[str, torch.Tensor], num_layers: int, num_kv_heads: int, head_dim: int, source: str):
-    unknown = set(calib) - set(CALIBRATION_KEYS)
-    if unknown:
-        raise ValueError(f"kvcompile calibration {source}: unknown tensors {sorted(unknown)}; expected {CALIBRATION_KEYS}")
-    if not calib:
-        raise ValueError(f"kvcompile calibration {source}: holds none of {CALIBRATION_KEYS}")
-    if ("k_scale" in calib) != ("v_scale" in calib):
-        raise ValueError(f"kvcompile calibration {source}: has only one of k_scale / v_scale; re-run kvcompile.calibrate")
-    out = {}
-    for name, t in calib.items():
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"kvcompile calibration {source}: {name} is a {type(t).__name__}, not a tensor")
-        want = (num_layers, num_kv_heads) if name != "k_offset" else (num_layers, num_kv_heads, head_dim)
-        if tuple(t.shape) != want:
-            raise ValueError(
-                f"kvcompile calibration {source}: {name} has shape {tuple(t.shape)}, the model needs {want} "
-                f"(layers, kv heads{', head_dim' if name == 'k_offset' else ''}); calibrate this model again"
-            )
-        t = t.detach().to(torch.float32)
-        if not torch.isfinite(t).all():
-            raise ValueError(f"kvcompile calibration {source}: {name} holds non-finite values; calibrate again")
-        if name != "k_offset" and not (t > 0).all():
-            raise ValueError(f"kvcompile calibration {source}: {name} holds scales <= 0; calibrate again")
-        out[name] = t.cpu().contiguous()
-    return out
-
-
 def load_calibration(
     calibration: Mapping[str, torch.Tensor] | str | os.PathLike,
     *,
     num_layers: int,
     num_kv_heads: int,
     head_dim: int,
-) -> dict[str, torch.Tensor]:
+    config=None,
+) -> Calibration:
     """Load (from a safetensors path, a shipped name such as ``"smollm2-135m-instruct"``, or a dict) and
-    validate calibrated scales/offsets."""
+    validate calibrated scales/offsets for a model of ``num_layers`` x ``num_kv_heads`` x ``head_dim``.
+
+    With ``config`` (the model's), also the model the calibration was taken from, where it records one
+    (:func:`kvcompile.calibration_checks.check_identity`: a fine-tune takes its base model's calibration, another
+    model is refused), and the range of its static scales for the dtype ``config`` names
+    (:func:`kvcompile.calibration_checks.amax_range`)."""
     if isinstance(calibration, (str, os.PathLike)):
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        from safetensors import safe_open
-
-        source = _resolve_path(calibration)
-        try:
-            tensors = load_file(source)
-            with safe_open(source, "pt") as f:
-                meta = f.metadata()
-        except (SafetensorError, OSError, ValueError) as e:
-            raise ValueError(f"kvcompile calibration {source}: cannot be read as safetensors ({e})") from e
+        source, tensors, meta = _read_file(calibration)
         _check_metadata(meta, source)
+        tensors = Calibration(tensors, {k[len(_MODEL_PREFIX):]: v for k, v in (meta or {}).items()
+                                        if k.startswith(_MODEL_PREFIX)})
     elif isinstance(calibration, Mapping):
-        source, tensors = "(dict)", dict(calibration)
+        source, tensors = "(dict)", calibration
     else:
         raise TypeError(
             f"kvcompile calibration: got a {type(calibration).__name__}; pass the dict kvcompile.calibrate() returns "
             f"(k_scale / v_scale / k_offset tensors), a safetensors path, or a shipped name {shipped_calibrations()}"
         )
-    return _validate(tensors, num_layers, num_kv_heads, head_dim, source)
+    if config is not None:
+        check_identity(getattr(tensors, "model", {}), config, source)
+    dtype = model_dtype(config) if config is not None else None
+    return validate(tensors, num_layers, num_kv_heads, head_dim, source, dtype)
 
 
-def save_calibration(calibration: Mapping[str, torch.Tensor], path: str | os.PathLike) -> None:
+def _read_file(calibration) -> tuple[str, dict, dict | None]:
+    """(the path read, its tensors, its metadata) of a calibration file or shipped name."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load_file
+
+    source = _resolve_path(calibration)
+    try:
+        tensors = load_file(source)
+        with safe_open(source, "pt") as f:
+            meta = f.metadata()
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"kvcompile calibration {source}: cannot be read as safetensors ({e})") from e
+    return source, tensors, meta
+
+
+def save_calibration(calibration: Mapping[str, torch.Tensor], path: str | os.PathLike, *, config=None) -> None:
+    """Write ``calibration`` (what :func:`calibrate` returns) to the safetensors file ``path``, after the
+    checks loading makes (shapes agree, finite values, plausible scales): a calibration the loader would
+    refuse is refused here. The model it was taken from (``calibration.model``, or ``config``'s model)
+    goes into the file's metadata, for :func:`load_calibration` to check."""
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().to(torch.float32).cpu().contiguous() for k, v in calibration.items()}, os.fspath(path),
-              metadata=dict(FILE_METADATA))
+    path = checks.file_to_write(path, "kvcompile.save_calibration")
+    if config is not None:
+        check_identity(getattr(calibration, "model", {}), config, "to save")
+    identity = model_identity(config) if config is not None else dict(getattr(calibration, "model", {}))
+    shapes = _shapes_of(calibration, identity)
+    calib = validate(calibration, *shapes, "to save", model_dtype(config) if config is not None else None)
+    meta = dict(FILE_METADATA, **{_MODEL_PREFIX + k: v for k, v in identity.items()})
+    try:
+        save_file({k: v.contiguous() for k, v in calib.items()}, path, metadata=meta)
+    except OSError as e:
+        raise OSError(f"kvcompile.save_calibration: cannot write {path!r} ({e.strerror or e})") from e
+
+
+def _shapes_of(calibration: Mapping[str, torch.Tensor], identity: Mapping[str, str]) -> tuple[int, int, int | None]:
+    """(layers, kv heads, head_dim) a calibration to save must have: its model's where known, else its first
+    tensor's (``validate`` then checks the others against it)."""
+    if identity.get("num_layers", "").isdigit() and identity.get("num_kv_heads", "").isdigit():
+        d = identity.get("head_dim", "")
+        return int(identity["num_layers"]), int(identity["num_kv_heads"]), int(d) if d.isdigit() else None
+    for name in ("k_offset", "k_scale", "v_scale"):
+        t = calibration.get(name)
+        if isinstance(t, torch.Tensor) and t.dim() >= 2:
+            return int(t.shape[0]), int(t.shape[1]), int(t.shape[2]) if t.dim() == 3 else None
+    raise ValueError(f"kvcompile.save_calibration: holds no [layers, kv heads] tensor among {CALIBRATION_KEYS} "
+                     f"(got {sorted(calibration)}); pass what kvcompile.calibrate() returns")
 
 
 # ---------------------------------------------------------------------------------------------
 # calibrate
 # ---------------------------------------------------------------------------------------------
-
-# Smallest amax a calibrated scale is built from: an all-zero head (possible in toy models)
-# still gets a positive, finite scale, and quantizes its zeros to exact zeros.
-_MIN_AMAX = 1e-6
 
 
 class _KVStats:
@@ -264,9 +281,9 @@ def calibrate(
         progress: show a tqdm bar over windows.
 
     Returns:
-        ``{"k_scale": [layers, Hkv], "v_scale": [layers, Hkv], "k_offset": [layers, Hkv, D]}``
-        (float32, CPU), usable as ``QuantizedCache(..., calibration=...)`` and by
-        :func:`save_calibration`.
+        a :class:`Calibration`: ``{"k_scale": [layers, Hkv], "v_scale": [layers, Hkv], "k_offset":
+        [layers, Hkv, D]}`` (float32, CPU) whose ``.model`` records what identifies ``model``, usable as
+        ``QuantizedCache(..., calibration=...)`` and by :func:`save_calibration` (which writes that record).
     """
     from .formats import FP8_E4M3_MAX
 
@@ -321,12 +338,13 @@ def calibrate(
         mu = st.k_sum / st.count
         k_amax = torch.maximum(st.k_max - mu, mu - st.k_min).amax(-1)  # [Hkv], exact amax of K - mu
         k_offset.append(mu)
-        k_scale.append(margin * k_amax.clamp_min(_MIN_AMAX) / FP8_E4M3_MAX)
-        v_scale.append(margin * st.v_amax.clamp_min(_MIN_AMAX) / FP8_E4M3_MAX)
-    calib = {
+        k_scale.append(margin * k_amax.clamp_min(MIN_AMAX) / FP8_E4M3_MAX)
+        v_scale.append(margin * st.v_amax.clamp_min(MIN_AMAX) / FP8_E4M3_MAX)
+    calib = Calibration({
         "k_scale": torch.stack(k_scale).float(),
         "v_scale": torch.stack(v_scale).float(),
         "k_offset": torch.stack(k_offset).float(),
-    }
+    }, model_identity(model.config))
     # Same checks as loading: a NaN/Inf in the model's K/V must not become a silent bad file.
-    return _validate(calib, num_layers, kv_heads, head_dim, "(calibrate)")
+    dtype = next(model.parameters()).dtype
+    return validate(calib, num_layers, kv_heads, head_dim, "(calibrate)", dtype if dtype.is_floating_point else None)

@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from . import formats
+from . import checks, formats
 from .passes import KVAttentionPass, KVDtypeMismatch
 
 log = logging.getLogger("kvcompile")
@@ -105,6 +105,9 @@ class KVCompileBackend:
             # the backend. Hand Dynamo a graph that raises it instead: the first call fails with this
             # message as its first line, before Inductor spends any time on the graph.
             return _raise_when_run(e)
+        grad = _grad_refusal(gm.graph, index)
+        if grad is not None:  # as above: the first call raises it, its fix on the first line, before Inductor
+            return _raise_when_run(grad)
         if result.found:
             gm.graph.lint()
             gm.recompile()
@@ -168,6 +171,30 @@ def _attends(graph: torch.fx.Graph) -> bool:
     from .passes.graph import is_call, val
 
     return any(is_call(n, SDPA) or is_call(n, *SOFTMAX) and getattr(val(n), "ndim", 0) == 4 for n in graph.nodes)
+
+
+def _grad_refusal(graph: torch.fx.Graph, index: int) -> Optional[RuntimeError]:
+    """The error for a graph in which a kvcompile op reads a tensor that requires grad (a forward with
+    gradients enabled: kvcompile's ops have no backward, and AOTAutograd's trace of one would fail
+    under a ``BackendCompilerFailed`` whose first line names only the backend); None for any other."""
+    from .passes.graph import val
+
+    if not torch.is_grad_enabled():  # as AOTAutograd decides: no backward is traced (a leaf input may require grad)
+        return None
+
+    def tracked(x, depth: int = 0) -> bool:  # a node the pass added has no example value: ask its inputs
+        v = val(x)
+        if isinstance(v, torch.Tensor):
+            return v.requires_grad
+        return isinstance(x, torch.fx.Node) and depth < 4 and any(tracked(a, depth + 1) for a in x.all_input_nodes)
+
+    for node in graph.nodes:
+        if node.op == "call_function" and str(node.target).startswith("kvcompile."):
+            if any(tracked(a) for a in (*node.args, *node.kwargs.values())):
+                op = str(node.target).split(".")[1]
+                return checks.grad_refusal("kvcompile.backend", f"an input of kvcompile::{op} in compiled graph "
+                                           f"{index}", "kvcompile's ops have no backward")
+    return None
 
 
 def _mark_storage_static(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> int:

@@ -16,13 +16,16 @@ and Cohere2 from their local/global pattern), otherwise every layer is ``sliding
 ``sliding_window``; transformers' masks let query ``p`` see keys ``k > p - W``.
 
 Every check raises :class:`UnsupportedModelError` (a ``ValueError``) naming what the model does
-that the cache cannot store or the attention op cannot compute, and what to use instead. Nothing here imports the rest of kvcompile.
+that the cache cannot store or the attention op cannot compute, and what to use instead. Nothing here imports the
+rest of kvcompile but :mod:`kvcompile.checks`, which imports none of it.
 """
 
 from __future__ import annotations
 
 import inspect
 from typing import Any
+
+from .checks import not_a_causal_decoder
 
 __all__ = [
     "SUPPORTED_LAYER_TYPES",
@@ -243,6 +246,10 @@ def check_config(config) -> None:
             f"{type(config).__name__} is an encoder-decoder model: its decoder cross-attends to the encoder "
             "(an EncoderDecoderCache), and the cache serves decoder-only self-attention"
         )
+    not_decoder = not_a_causal_decoder(config)  # a ViT, DistilBERT, CLIP's text model, a ResNet
+    if not_decoder:
+        raise UnsupportedModelError(not_decoder, "build the cache from a language model's config (one that "
+                                    "transformers.AutoModelForCausalLM loads)")
     text = text_config(config)
     name = type(text).__name__
     cross = _truthy_attr(text, "add_cross_attention", "cross_attention_layers")

@@ -102,14 +102,17 @@ def slice_heads(t: torch.Tensor | None, shard_: TPShard, dim: int = 0) -> torch.
     return t.narrow(dim, shard_.heads.start, shard_.local_heads).contiguous()
 
 
-def load_calibration(calibration, *, num_layers: int, num_kv_heads: int, head_dim: int, tp_size: int | None):
-    """:func:`kvcompile.load_calibration` for the whole model (every kv head); a file made for one
-    rank's heads is refused with the reason and the fix."""
+def load_calibration(calibration, *, num_layers: int, num_kv_heads: int, head_dim: int, tp_size: int | None,
+                     config=None):
+    """:func:`kvcompile.load_calibration` for the whole model (every kv head); under tensor parallelism, a
+    file made for one rank's heads is refused with the reason and the fix."""
     from .calibration import load_calibration as load
 
     try:
-        return load(calibration, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        return load(calibration, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, config=config)
     except ValueError:
+        if not ((tp_size is not None and tp_size > 1) or _distributed()):
+            raise  # no tensor parallelism here: fewer kv heads are another model's shapes, as the error says
         per_rank = _per_rank_heads(calibration)
         if per_rank is None or per_rank >= num_kv_heads or num_kv_heads % per_rank:
             raise

@@ -88,6 +88,7 @@ def greedy_tokens(model, ids, am, n):
     return toks
 
 
+@torch.no_grad()
 def run_steps_continue(model, cache, am, toks):
     a = torch.cat([am, torch.ones(am.shape[0], len(toks), dtype=am.dtype)], dim=1)
     pos = (a.cumsum(-1) - 1)[:, -1:]
@@ -322,6 +323,41 @@ def test_writing_past_max_cache_len_raises():
         cache.update(_kv(T=1), _kv(T=1), 0)
 
 
+@pytest.mark.parametrize("layer_idx", [-1, 2, 1.0, True], ids=["negative", "past-the-end", "float", "bool"])
+def test_layer_idx_out_of_range_names_the_range(layer_idx):
+    """update(..., layer_idx=-1) would write the last layer as Python indexing does: refused, like any index
+    that is not an int in 0..layers-1, with the range; a valid index writes that layer and no other."""
+    cache = QuantizedCache(tiny_config("llama", num_hidden_layers=2), max_batch_size=1, max_cache_len=8, device="cpu")
+    match = "wrote attention layer 2, but the cache was built for 2 layers" if layer_idx == 2 else (
+        rf"update: layer_idx={layer_idx!r} is not a layer of the cache: it takes an int in 0\.\.1 \(2 layers")
+    with pytest.raises(ValueError, match=match):
+        cache.update(_kv(), _kv(), layer_idx)
+    assert [int(layer.cumulative_length) for layer in cache.layers] == [0, 0]
+    cache.update(_kv(), _kv(), 1)
+    assert [int(layer.cumulative_length) for layer in cache.layers] == [0, 1]
+
+
+def test_reorder_cache_indices_out_of_range_name_the_rows():
+    """beam_idx must address the cache's rows (0..max_batch_size-1): out of range (IndexError inside torch, a
+    device assert on a GPU), too long, or not integers, it is refused by name; a permutation reorders."""
+    cache = QuantizedCache(tiny_config("llama"), max_batch_size=2, max_cache_len=8, kv_dtype="q8_0", device="cpu")
+    k = _kv(B=2, T=3)
+    cache.update(k, k, 0)
+    before = cache.layers[0].k_codes.clone()
+    for idx, err, match in [
+        (torch.tensor([0, 2]), ValueError, r"beam_idx holds 2, outside the cache's rows 0\.\.1 \(max_batch_size=2\)"),
+        (torch.tensor([-1, 0]), ValueError, r"beam_idx holds -1, outside the cache's rows 0\.\.1"),
+        (torch.tensor([0, 1, 0]), ValueError, "beam_idx has 3 entries, but the cache holds max_batch_size=2 rows"),
+        (torch.tensor([1.0, 0.0]), TypeError, "beam_idx must be a 1-D integer tensor of row indices, got a torch.float32"),
+        ([1, 0], TypeError, "beam_idx must be a 1-D integer tensor of row indices, got a list"),
+    ]:
+        with pytest.raises(err, match=r"kvcompile.QuantizedCache.reorder_cache: " + match):
+            cache.reorder_cache(idx)
+        assert torch.equal(cache.layers[0].k_codes, before)  # refused before any row moved
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert torch.equal(cache.layers[0].k_codes, before.flip(0))
+
+
 def test_batch_larger_than_max_batch_size_raises():
     cache = QuantizedCache(tiny_config("llama"), max_batch_size=2, max_cache_len=8)
     with pytest.raises(ValueError, match="max_batch_size"):
@@ -397,8 +433,13 @@ def test_corrupted_calibration_raises(corrupt, match, tmp_path):
     corrupt(calib)
     with pytest.raises(ValueError, match=match):
         QuantizedCache(tiny_config("llama"), max_batch_size=1, max_cache_len=8, kv_dtype="fp8_e4m3", granularity="static", calibration=calib)
-    path = tmp_path / "c.safetensors"  # the same through a file
-    save_calibration(calib, path)
+    path = tmp_path / "c.safetensors"
+    with pytest.raises(ValueError, match=match):  # refused at save for this model, as at load
+        save_calibration(calib, path, config=tiny_config("llama"))
+    assert not path.exists()
+    from safetensors.torch import save_file
+
+    save_file(calib, str(path))  # the same through a file written by other means
     with pytest.raises(ValueError, match=match):
         QuantizedCache(tiny_config("llama"), max_batch_size=1, max_cache_len=8, kv_dtype="fp8_e4m3", granularity="static",
                        calibration=path)

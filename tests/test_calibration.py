@@ -3,7 +3,9 @@ safetensors round trip, and every kind of bad file rejected (fail closed)."""
 
 from __future__ import annotations
 
+import copy
 import os
+import re
 import sys
 
 import pytest
@@ -153,6 +155,94 @@ def test_unreadable_files_are_rejected(tmp_path, calib, content):
         kvcompile.load_calibration(path, num_layers=LAYERS, num_kv_heads=HKV, head_dim=D)
     with pytest.raises(ValueError):
         kvcompile.load_calibration(tmp_path / "missing.safetensors", num_layers=LAYERS, num_kv_heads=HKV, head_dim=D)
+
+
+def _scales(k_scale: float, **extra) -> dict:
+    return {"k_scale": torch.full((LAYERS, HKV), k_scale), "v_scale": torch.full((LAYERS, HKV), 0.01), **extra}
+
+
+@pytest.mark.parametrize("scale,dtype,stores", [(1e-30, None, "saturated"), (1e30, None, "below e4m3's smallest"),
+                                                (200.0, "float16", "below e4m3's smallest")],
+                         ids=["1e-30", "1e30", "fp16-200"])
+def test_implausible_scales_are_refused(tmp_path, tiny, scale, dtype, stores):
+    """Finite, positive scales that would store every K/V of a working model as ~0 (1e-30: all saturated;
+    1e30: all under e4m3's smallest code; 200 in an fp16 model: an amax past 65504) are refused at load,
+    at save and by the cache, naming the range; the range's ends are accepted (kvcompile.calibrate's floor
+    for an all-zero head, fp16's largest amax)."""
+    from kvcompile.calibration_checks import MIN_AMAX, amax_range
+
+    cfg = copy.deepcopy(tiny[0].config)
+    cfg.dtype = dtype
+    with pytest.raises(ValueError, match=rf"k_scale holds the scale {re.escape(f'{scale:.3g}')}, outside the plausible "
+                                         rf".*{stores}"):
+        kvcompile.load_calibration(_scales(scale), num_layers=LAYERS, num_kv_heads=HKV, head_dim=D, config=cfg)
+    with pytest.raises(ValueError, match="outside the plausible"):
+        kvcompile.QuantizedCache(cfg, max_cache_len=16, kv_dtype="fp8_e4m3", granularity="static",
+                                 calibration=_scales(scale))
+    with pytest.raises(ValueError, match="outside the plausible"):
+        kvcompile.save_calibration(_scales(scale), tmp_path / "c.safetensors", config=cfg)
+    assert not os.listdir(tmp_path)
+    top = amax_range(getattr(torch, dtype) if dtype else None)[1]
+    assert top == (65504.0 if dtype else torch.finfo(torch.float32).max ** 0.5)
+    for ok in (MIN_AMAX / FP8_E4M3_MAX, 0.99 * top / FP8_E4M3_MAX):
+        kvcompile.QuantizedCache(cfg, max_cache_len=16, kv_dtype="fp8_e4m3", granularity="static",
+                                 calibration=_scales(float(torch.tensor(ok, dtype=torch.float32))))
+    with pytest.raises(ValueError, match="k_offset holds 1e\\+30, beyond any K"):
+        kvcompile.load_calibration(_scales(0.01, k_offset=torch.full((LAYERS, HKV, D), 1e30)), num_layers=LAYERS,
+                                   num_kv_heads=HKV, head_dim=D)
+
+
+def test_a_calibration_records_its_model_and_serves_its_fine_tunes(tmp_path, tiny, calib):
+    """calibrate() records the model; the file keeps the record; another architecture of the very same
+    shapes (Mistral's config for Llama's) is refused by name, a fine-tune (same architecture and sizes, new
+    vocabulary and RoPE base, another name) is served. A plain dict records nothing and is checked by shape."""
+    from safetensors import safe_open
+    from transformers import MistralConfig
+
+    path = tmp_path / "calib.safetensors"
+    kvcompile.save_calibration(calib, path)
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    assert (meta["model.model_type"], meta["model.num_layers"], meta["model.num_kv_heads"]) == ("llama", "2", "2")
+    other = MistralConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=None)
+    fine_tune = copy.deepcopy(tiny[0].config)
+    fine_tune.vocab_size, fine_tune._name_or_path = 300, "someone/tuned"
+    fine_tune.rope_parameters = dict(fine_tune.rope_parameters or {}, rope_theta=5e5)
+    for source in (path, calib):  # the file, and the dict calibrate() returns
+        with pytest.raises(ValueError, match=r"was taken from .*LlamaConfig.*\(model_type llama vs mistral, "
+                                             r"config_class LlamaConfig vs MistralConfig\); calibrate this model"):
+            kvcompile.QuantizedCache(other, max_cache_len=16, kv_dtype="fp8_e4m3", granularity="static",
+                                     calibration=source)
+        cache = kvcompile.QuantizedCache(fine_tune, max_cache_len=16, kv_dtype="fp8_e4m3", granularity="static",
+                                         calibration=source, device="cpu")
+        assert torch.equal(cache.layers[1].k_scales, calib["k_scale"][1])
+    kvcompile.QuantizedCache(other, max_cache_len=16, kv_dtype="fp8_e4m3", granularity="static",
+                             calibration=dict(calib))  # no record: shapes only
+
+
+def test_calibration_paths_name_the_path_and_the_fix(tmp_path, calib):
+    """A directory given to load, a missing folder or a directory given to save: named with the fix, not
+    as the OS's error on a temporary file; NaN scales are refused at save, not written for the loader
+    to refuse later."""
+    from kvcompile.calibration import Calibration
+
+    kvcompile.save_calibration(calib, tmp_path / "c.safetensors")
+    with pytest.raises(ValueError, match=r"calibration '.*' is a directory \(it holds c.safetensors\); pass the "
+                                         "path of the safetensors file itself"):
+        kvcompile.load_calibration(tmp_path, num_layers=LAYERS, num_kv_heads=HKV, head_dim=D)
+    missing = tmp_path / "no" / "such" / "c.safetensors"
+    with pytest.raises(FileNotFoundError, match=rf"cannot write '{missing}': its folder '{missing.parent}' does "
+                                                "not exist; create it first"):
+        kvcompile.save_calibration(calib, missing)
+    with pytest.raises(IsADirectoryError, match=f"'{tmp_path}' is a directory; pass a file path inside it"):
+        kvcompile.save_calibration(calib, tmp_path)
+    nan = Calibration(calib, calib.model)
+    nan["v_scale"] = nan["v_scale"].clone()
+    nan["v_scale"][1, 0] = float("nan")
+    with pytest.raises(ValueError, match="v_scale holds non-finite values"):
+        kvcompile.save_calibration(nan, tmp_path / "nan.safetensors")
+    assert sorted(os.listdir(tmp_path)) == ["c.safetensors"]
 
 
 def test_static_cache_needs_both_scales(tiny):

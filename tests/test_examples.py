@@ -10,6 +10,7 @@ import importlib
 import importlib.util
 import io
 import os
+import re
 import subprocess
 import sys
 from contextlib import redirect_stdout
@@ -65,17 +66,58 @@ def test_generate_eager(tiny, kv_dtype):
     assert tok.decode(ref[0, ids.shape[1]:].tolist()) == res["text"]
 
 
-def test_generate_unknown_kv_dtype(tiny):
-    gen = _example("generate")
-    with pytest.raises(ValueError, match="fp8_e4m3"):
-        gen.main(["--no-compile", "--kv-dtype", "int4"], model=tiny[0], tok=tiny[1])
+def _one_line_error(capsys, call) -> str:
+    """``call()`` exits as argparse's ``parser.error`` does (status 2); the error line it printed."""
+    with pytest.raises(SystemExit) as e:
+        call()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
 
 
-def test_generate_empty_prompt_is_named(tiny):
-    # with no chat template, an empty prompt is no tokens: generate() would fail deep in the first layer
+@pytest.mark.parametrize("args,match", [
+    (["--kv-dtype", "int4"], "argument --kv-dtype: unknown kv_dtype 'int4'; kvcompile accepts one of ['fp8_e4m3'"),
+    (["--k-dtype", "q8_0", "--v-dtype", "int8"], "arguments --kv-dtype / --k-dtype / --v-dtype / --granularity: "
+                                                 "k_dtype='q8_0' with v_dtype='int8'"),
+    (["--max-cache-len", "0"], "argument --max-cache-len: must be a positive int, got 0"),
+    (["--max-cache-len", "20", "--max-new-tokens", "20"], "argument --max-cache-len: 20 positions leave no room"),
+    (["--calibration", "."], "argument --calibration: '.' is a directory; pass the safetensors file inside it"),
+    (["--calibration", "missing.safetensors"], "argument --calibration: no file 'missing.safetensors', and no "
+                                               "calibration shipped with kvcompile has that name"),
+    (["--dtype", "float33"], "argument --dtype: 'float33' is not a floating torch dtype"),
+], ids=["kv-dtype", "k-v-pair", "max-cache-len", "max-cache-len-short", "calibration-dir", "calibration-missing",
+        "dtype"])
+def test_generate_refuses_bad_arguments_before_loading_the_model(args, match, capsys, monkeypatch):
+    """A user's mistake in the arguments: one line (argparse's error), before any model loads (loading
+    would fail the test here)."""
     gen = _example("generate")
-    with pytest.raises(ValueError, match="no tokens .* non-empty --prompt"):
-        gen.main(["--no-compile", "--no-chat", "--prompt", ""], model=tiny[0], tok=tiny[1])
+    monkeypatch.setattr(_common, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert match in _one_line_error(capsys, lambda: gen.main(args))
+    gen.check_args(p := gen.build_parser(), p.parse_args(["--kv-dtype", "q8_0", "--max-cache-len", "64"]))  # accepted
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--no-chat", "--prompt", ""], "the prompt '' is no tokens for this tokenizer .* non-empty --prompt"),
+    (["--max-cache-len", "12", "--max-new-tokens", "5"], r"max_cache_len=12 holds fewer positions than the prompt's "
+                                                         r"\d+ tokens \+ max_new_tokens=5; pass at least \d+"),
+    (["--calibration", "smollm2-135m-instruct"], "was taken from HuggingFaceTB/SmolLM2-135M-Instruct"),
+], ids=["empty-prompt", "max-cache-len-below-prompt", "calibration-of-another-model"])
+def test_generate_names_a_mistake_found_with_the_model(tiny, args, match, capsys):
+    """What only the model can tell (the prompt's tokens, the calibration's model): one line as well."""
+    gen = _example("generate")
+    line = _one_line_error(capsys, lambda: gen.main(["--no-compile", "--device", "cpu", *args], model=tiny[0],
+                                                   tok=tiny[1]))
+    assert re.search(match, line), line
+
+
+@pytest.mark.parametrize("script,args,match", [
+    ("perplexity", ["--variants", "int4"], "argument --variants: unknown ['int4']"),
+    ("perplexity", ["--save-calibration", "no/such/dir/c.safetensors"], "argument --save-calibration: cannot write"),
+    ("needle", ["--text", "no-such-text.txt"], "argument --text: no file 'no-such-text.txt'"),
+], ids=["perplexity-variants", "perplexity-save", "needle-text"])
+def test_other_examples_check_their_paths_and_names_first(script, args, match, capsys, monkeypatch):
+    monkeypatch.setattr(_common, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert match in _one_line_error(capsys, lambda: _example(script).main(args))
 
 
 def test_generate_compiled(tiny):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -117,6 +118,109 @@ def test_cuda_without_cuda_refused():
         QuantizedCache(config(), max_batch_size=1, max_cache_len=16, device="cuda")
 
 
+@pytest.mark.parametrize("cls,task", [("ViTConfig", "image classification"), ("DistilBertConfig", "masked LM"),
+                                      ("CLIPTextConfig", "text encoding"), ("ResNetConfig", "image classification")])
+def test_configs_of_models_that_are_not_causal_decoders_refused(cls, task):
+    """A vision model, an encoder, a text encoder: refused by name when the cache is built, with what
+    transformers serves the model for (a ResNet is no "recurrent model such as Mamba"); a decoder builds."""
+    import transformers
+
+    with pytest.raises(ValueError, match=rf"{cls} \(model_type '\w+'\) is not a causal decoder: transformers serves "
+                                         rf"it for [^;]*{task}.*AutoModelForCausalLM") as e:
+        QuantizedCache(getattr(transformers, cls)(), max_batch_size=1, max_cache_len=16)
+    assert "Mamba" not in str(e.value)
+    assert len(QuantizedCache(config(), max_batch_size=1, max_cache_len=16).layers) == 2
+
+
+def test_cache_larger_than_the_device_refused_before_allocating(monkeypatch):
+    """The bytes a cache needs, against what its device holds (the CPU: total memory, here patched to
+    1 MiB), refused before anything is allocated, with the bytes and the length that would fit; built with
+    device=None, at the first update. A cache that fits is built."""
+    from kvcompile import checks
+
+    fits = QuantizedCache(config(), max_batch_size=1, max_cache_len=16, kv_dtype="fp8_e4m3", device="cpu")
+    per_position = fits.nbytes // 16  # 2 layers x 2 kv heads x (2 x 32 code bytes + 2 x 4 scale bytes) + ...
+    monkeypatch.setattr(checks, "_system_memory", lambda: 2**20)
+    QuantizedCache(config(), max_batch_size=1, max_cache_len=16, kv_dtype="fp8_e4m3", device="cpu")
+    too_long = 2 * 2**20 // per_position
+    need = QuantizedCache(config(), max_cache_len=too_long, kv_dtype="fp8_e4m3").planned_nbytes(device="cpu")
+    match = (rf"max_batch_size=1 x max_cache_len={too_long:,} needs {need:,} bytes \([\d.]+ MiB\) of K/V storage in "
+             r"2 layers, but this machine has 1.00 MiB of memory in all; pass max_cache_len=.*at most about ([\d,]+) fit")
+    with pytest.raises(ValueError, match=match) as e:
+        QuantizedCache(config(), max_batch_size=1, max_cache_len=too_long, kv_dtype="fp8_e4m3", device="cpu")
+    advised = int(re.search(match, str(e.value)).group(1).replace(",", ""))
+    # the advice is the longest that fits: it builds, 1% more does not
+    QuantizedCache(config(), max_batch_size=1, max_cache_len=advised, kv_dtype="fp8_e4m3", device="cpu")
+    with pytest.raises(ValueError, match="this machine has 1.00 MiB"):
+        QuantizedCache(config(), max_batch_size=1, max_cache_len=advised * 101 // 100, kv_dtype="fp8_e4m3", device="cpu")
+    lazy = QuantizedCache(config(), max_batch_size=1, max_cache_len=too_long, kv_dtype="fp8_e4m3")
+    k = torch.randn(1, 2, 1, 32)
+    with pytest.raises(ValueError, match=match):
+        lazy.update(k, k, 0)
+    assert lazy.nbytes == 0 and lazy.unallocated_layers() == [0, 1]
+    # on a GPU: its free memory, and what this process's allocator holds unused
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
+    assert checks.room_on(torch.device("cuda", 0)) == (4 * 2**30, "cuda:0 has 4.00 GiB free of 80.00 GiB")
+
+
+def test_cache_beyond_any_memory_refused():
+    with pytest.raises(ValueError, match=r"max_cache_len=10,000,000,000,000 needs [\d,]+ bytes \([\d,.]+ TiB\)"):
+        QuantizedCache(config(), max_batch_size=1, max_cache_len=10**13, device="cpu")
+
+
+# ------------------------------------------------------------------------------------------------
+# gradients: refused, naming torch.no_grad()
+# ------------------------------------------------------------------------------------------------
+
+NO_GRAD = r"run the model under torch.no_grad\(\) or torch.inference_mode\(\)"
+
+
+def test_forward_with_gradients_refused_at_the_first_update():
+    """The codes are integers: no gradient reaches k_proj / v_proj through the cache, so a forward whose K/V
+    require grad is refused at the first update (before anything is stored), in one line naming the fix.
+    Under torch.no_grad() or torch.inference_mode() the same forward runs."""
+    model = tiny_model()
+    cache = QuantizedCache(model.config, max_batch_size=1, max_cache_len=16, device="cpu")
+    with pytest.raises(RuntimeError, match=rf"^kvcompile.QuantizedCache: {NO_GRAD} \(generate\(\) does\): layer 0's "
+                                           r"key_states requires grad.*DynamicCache, or use_cache=False$") as e:
+        model(input_ids=IDS, use_cache=True, **kv(cache))
+    assert "\n" not in str(e.value) and int(cache.get_seq_length()) == 0
+    for mode in (torch.no_grad, torch.inference_mode):
+        cache.reset()
+        with mode():
+            model(input_ids=IDS, use_cache=True, **kv(cache))
+        assert int(cache.get_seq_length()) == IDS.shape[1]
+
+
+@pytest.mark.usefixtures("dynamo_reset_around")
+def test_compiled_forward_with_gradients_names_the_fix_first():
+    """Compiled, the graph that stores K/V requiring grad raises kvcompile's line as the first line (not
+    torch's BackendCompilerFailed), before Inductor; a graph traced under no_grad is let through."""
+    from kvcompile import compile_backend
+
+    cache = QuantizedCache(config(num_hidden_layers=1), max_batch_size=1, max_cache_len=8, kv_dtype="fp8_e4m3",
+                           device="cpu")
+    k = torch.randn(1, 2, 1, 32, requires_grad=True)
+    backend = kvcompile.backend(kv_dtype="fp8_e4m3")
+    with pytest.raises(RuntimeError) as e:
+        torch.compile(lambda k, v: cache.update(k, v, 0), backend=backend, fullgraph=True)(k, k * 2)
+    first = str(e.value).splitlines()[0]
+    assert first.startswith("kvcompile.backend: run the model under torch.no_grad() or torch.inference_mode()"), first
+    assert "kvcompile::store_kv" in first and backend.report() == []
+    refusals = []  # what kvcompile.backend's check says where the backend is called, here under no_grad
+
+    def check_only(gm, _):
+        refusals.append(compile_backend._grad_refusal(gm.graph, 0))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(lambda k, v: cache.update(k, v, 0), backend=check_only, fullgraph=True)(k, k * 2)
+    assert refusals == [None]
+
+
 # ------------------------------------------------------------------------------------------------
 # calibration: shipped by name, wrong types named
 # ------------------------------------------------------------------------------------------------
@@ -153,8 +257,9 @@ def test_unknown_calibration_name_lists_the_shipped_ones():
 
 
 def test_shipped_calibration_for_another_model_refused():
-    # the tiny model has 2 layers of 2 kv heads: the SmolLM2 file does not fit it
-    with pytest.raises(ValueError, match="has shape .*calibrate this model again"):
+    # the tiny model has 2 layers of 2 kv heads: the SmolLM2 file, which records its model, does not fit it
+    with pytest.raises(ValueError, match=r"was taken from HuggingFaceTB/SmolLM2-135M-Instruct .*\(num_layers 30 vs 2, "
+                                         r"num_kv_heads 3 vs 2, .*calibrate this model"):
         QuantizedCache(config(), max_batch_size=1, max_cache_len=16, calibration="smollm2-135m-instruct")
 
 
@@ -330,6 +435,23 @@ def test_info_config_allocates_nothing(tmp_path):
     out = _info("--config", str(tmp_path), "--batch", "64")
     assert "max_cache_len 131072 (from max_position_embeddings: pass --max-cache-len to choose)" in out
     assert "(528.00 GiB)" in out and "8.25 GiB" in out, out  # total; per batch row
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--kv-dtype", "int4"], "argument --kv-dtype: unknown kv_dtype 'int4'"),
+    (["--max-cache-len", "0"], "argument --max-cache-len: must be a positive int, got 0"),
+    (["--batch", "two"], "argument --batch: expected a positive int, got 'two'"),
+    (["--granularity", "tokens"], "argument --granularity: invalid choice: 'tokens'"),
+    (["--calibration", "."], "argument --calibration: kvcompile calibration '.' is a directory"),
+], ids=["kv-dtype", "max-cache-len", "batch", "granularity", "calibration"])
+def test_info_arguments_are_checked_before_the_config_is_read(args, match, capsys):
+    """One line from argparse, before the config (here a path that does not exist) is read."""
+    from kvcompile.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["info", "--config", "no/such/config", *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and match in err and "Traceback" not in err and "info works offline" not in err, err
 
 
 def test_info_config_cli_offline(tmp_path):

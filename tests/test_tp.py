@@ -148,11 +148,17 @@ def test_rotated_offsets_are_sliced_after_rotation(monkeypatch):
     torch.testing.assert_close(part.layers[0].k_rotation, whole.layers[0].k_rotation, rtol=0, atol=0)
 
 
-def test_a_calibration_made_on_one_rank_is_refused():
+def test_a_calibration_made_on_one_rank_is_refused(monkeypatch):
+    """Fewer kv heads than the model's: under tensor parallelism, a rank's calibration (the fix: the whole
+    model's); in one process, a calibration of another model's shapes, not a word of tensor parallelism."""
     cfg = tiny_config("llama", num_hidden_layers=2)  # 2 kv heads
     per_rank = {"k_offset": torch.randn(2, 1, 32)}
-    with pytest.raises(ValueError, match="holds 1 kv heads per layer, the model has 2: it was made for one rank"):
+    with pytest.raises(ValueError, match=r"has shape \(2, 1, 32\), the model needs \(2, 2, 32\)") as e:
         kvcompile.QuantizedCache(cfg, max_cache_len=8, calibration=per_rank)
+    assert "tensor-parallel" not in str(e.value) and "rank" not in str(e.value)
+    _fake_rank(monkeypatch, 0, 2)
+    with pytest.raises(ValueError, match="holds 1 kv heads per layer, the model has 2: it was made for one rank"):
+        kvcompile.QuantizedCache(cfg, max_cache_len=8, calibration=per_rank, tp_size=2)
 
 
 def test_without_tp_size_the_first_update_sets_the_local_heads(monkeypatch):
