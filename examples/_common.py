@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 import kvcompile
+from kvcompile.checks import positive_int_arg
 from kvcompile.hf import cache_kwarg
 
 __all__ = [
@@ -134,15 +135,7 @@ def load_model(model: str | None, *, tiny: bool = False, device: str | None = No
     return m, tok
 
 
-def positive_int(text: str) -> int:
-    """An argparse ``type``: an int >= 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {n}")
-    return n
+positive_int = positive_int_arg  # an argparse ``type``: an int >= 1
 
 
 def check_args(p: argparse.ArgumentParser, args, *, calibration_off: str | None = None) -> None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .checks import positive_int_arg
+
 HEAD_DIMS = (64, 128, 256)
 REFERENCE_ARCHS = ((8, 0), (8, 9), (9, 0))  # shown when no GPU is present: A100, L40/4090, H100/H200
 Q_BYTES = 2  # bf16 / fp16 queries
@@ -238,17 +240,6 @@ def cache_size_lines(config, *, max_cache_len=None, batch=1, kv_dtype=None, gran
     return lines
 
 
-def _positive_int(text: str) -> int:
-    """An argparse ``type``: an int >= 1 (a mistake is one line from argparse, not a traceback)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {n}")
-    return n
-
-
 def _kv_dtype(text: str) -> str:
     """An argparse ``type``: one of :data:`kvcompile.KV_DTYPES`."""
     from . import formats
@@ -270,10 +261,10 @@ def _parser() -> argparse.ArgumentParser:
     ip.add_argument("--config", default=None, metavar="MODEL_OR_CONFIG",
                     help="a local model directory or config.json (no network): print the cache's bytes per layer and "
                          "in total instead of the device report")
-    ip.add_argument("--max-cache-len", type=_positive_int, default=None,
+    ip.add_argument("--max-cache-len", type=positive_int_arg, default=None,
                     help="positions per sequence (default: the config's max_position_embeddings, what QuantizedCache "
                          "allocates when max_cache_len is omitted)")
-    ip.add_argument("--batch", type=_positive_int, default=1, help="max_batch_size (default 1)")
+    ip.add_argument("--batch", type=positive_int_arg, default=1, help="max_batch_size (default 1)")
     ip.add_argument("--kv-dtype", type=_kv_dtype, default=None, help="cache format (default: QuantizedCache's default)")
     ip.add_argument("--granularity", choices=SCALE_GRANULARITIES, default=None,
                     help="token / block32 / static (default: the format's)")
@@ -283,19 +274,19 @@ def _parser() -> argparse.ArgumentParser:
                                      "its SASS")
     sp.add_argument("--kernel", choices=("attention", "store"), default="attention",
                     help="store: quantize-on-store of a --tokens-long write (default attention)")
-    sp.add_argument("--tokens", type=_positive_int, default=16384, help="store: tokens written by the launch")
+    sp.add_argument("--tokens", type=positive_int_arg, default=16384, help="store: tokens written by the launch")
     sp.add_argument("--arch", default="90", help="compute capability, e.g. 90 or 89 (default 90)")
     sp.add_argument("--kv-dtype", type=_kv_dtype, default="fp8_e4m3")
     sp.add_argument("--granularity", choices=SCALE_GRANULARITIES, default=None,
                     help="token / block32 / static (default: the format's)")
-    sp.add_argument("--head-dim", type=_positive_int, default=128)
-    sp.add_argument("--group", type=_positive_int, default=4, help="query heads per kv head")
-    sp.add_argument("--q-len", type=_positive_int, default=1,
+    sp.add_argument("--head-dim", type=positive_int_arg, default=128)
+    sp.add_argument("--group", type=positive_int_arg, default=4, help="query heads per kv head")
+    sp.add_argument("--q-len", type=positive_int_arg, default=1,
                     help="<= 16: split-K decode launch; longer: fused prefill")
     sp.add_argument("--no-v-pin", action="store_true", help="let Triton place the V conversion (for A/B)")
     sp.add_argument("--v-layout", choices=("auto", "keys", "head_dim"), default="auto",
                     help="V codes key- or head_dim-contiguous (auto: QuantizedCache's choice for the format)")
-    sp.add_argument("--top", type=_positive_int, default=24, help="opcodes to list")
+    sp.add_argument("--top", type=positive_int_arg, default=24, help="opcodes to list")
     return p
 
 

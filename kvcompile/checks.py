@@ -38,6 +38,19 @@ def positive_int(name: str, value, who: str = "kvcompile.QuantizedCache") -> int
     return n
 
 
+def positive_int_arg(text: str) -> int:
+    """An argparse ``type``: an int >= 1 (a mistake is one line from argparse, not a traceback)."""
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {n}")
+    return n
+
+
 def checked_config(config):
     """The model config the cache is built from; a model, a name or a dict is refused with the fix."""
     if isinstance(config, torch.nn.Module):
