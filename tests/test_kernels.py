@@ -649,27 +649,41 @@ def test_dense_path(case, monkeypatch):
                         mask=m.to(DEV))
 
 
-@pytest.mark.parametrize("hides", [False, True], ids=["keeps-live-keys", "hides-a-live-key"])
-def test_dense_key_mask(hides, monkeypatch):
-    """A key mask (size 1 along the queries, as the pass leaves a causal mask it took apart) that keeps
-    every live key is dropped: SDPA gets the lower-right causal bias and no tensor mask. One that hides
-    a live key reaches SDPA as a bool mask. Both equal the float64 reference."""
+@pytest.mark.parametrize("case", ["keys", "keys-hiding", "causal", "causal-hiding", "causal-additive",
+                                  "causal-biased"])
+def test_dense_mask_that_is_causal_is_dropped(case, monkeypatch):
+    """The dense path drops a mask that keeps exactly what SDPA's causal form keeps below each row's
+    length: a key mask (size 1 along the queries, as the pass leaves a causal mask it took apart) that
+    hides no live key, or a full [.., Tq, L] causal mask (what generate() builds for a chunk; bool, or
+    additive 0 / finfo.min). SDPA then gets the lower-right causal bias, not a tensor. A mask that also
+    hides a live key, or adds a bias, reaches SDPA. Every case equals the float64 reference."""
     from torch.nn.attention.bias import CausalBias
 
     monkeypatch.setenv("KVCOMPILE_PREFILL", "dense")
     seen = []
     real = dense_mod._sdpa
     monkeypatch.setattr(dense_mod, "_sdpa", lambda q, k, v, m, c, s, g: (seen.append(m), real(q, k, v, m, c, s, g))[1])
-    m = torch.ones(2, 1, 1, 30, dtype=torch.bool)
-    m[:, :, :, 26:] = False  # past the live keys: hides none of them
-    if hides:
-        m[1, :, :, 3] = False
-    check_attention("fp8_e4m3", "token", Tq=20, L=30, causal=True, kv_len=torch.tensor(26, device=DEV), mask=m.to(DEV))
-    (used,) = seen
-    if hides:
-        assert isinstance(used, torch.Tensor) and used.dtype == torch.bool and used.shape[-2:] == (20, 26)
+    Tq, L, n = 20, 30, 26
+    pos, q_pos = torch.arange(L), n - Tq + torch.arange(Tq).view(Tq, 1)
+    if case.startswith("keys"):
+        m = (pos < n).view(1, 1, 1, L).expand(2, 1, 1, L).clone()  # past the live keys: hides none of them
+        causal = True
     else:
+        m = (pos <= q_pos).view(1, 1, Tq, L).expand(2, 1, Tq, L).clone()
+        causal = False
+    if case.endswith("hiding"):
+        m[1, ..., 3] = False
+    if case in ("causal-additive", "causal-biased"):
+        m = torch.where(m, 0.0, torch.finfo(torch.float32).min)
+        if case == "causal-biased":
+            m[0, 0, 5, 2] = 0.5
+    check_attention("fp8_e4m3", "token", Tq=Tq, L=L, causal=causal, kv_len=torch.tensor(n, device=DEV),
+                    mask=m.to(DEV))
+    (used,) = seen
+    if case in ("keys", "causal", "causal-additive"):
         assert isinstance(used, CausalBias)
+    else:
+        assert isinstance(used, torch.Tensor) and used.shape[-2:] == (Tq, n)
 
 
 def test_dense_workspace_released_when_sdpa_raises(monkeypatch):

@@ -16,6 +16,7 @@ import kvcompile
 from pass_models import ATTENTION, PassOnly, fresh_dynamo
 from models import cache_kwarg, tiny_model
 
+RING = torch.ops.kvcompile.attention_ring.default
 L = 24  # max_cache_len; the prompt is 6 tokens, the chunk 5: no shape equals another
 PROMPT, CHUNK = 6, 5
 
@@ -23,7 +24,7 @@ PROMPT, CHUNK = 6, 5
 def _mask_shaped(graph, tq: int) -> list:
     """Nodes whose value is a [.., tq, L] tensor that the graph's attention (the op, or SDPA / the scores
     before the pass) or its output reads, directly or through other nodes."""
-    sinks = [n for n in graph.nodes if n.target is ATTENTION or n.op == "output"]
+    sinks = [n for n in graph.nodes if n.target in (ATTENTION, RING) or n.op == "output"]
     seen, stack = set(), list(sinks)
     while stack:
         n = stack.pop()
@@ -34,7 +35,8 @@ def _mask_shaped(graph, tq: int) -> list:
     out = []
     for n in seen:
         v = n.meta.get("example_value")
-        if isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[-2:]) == (tq, L) and n.target is not ATTENTION:
+        if isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[-2:]) == (tq, L) and n.target not in (ATTENTION,
+                                                                                                        RING):
             out.append(n)
     return out
 
@@ -106,3 +108,16 @@ def test_causal_mask_reaches_the_op_as_is_causal_and_key_terms(attn):
     fresh_dynamo()
     blind = _run(model, torch.compile(model.forward, backend=PassOnly("int8", _without(7, False))), 0)
     assert (blind[0][:, :-1] - expected[0][:, :-1]).abs().max() > 1e-3
+
+
+def test_a_sliding_layers_window_term_is_the_rings_own():
+    """Mistral with a window of 4 (a ring of 4 slots): its mask's ``kv > q - 4`` is the window the ring's
+    op applies, so the mask is taken apart too; compiled = eager over the prompt and a chunk."""
+    model = tiny_model("mistral", num_hidden_layers=1, sliding_window=4)
+    fresh_dynamo()
+    expected = _run(model, model.forward, 0)
+    backend = Recording("int8")
+    got = _run(model, torch.compile(model.forward, backend=backend, fullgraph=True), 0)
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, atol=2e-5, rtol=2e-5)
+    assert min(backend.before) >= 1 and backend.after == [0, 0], (backend.before, backend.after)

@@ -57,29 +57,48 @@ def _unrotate(k, v, k_rotation, v_rotation):
     return k, v
 
 
-def _key_mask(attn_mask: Optional[Tensor], L: int) -> Optional[Tensor]:
-    """``attn_mask`` as [B or 1, H or 1, 1, L] when it is a key mask (size 1 along the query dim, as the
-    pass leaves a causal mask taken apart: padding), else None."""
-    if attn_mask is None or attn_mask.dim() > 4:
-        return None
+_CHECKED_MASK_ELEMENTS = 1 << 28  # a [B, H, Tq, L] mask is compared with the causal one up to this size
+
+
+def _mask_facts(attn_mask: Optional[Tensor], kvl: Tensor, Tq: int, L: int, is_causal: bool) -> list[Tensor]:
+    """Device booleans for the one host sync: whether ``attn_mask`` keeps exactly the keys that
+    ``is_causal`` (or no mask at all, for a key mask of size 1 along the queries) keeps below each
+    row's length. A key mask is what the pass leaves of a causal mask it took apart (padding); a
+    full [.., Tq, L] mask is what ``generate()`` builds outside the graph for a chunk. Bool, or
+    additive with 0 for a kept key and at most -1e30 for a hidden one. [] when the mask cannot be
+    checked (another rank, or over :data:`_CHECKED_MASK_ELEMENTS` elements)."""
+    if attn_mask is None or attn_mask.dim() > 4 or attn_mask.shape[-1] != L:
+        return []
     m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
-    return m if m.shape[2] == 1 and m.shape[3] == L else None
+    if m.shape[2] not in (1, Tq) or m.numel() > _CHECKED_MASK_ELEMENTS:
+        return []
+    pos = torch.arange(L, device=kvl.device)
+    live = pos < kvl.view(-1, 1, 1, 1)  # [B, 1, 1, L]: the keys each row reads
+    if m.dtype == torch.bool:
+        kept, other = m, None
+    else:
+        kept = m == 0
+        other = ~(kept | (m <= -1e30))  # any other value: a bias, not a mask
+    if m.shape[2] == 1:  # a key mask: it must hide no live key
+        agrees = kept | ~live
+    else:  # a full mask: it must keep what causal attention keeps (queries at kvl - Tq + i)
+        q_pos = kvl.view(-1, 1, 1, 1) - Tq + torch.arange(Tq, device=kvl.device).view(1, 1, Tq, 1)
+        causal = pos <= q_pos
+        agrees = ((kept & causal) == causal if is_causal else kept == causal) | ~live
+    facts = [agrees.all()]
+    if other is not None:
+        facts.append(~(other & live).any())
+    return facts
 
 
-def _sync(kvl: Tensor, one_length: bool, key_mask: Optional[Tensor]) -> tuple[int, int, bool]:
-    """The one host sync: the shortest and longest live prefix, and whether ``key_mask`` keeps every
-    key below its row's length (one scalar copy when every row has one length and there is no mask)."""
-    if key_mask is None and one_length:
+def _sync(kvl: Tensor, one_length: bool, facts: list[Tensor]) -> tuple[int, int, bool]:
+    """The one host sync: the shortest and longest live prefix, and whether every one of ``facts``
+    (:func:`_mask_facts`) holds (one scalar copy when every row has one length and there are none)."""
+    if not facts and one_length:
         n = int(kvl[0].item())
         return n, n, False
-    facts = [kvl.min(), kvl.max()]
-    if key_mask is not None:
-        pos = torch.arange(key_mask.shape[3], device=kvl.device)
-        kept = key_mask if key_mask.dtype == torch.bool else key_mask == 0
-        live = pos < kvl.view(-1, 1, 1, 1)  # [B, 1, 1, L]: the keys the row reads
-        facts.append((kept | ~live).all().to(kvl.dtype))
-    got = torch.stack(facts).tolist()
-    return int(got[0]), int(got[1]), key_mask is not None and bool(got[2])
+    got = torch.stack([kvl.min(), kvl.max()] + [f.to(kvl.dtype) for f in facts]).tolist()
+    return int(got[0]), int(got[1]), bool(facts) and all(bool(x) for x in got[2:])
 
 
 def _dense_sdpa(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, window: int = 0,
@@ -88,9 +107,10 @@ def _dense_sdpa(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_
     B, Hq, Tq, D = q.shape
     Hkv, L = k_q.shape[1], k_q.shape[2]
     kvl = kv_len.to(q.device).reshape(-1).expand(B)
-    lo, hi, keeps_all = _sync(kvl, kv_len.numel() == 1, _key_mask(attn_mask, L))
-    if keeps_all:  # a key mask (padding) that hides none of the live keys: SDPA's causal forms serve
-        attn_mask = None
+    lo, hi, drop = _sync(kvl, kv_len.numel() == 1, _mask_facts(attn_mask, kvl, Tq, L, is_causal))
+    if drop:  # the mask keeps what causal attention keeps (a key mask: every live key): SDPA's causal forms
+        full = Tq > 1 and attn_mask.dim() >= 2 and attn_mask.shape[-2] == Tq
+        attn_mask, is_causal = None, is_causal or full
     n = min(max(hi, 1), L)
     # A window hides keys only where some query sits at >= window (the last one sits at hi - 1).
     # Keys below the first one any query sees (query 0 of the shortest row) are not dequantized.

@@ -11,15 +11,18 @@ an ``&`` of terms, where
   position 0) and ``q = arange(Tq) + offset`` (consecutive query positions from a scalar offset),
   each unsqueezed to ``[..., Tq, 1]`` / ``[..., 1, n]``;
 * every other term has size 1 along the query dim (a key mask such as padding, ``[B, 1, 1, n]``);
-* a constant ``new_ones((), dtype=bool)`` is dropped.
+* a constant ``new_ones((), dtype=bool)`` is dropped, and so is a sliding window's ``kv > q - w`` over the
+  same query positions where the op applies that window itself (``w`` the site's window, or a ring's
+  size) or where ``w >= n`` hides no key.
 
 Key ``j`` is then visible to query ``i`` iff ``j <= offset + i`` and every key term keeps it: the op's
 ``is_causal`` (query ``i`` at ``kv_len - Tq + i``) with ``kv_len = min(kv_len, offset + Tq)`` and the key
 terms as its mask. That equals the graph's attention whenever the layer holds the queries'
 positions (``offset + Tq <= kv_len``: transformers takes ``offset`` from the cache's length before this
 forward's write); keys at or past ``kv_len`` the op never reads, as for any mask. A mask with any
-other term (a sliding window's ``kv > q - w``, chunked or bidirectional attention, a per-query term)
-is not taken apart, and reaches the op as before.
+other term (another window, chunked or bidirectional attention, a per-query term)
+is not taken apart, and reaches the op as before. One query (decode) is left as it is too: its mask is
+``[B, 1, 1, L]`` already.
 """
 
 from __future__ import annotations
@@ -31,12 +34,13 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from .graph import ADD, arg, is_call, known_eq, shape, val
+from .graph import ADD, SUB, arg, is_call, known_eq, shape, val
 
 __all__ = ["CausalMask", "factor"]
 
 _AND = (operator.and_, torch.logical_and, torch.bitwise_and, "__and__", "logical_and", "bitwise_and")
 _LE, _GE = (operator.le, torch.le, "le", "__le__"), (operator.ge, torch.ge, "ge", "__ge__")
+_GT, _LT = (operator.gt, torch.gt, "gt", "__gt__"), (operator.lt, torch.lt, "lt", "__lt__")
 _MIN_FILL = -1e30  # an additive mask's "hidden" value: finfo.min of any float dtype is below it
 
 
@@ -52,9 +56,11 @@ class CausalMask:
     zero: Any = 0.0  # an additive mask's value of a kept key (the graph's own node or constant)
 
 
-def factor(mask: Any, tq: Any, n: Any) -> Optional[CausalMask]:
+def factor(mask: Any, tq: Any, n: Any, window: int = 0) -> Optional[CausalMask]:
     """``mask`` (the site's mask over ``n`` keys for ``tq`` queries) taken apart as the module
-    docstring says, or None when it is not of that form (the caller then passes it on whole)."""
+    docstring says, or None when it is not of that form (the caller then passes it on whole).
+    ``window``: the window the op applies at this site (0: none); a sliding-window term
+    ``kv > q - w`` with ``w == window``, or with ``w >= n`` (it hides no key), is dropped."""
     if not isinstance(mask, fx.Node):
         return None
     fill, zero = None, 0.0
@@ -65,7 +71,7 @@ def factor(mask: Any, tq: Any, n: Any) -> Optional[CausalMask]:
         mask = keep
     if getattr(val(mask), "dtype", None) != torch.bool:
         return None
-    keys, causal = [], []
+    keys, causal, windows = [], [], []
     for term in _terms(mask):
         if _is_true(term):
             continue
@@ -73,11 +79,15 @@ def factor(mask: Any, tq: Any, n: Any) -> Optional[CausalMask]:
         if q is not None:
             causal.append(q)
             continue
+        qw = _window_positions(term, tq, n, window)
+        if qw is not None:
+            windows.append(qw)
+            continue
         s = shape(term)
         if s is None or len(s) > 4 or (len(s) >= 2 and not known_eq(s[-2], 1)) or not s or not known_eq(s[-1], n):
             return None  # a term that depends on the query (or is no tensor over the keys)
         keys.append(term)
-    if len(causal) != 1:
+    if len(causal) != 1 or any(w is not causal[0] for w in windows):
         return None
     return CausalMask(tuple(keys), causal[0], None if fill is None else float(fill), zero)
 
@@ -133,6 +143,24 @@ def _causal_positions(term: Any, tq: Any, n: Any) -> Optional[fx.Node]:
     if q1 is None or not _consecutive(q1, tq):
         return None
     return q1
+
+
+def _window_positions(term: Any, tq: Any, n: Any, window: int) -> Optional[fx.Node]:
+    """For ``kv > q - w`` / ``q - w < kv`` with ``w`` the op's ``window`` or ``w >= n``: the 1-D node of
+    the query positions (transformers' ``sliding_window_overlay``)."""
+    if is_call(term, *_GT) and len(term.args) == 2:
+        kv, lo = term.args
+    elif is_call(term, *_LT) and len(term.args) == 2:
+        lo, kv = term.args
+    else:
+        return None
+    if _unsqueezed_arange(kv, n, -1) is None or not (is_call(lo, *SUB) and len(lo.args) == 2):
+        return None
+    q, w = lo.args
+    if not isinstance(w, int) or isinstance(w, bool) or not (w == window > 0 or isinstance(n, int) and w >= n):
+        return None
+    q1 = _unsqueezed(q, -2)
+    return q1 if q1 is not None and _consecutive(q1, tq) else None
 
 
 def _unsqueezed(node: Any, axis: int) -> Optional[fx.Node]:

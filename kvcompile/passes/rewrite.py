@@ -118,11 +118,14 @@ def plan(call: AttentionCall, k: KVChain, v: KVChain) -> dict:
         "is_causal": call.is_causal,
     }
     # a causal mask built as a tensor: the op's is_causal and the key terms instead (passes/causal.py)
-    parts = None if call.is_causal or k.source.ring else causal.factor(call.mask, q.shape[2], n)
+    # (one query: its mask is [B, 1, 1, L] already; a ring's op applies the window of the ring's size)
+    window = kc[2] if k.source.ring else windows[0]
+    parts = None if call.is_causal or known_eq(q.shape[2], 1) else causal.factor(
+        call.mask, q.shape[2], n, window if isinstance(window, int) else 0)
     if parts is not None:
         found["mask"] = ("causal", [_mask(t, n, L, sliced) for t in parts.keys], parts)
         found["q_positions"] = parts.q_positions
-        found["is_causal"] = not known_eq(q.shape[2], 1)  # one query: the key bound alone is causal
+        found["is_causal"] = True
     if k.source.ring:
         found["store"] = _ring_store(k, v, call.anchor)
     return found
