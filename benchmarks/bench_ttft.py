@@ -58,9 +58,24 @@ def make_forward(name: str, model):
     return torch.compile(model.forward, backend=kvcompile.backend(kv_dtype=name.split("-", 1)[1]))
 
 
+VIA_GENERATE = False  # --via-generate
+
+
 def prefill(fwd, model, ids: torch.Tensor, cache, chunk: int) -> torch.Tensor:
-    """The prompt through ``fwd`` in one forward (chunk 0) or chunks; the first token's logits."""
+    """The prompt through ``fwd`` in one forward (chunk 0) or chunks; the first token's logits.
+    ``--via-generate``: ``model.generate(max_new_tokens=1, prefill_chunk_size=chunk)`` with ``fwd`` as
+    the model's forward (transformers then builds each later chunk's 4-D mask outside the graph)."""
     kw = cache_kwarg(model)
+    if VIA_GENERATE:
+        forward = model.forward
+        model.forward = fwd
+        try:
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **{kw: cache}, max_new_tokens=1,
+                                 do_sample=False, prefill_chunk_size=chunk or None, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=0)
+        finally:
+            model.forward = forward
+        return out.logits[0][:, None]
     P = ids.shape[1]
     step = chunk or P
     with torch.no_grad():
@@ -126,9 +141,11 @@ def main(argv=None):
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--out", default="bench_ttft.csv")
     p.add_argument("--profile", action="store_true", help="print the GPU kernels of one prefill per provider")
+    p.add_argument("--via-generate", action="store_true",
+                   help="run each prefill as generate(max_new_tokens=1, prefill_chunk_size=N)")
     args = p.parse_args(argv)
-    global PROFILE
-    PROFILE = args.profile
+    global PROFILE, VIA_GENERATE
+    PROFILE, VIA_GENERATE = args.profile, args.via_generate
     if not torch.cuda.is_available():
         sys.exit("bench_ttft needs a CUDA device")
     torch._dynamo.config.recompile_limit = 64
