@@ -274,8 +274,9 @@ int kvc_attend(const cache_t *c, int B, int Hq, int Tq, const float *q, int64_t 
  * The store: quantize-on-store of new tokens, kvcompile.formats.quantize's rounding bit for bit
  * ("int8": s = amax / 127, code = round-half-even(x / s) in [-127, 127]; "fp8_e4m3" per token:
  * s = amax / 448, code = e4m3(clamp(x / s, -448, 448)) rounded to nearest even), the non-finite
- * policy included: amax over the finite values, +-Inf saturates, a NaN stays NaN in e4m3 and
- * makes an int8 token's scale NaN (its code 0). A rotation R (x @ R, float32) and a K offset come first;
+ * policy included: amax over the finite values; a NaN or +-Inf (no format holds an Inf) is e4m3's NaN
+ * code in fp8 and makes an int8 token's or a q8_0 block's scale NaN (its code 0 for a NaN, +-127 for
+ * +-Inf). A rotation R (x @ R, float32) and a K offset come first;
  * the rotation's sums run in this file's order, so a rotated side can differ from torch's matmul by
  * the last bit of a value, at most one code step.
  * ------------------------------------------------------------------------------------------------ */
@@ -322,11 +323,11 @@ static inline float round_away(float y) {
  * group's scale (float32; q8_0's is rounded to float16 by the caller). */
 static float quantize_group(const float *x, int n, int kind, uint8_t *c, int64_t cd) {
     float amax = 0.f;
-    int nan = 0;
+    int nan = 0; /* the group holds a NaN or an Inf: int8 and q8_0 mark it by a NaN scale */
     for (int d = 0; d < n; ++d) {
         const float a = fabsf(x[d]);
-        if (a != a) nan = 1;
-        else if (a != INFINITY && a > amax) amax = a;
+        if (a != a || a == INFINITY) nan = 1;
+        else if (a > amax) amax = a;
     }
     if (kind == CODE_INT8) {
         const float s = amax / 127.f, div = s > 0.f ? s : 1.f;
@@ -355,7 +356,7 @@ static float quantize_group(const float *x, int n, int kind, uint8_t *c, int64_t
     const float s = amax / 448.f;
     for (int d = 0; d < n; ++d) {
         float y = x[d];
-        if (isinf(y)) y = y > 0 ? 448.f : -448.f;
+        if (isinf(y)) y = NAN; /* e4m3 has no Inf: its NaN code, as for a NaN (which keeps its sign) */
         else if (y == y) y = s > 0.f ? y / s : 0.f;
         y = y > 448.f ? 448.f : (y < -448.f ? -448.f : y);
         c[d * cd] = e4m3_encode(y);
