@@ -7,6 +7,7 @@ the bit-exact definition in :mod:`kvcompile.formats`.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -253,15 +254,25 @@ def attention(
             o = torch.where(valid.any(dim=-1, keepdim=True), o, torch.zeros((), dtype=o.dtype, device=dev))
     else:
         o = _explicit_softmax(qc, k, v, valid, additive, sm_scale, softcap, sinks, group)
+    # Non-finite values (README): a NaN marker in a visible key's K or V gives NaN in exactly the rows
+    # that see the key. Where keys are hidden, SDPA (and P.V above) let a hidden key's NaN reach other
+    # rows too (a bool mask is added as -inf, which keeps a NaN score; 0 x NaN keeps a NaN value): a call
+    # whose output holds a NaN or an Inf (one sum, a host read, tells) is done again, written out with care.
+    if (valid is not None or additive is not None) and not math.isfinite(float(o.sum())):
+        o = _explicit_softmax(qc, k, v, valid, additive, sm_scale, softcap, sinks, group, nonfinite=True)
     if v_rotation is not None:  # V's codes hold v @ R_v: P (V R_v) R_v^T = P V
         o = torch.matmul(o, v_rotation.to(compute_dtype).t())
     return o if o.dtype == q.dtype else o.to(q.dtype)
 
 
 def _explicit_softmax(qc: Tensor, k: Tensor, v: Tensor, valid: Optional[Tensor], additive: Optional[Tensor],
-                      sm_scale: float, softcap: float, sinks: Optional[Tensor], group: int) -> Tensor:
+                      sm_scale: float, softcap: float, sinks: Optional[Tensor], group: int,
+                      nonfinite: bool = False) -> Tensor:
     """Softmax attention written out (float64 oracle, softcap, sinks, additive masks): the query
-    heads of one kv head are rows of one matmul against its keys (no repeated K/V)."""
+    heads of one kv head are rows of one matmul against its keys (no repeated K/V).
+
+    ``nonfinite``: a NaN or an Inf in V reaches exactly the rows that see its key (a hidden key's
+    value is not multiplied by its 0 weight). A NaN score is hidden by a bool mask (``masked_fill``)."""
     B, Hq, Tq, D = qc.shape
     Hkv, n = k.shape[1], k.shape[2]
     s = torch.matmul(qc.reshape(B, Hkv, group * Tq, D), k.transpose(-1, -2)).view(B, Hq, Tq, n) * sm_scale
@@ -282,4 +293,12 @@ def _explicit_softmax(qc: Tensor, k: Tensor, v: Tensor, valid: Optional[Tensor],
     if sinks is not None:
         denom = denom + torch.where(empty, torch.zeros_like(denom), torch.exp(sink - m_safe))
     p = p / torch.where(empty, torch.ones_like(denom), denom)
-    return torch.matmul(p.view(B, Hkv, group * Tq, n), v).view(B, Hq, Tq, D)
+    p = p.view(B, Hkv, group * Tq, n)
+    bad_v = ~torch.isfinite(v) if nonfinite else None
+    if bad_v is None or not bad_v.any():
+        return torch.matmul(p, v).view(B, Hq, Tq, D)
+    # the finite values as they are, and NaN where a row sees (a score above -inf) a non-finite value
+    o = torch.matmul(p, torch.where(bad_v, torch.zeros_like(v), v))
+    seen = (~torch.isneginf(s)).to(v.dtype).view(B, Hkv, group * Tq, n)
+    o = torch.where(torch.matmul(seen, bad_v.to(v.dtype)) > 0, torch.full_like(o, float("nan")), o)
+    return o.view(B, Hq, Tq, D)
