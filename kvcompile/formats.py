@@ -31,12 +31,14 @@ Rounding (bit-exact between this reference and every kernel):
 
 Non-finite inputs (a policy, tested; README "Non-finite values"): no format holds an infinity,
 and none turns a non-finite value into a finite one. The scale is computed from the finite values
-of the group only; a ``NaN`` or ``±Inf`` is stored as a NaN marker: fp8 stores e4m3's NaN code for
-that element only (the other elements keep their codes); int8 codes have no NaN, so a q8_0 block
-or an int8 token that holds a NaN or an Inf gets a NaN scale (its codes: 0 for a NaN, ±127 for
-±Inf, the usual codes elsewhere) and dequantizes to NaN as a whole. Attention over a marker gives
-NaN where attention over a bf16 cache gives NaN or ±Inf. Finite values never become NaN: ones past
-the range (a static scale) saturate to the largest code.
+of the group only; a ``NaN`` or ``±Inf`` is stored as a NaN marker: the group (a token, or a block
+of 32 values) that holds one gets a NaN scale, and dequantizes to NaN as a whole. Its codes: fp8
+stores e4m3's NaN code for that element (the other elements keep their codes; with static scales
+the code is the only marker); int8 codes have no NaN: 0 for a NaN, ±127 for ±Inf, the usual codes
+elsewhere. (fp8 marks the scale too because attention's masked key tiles cannot tell a stored NaN
+code from the bytes past a row's length at no cost: ``kernels/_attention_kernel.py``.) Attention
+over a marker gives NaN where attention over a bf16 cache gives NaN or ±Inf. Finite values never
+become NaN: ones past the range (a static scale) saturate to the largest code.
 
 Optional K centering: a per-(kv head, channel) offset ``mu`` of shape ``[Hkv, D]`` is
 subtracted from K before quantizing and added back by ``dequantize``. Attention never
@@ -359,8 +361,10 @@ def quantize(
         s = amax / FP8_E4M3_MAX if cpu else amax / torch.full_like(amax, FP8_E4M3_MAX)  # true division (int8)
         y = torch.where(s > 0, xg / s, torch.zeros_like(xg))  # +0 where s == 0 (e4m3 has a -0 code)
         if special:
-            # a NaN or an Inf is stored as e4m3's NaN code, also in a group whose scale is 0 (the policy above)
+            # a NaN or an Inf is stored as e4m3's NaN code, also in a group whose scale is 0, and the group's
+            # scale is NaN (the policy above)
             y = torch.where(torch.isnan(xg), xg, torch.where(torch.isinf(xg), torch.full_like(xg, float("nan")), y))
+            s = torch.where(torch.isfinite(xg).all(dim=-1, keepdim=True), s, torch.full_like(s, float("nan")))
         codes = _encode(y.flatten(-2), code_dtype)
     return codes, s.squeeze(-1)
 

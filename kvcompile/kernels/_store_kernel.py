@@ -59,8 +59,8 @@ def _quantize_rows(
 
     is_inf = tl.abs(x) == float("inf")
     is_nan = x != x
-    # formats.py's non-finite policy: no format holds an Inf, so a NaN or an Inf is a NaN marker (fp8:
-    # the element's NaN code; int8 / q8_0: the group's scale), never a saturated finite code
+    # formats.py's non-finite policy: no format holds an Inf, so a NaN or an Inf is a NaN marker (the
+    # group's scale, and fp8's NaN code for the element), never a saturated finite code
     if STATIC_SCALE:
         s = tl.load(S + h * stride_sh).to(tl.float32)
         y = tl.where(s > 0, tl.math.div_rn(x, tl.where(s > 0, s, 1.0)), 0.0)
@@ -88,9 +88,9 @@ def _quantize_rows(
             y = tl.math.div_rn(x * up[:, None], ss[:, None])
             y = tl.where(s[:, None] > 0, y, 0.0)
             y = tl.where(is_inf, tl.where(x > 0, qmax, -qmax), y)
-            if CODE == CODE_INT8:  # no NaN code: the token's scale carries a NaN or an Inf (as q8_0's)
-                has_nan = tl.max((is_nan | is_inf).to(tl.int32), axis=1) > 0
-                s = tl.where(has_nan, float("nan"), s)
+            # a group holding a NaN or an Inf: a NaN scale (int8 has no NaN code; fp8 stores its NaN code too)
+            has_nan = tl.max((is_nan | is_inf).to(tl.int32), axis=1) > 0
+            s = tl.where(has_nan, float("nan"), s)
         tl.store(
             S + b * stride_sb + h * stride_sh + (start + t) * stride_st + g * stride_sg,
             s.to(S.dtype.element_ty),

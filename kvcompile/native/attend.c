@@ -284,9 +284,9 @@ int kvc_attend(const cache_t *c, int B, int Hq, int Tq, const float *q, int64_t 
  * The store: quantize-on-store of new tokens, kvcompile.formats.quantize's rounding bit for bit
  * ("int8": s = amax / 127, code = round-half-even(x / s) in [-127, 127]; "fp8_e4m3" per token:
  * s = amax / 448, code = e4m3(clamp(x / s, -448, 448)) rounded to nearest even), the non-finite
- * policy included: amax over the finite values; a NaN or +-Inf (no format holds an Inf) is e4m3's NaN
- * code in fp8 and makes an int8 token's or a q8_0 block's scale NaN (its code 0 for a NaN, +-127 for
- * +-Inf). A rotation R (x @ R, float32) and a K offset come first;
+ * policy included: amax over the finite values; a NaN or +-Inf (no format holds an Inf) makes its
+ * group's scale NaN, and its code e4m3's NaN code in fp8 (int8: 0 for a NaN, +-127 for +-Inf).
+ * A rotation R (x @ R, float32) and a K offset come first;
  * the rotation's sums run in this file's order, so a rotated side can differ from torch's matmul by
  * the last bit of a value, at most one code step.
  * ------------------------------------------------------------------------------------------------ */
@@ -333,7 +333,7 @@ static inline float round_away(float y) {
  * group's scale (float32; q8_0's is rounded to float16 by the caller). */
 static float quantize_group(const float *x, int n, int kind, uint8_t *c, int64_t cd) {
     float amax = 0.f;
-    int nan = 0; /* the group holds a NaN or an Inf: int8 and q8_0 mark it by a NaN scale */
+    int nan = 0; /* the group holds a NaN or an Inf: a NaN scale marks it */
     for (int d = 0; d < n; ++d) {
         const float a = fabsf(x[d]);
         if (a != a || a == INFINITY) nan = 1;
@@ -371,7 +371,7 @@ static float quantize_group(const float *x, int n, int kind, uint8_t *c, int64_t
         y = y > 448.f ? 448.f : (y < -448.f ? -448.f : y);
         c[d * cd] = e4m3_encode(y);
     }
-    return s;
+    return nan ? NAN : s;
 }
 
 /* Store T new tokens k, v [B, H, T, D] (float32, unit stride along D) at positions start_at[0] + t
