@@ -243,26 +243,39 @@ def attention(
             additive = m.to(compute_dtype)
 
     if compute_dtype == torch.float32 and softcap == 0 and sinks is None and additive is None:
-        # the CPU's common case in a few ops: one fused SDPA call (grouped-query, the visibility as its
-        # bool mask); a row with no visible key gives NaN there and zeros here. Contiguous operands: the
-        # CPU's fused kernel needs unit stride along head_dim (key-contiguous V codes dequantize to
-        # keys-contiguous values), else SDPA falls back to its math path (SmolLM2 decode, 2 cores:
-        # 315 -> <100 us per call)
-        o = F.scaled_dot_product_attention(qc.contiguous(), k.contiguous(), v.contiguous(), attn_mask=valid,
-                                           scale=sm_scale, enable_gqa=group > 1)
-        if valid is not None:
-            o = torch.where(valid.any(dim=-1, keepdim=True), o, torch.zeros((), dtype=o.dtype, device=dev))
+        o, careful = _sdpa(qc, k, v, valid, sm_scale, group)
     else:
         o = _explicit_softmax(qc, k, v, valid, additive, sm_scale, softcap, sinks, group)
-    # Non-finite values (README): a NaN marker in a visible key's K or V gives NaN in exactly the rows
-    # that see the key. Where keys are hidden, SDPA (and P.V above) let a hidden key's NaN reach other
-    # rows too (a bool mask is added as -inf, which keeps a NaN score; 0 x NaN keeps a NaN value): a call
-    # whose output holds a NaN or an Inf (one sum, a host read, tells) is done again, written out with care.
-    if (valid is not None or additive is not None) and not math.isfinite(float(o.sum())):
+        # P.V multiplies a hidden key's NaN value by its 0 weight: a masked call whose output holds a NaN
+        # or an Inf (one sum, a host read) is done again, those values kept to the rows that see them
+        careful = (valid is not None or additive is not None) and not math.isfinite(float(o.sum()))
+    if careful:  # the rare call with a non-finite value: written out, the policy exactly (README)
         o = _explicit_softmax(qc, k, v, valid, additive, sm_scale, softcap, sinks, group, nonfinite=True)
     if v_rotation is not None:  # V's codes hold v @ R_v: P (V R_v) R_v^T = P V
         o = torch.matmul(o, v_rotation.to(compute_dtype).t())
     return o if o.dtype == q.dtype else o.to(q.dtype)
+
+
+def _sdpa(qc: Tensor, k: Tensor, v: Tensor, valid: Optional[Tensor], sm_scale: float, group: int
+          ) -> tuple[Tensor, bool]:
+    """The CPU's common case in a few ops: one fused SDPA call (grouped-query, the visibility as its bool
+    mask); a row with no visible key gives NaN there and zeros here. Contiguous operands: the CPU's fused
+    kernel needs unit stride along head_dim (key-contiguous V codes dequantize to keys-contiguous values),
+    else SDPA falls back to its math path (SmolLM2 decode, 2 cores: 315 -> <100 us per call).
+
+    Also whether the output may break the non-finite policy (README), then :func:`_explicit_softmax` redoes
+    it: SDPA on the CPU gives zeros for a row whose every score is NaN (a NaN in every key: an Inf bias made
+    NaN by RoPE), and its bool mask, added as -inf, keeps a hidden key's NaN score (as 0 x NaN keeps a hidden
+    NaN value). So: a row that sees a key and is all zeros or holds a NaN (one host read). Unmasked (a decode
+    step), every row sees a key: any zero or NaN output value (|o|'s min, +3 us on SmolLM2's decode shape)."""
+    o = F.scaled_dot_product_attention(qc.contiguous(), k.contiguous(), v.contiguous(), attn_mask=valid,
+                                       scale=sm_scale, enable_gqa=group > 1)
+    if valid is None:
+        return o, not float(o.abs().amin()) > 0
+    has_key = valid.any(dim=-1, keepdim=True)
+    row_max = torch.where(has_key, o.abs().amax(dim=-1, keepdim=True), 1.0)  # 0: all zeros, NaN: holds a NaN
+    o = torch.where(has_key, o, torch.zeros((), dtype=o.dtype, device=o.device))
+    return o, not float(row_max.min()) > 0
 
 
 def _explicit_softmax(qc: Tensor, k: Tensor, v: Tensor, valid: Optional[Tensor], additive: Optional[Tensor],
