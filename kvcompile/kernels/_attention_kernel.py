@@ -300,14 +300,14 @@ def _attend_tile(
         # A NaN code below n_hi is the data's too (a NaN or an Inf stored, formats.py). Token scales:
         # its token's scale is NaN as well, and reaches P, so every NaN code can go (the max() costs
         # what it did). Static scales: the code is the only marker, so the bound is NaN below n_hi,
-        # where max(x, NaN) = x keeps a NaN code NaN (a per-key bound: measured +0.5-2.3% on fp8/static
-        # decode, H100, where the masked tile is a large share of the work).
+        # where max(x, NaN) = x keeps a NaN code NaN. The per-key bound costs fp8/static decode about 2%
+        # (H100) where the masked tile is a large share of the work; built from n_ok, as a bound from a
+        # fresh arange spilled 136 B on sm_80's bit-decoded path (docs/perf-log.md, non-finite values).
         lowest = -65504.0 if v.dtype == tl.float16 else -3.0e38
         if SCALE_KIND == SCALE_TOKEN:
             v = tl.maximum(v, tl.full([1, 1], lowest, v.dtype))
         else:
-            bound = tl.where(tl.arange(0, BLOCK_N) < n_hi - start_n, float("nan"), lowest).to(v.dtype)
-            v = tl.maximum(v, bound[:, None])
+            v = tl.maximum(v, tl.where(n_ok, float("nan"), lowest).to(v.dtype)[:, None])
     if DOT_DTYPE == tl.float32:
         acc += tl.dot(pv, v, input_precision="ieee")
     else:
