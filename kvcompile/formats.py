@@ -29,12 +29,16 @@ Rounding (bit-exact between this reference and every kernel):
   next-token distribution from 0.87e-3 (unrotated) to 0.24e-3 (0.23e-3 with V rotated too),
   below q8_0's 0.40e-3 (QUALITY.md).
 
-Non-finite inputs (a policy, tested): the scale is computed from the finite values of the
-group only. ``±Inf`` saturates to the largest code (±448 for fp8, ±127 for q8_0 and int8), i.e.
-to ± the group's largest finite magnitude (0 in a group that is otherwise all zeros).
-``NaN`` is kept: fp8 stores e4m3's NaN code for that element only; int8 codes have no NaN,
-so a q8_0 block or an int8 token that holds a NaN gets a NaN scale (its codes: 0 for the NaN,
-the usual codes elsewhere) and dequantizes to NaN as a whole. A NaN never disappears silently.
+Non-finite inputs (a policy, tested; README "Non-finite values"): no format holds an infinity,
+and none turns a non-finite value into a finite one. The scale is computed from the finite values
+of the group only; a ``NaN`` or ``±Inf`` is stored as a NaN marker: the group (a token, or a block
+of 32 values) that holds one gets a NaN scale, and dequantizes to NaN as a whole. Its codes: fp8
+stores e4m3's NaN code for that element (the other elements keep their codes; with static scales
+the code is the only marker); int8 codes have no NaN: 0 for a NaN, ±127 for ±Inf, the usual codes
+elsewhere. (fp8 marks the scale too because attention's masked key tiles cannot tell a stored NaN
+code from the bytes past a row's length at no cost: ``kernels/_attention_kernel.py``.) Attention
+over a marker gives NaN where attention over a bf16 cache gives NaN or ±Inf. Finite values never
+become NaN: ones past the range (a static scale) saturate to the largest code.
 
 Optional K centering: a per-(kv head, channel) offset ``mu`` of shape ``[Hkv, D]`` is
 subtracted from K before quantizing and added back by ``dequantize``. Attention never
@@ -309,7 +313,9 @@ def quantize(
         s = scale.float().view(1, -1, 1, 1)
         with torch.no_grad():
             y = torch.where(s > 0, xf / s, torch.zeros_like(xf))
-            y = torch.where(torch.isnan(xf), xf, y)  # a NaN stays NaN even where s == 0
+            # a NaN stays NaN even where s == 0, and an Inf becomes NaN (e4m3 has no Inf): only
+            # finite values saturate
+            y = torch.where(torch.isnan(xf), xf, torch.where(torch.isinf(xf), torch.full_like(xf, float("nan")), y))
         return _encode(y, code_dtype), scale
     if kv_dtype == "int8" and groups != 1:
         raise ValueError(f"kvcompile.formats.quantize: int8 keeps one scale per token (groups=1), got groups={groups}")
@@ -333,9 +339,9 @@ def quantize(
         # x * (1/d), as GGUF computes it (not x / d: the two round differently).
         y = xg * inv
         s = d
-        if special:
+        if special:  # a block holding a NaN or an Inf: a NaN scale (its Inf codes +-127, its NaN codes 0)
             y = torch.where(torch.isinf(xg), torch.sign(xg) * Q8_0_MAX, y)
-            s = torch.where(torch.isnan(xg).any(dim=-1, keepdim=True), torch.full_like(d, float("nan")), d)
+            s = torch.where(torch.isfinite(xg).all(dim=-1, keepdim=True), d, torch.full_like(d, float("nan")))
         s = s.to(torch.float16)
         codes = _encode(y.flatten(-2), code_dtype)
     elif kv_dtype == "int8":
@@ -347,17 +353,18 @@ def quantize(
         if special:
             y = torch.where(torch.isinf(xg), torch.sign(xg) * INT8_MAX, y)  # also where s == 0
             y = torch.nan_to_num(y, nan=0.0)  # int8 has no NaN code: 0 there, and the token's scale is NaN
-            s = torch.where(torch.isnan(xg).any(dim=-1, keepdim=True), torch.full_like(s, float("nan")), s)
+            # a NaN or an Inf (int8 holds neither): the token's scale is NaN, so it reads back as NaN
+            s = torch.where(torch.isfinite(xg).all(dim=-1, keepdim=True), s, torch.full_like(s, float("nan")))
         # round half to even, saturate (in place: y is this function's own)
         codes = y.clamp_(-INT8_MAX, INT8_MAX).round_().flatten(-2).to(torch.int8)
     else:
         s = amax / FP8_E4M3_MAX if cpu else amax / torch.full_like(amax, FP8_E4M3_MAX)  # true division (int8)
         y = torch.where(s > 0, xg / s, torch.zeros_like(xg))  # +0 where s == 0 (e4m3 has a -0 code)
         if special:
-            # 0 * inf is nan: an Inf in an otherwise-zero group must still saturate.
-            y = torch.where(torch.isinf(xg), torch.sign(xg) * FP8_E4M3_MAX, y)
-            # an all-zero group has s == 0: its NaN must still be stored as NaN (the policy above)
-            y = torch.where(torch.isnan(xg), xg, y)
+            # a NaN or an Inf is stored as e4m3's NaN code, also in a group whose scale is 0, and the group's
+            # scale is NaN (the policy above)
+            y = torch.where(torch.isnan(xg), xg, torch.where(torch.isinf(xg), torch.full_like(xg, float("nan")), y))
+            s = torch.where(torch.isfinite(xg).all(dim=-1, keepdim=True), s, torch.full_like(s, float("nan")))
         codes = _encode(y.flatten(-2), code_dtype)
     return codes, s.squeeze(-1)
 

@@ -7,6 +7,7 @@ the bit-exact definition in :mod:`kvcompile.formats`.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -242,26 +243,49 @@ def attention(
             additive = m.to(compute_dtype)
 
     if compute_dtype == torch.float32 and softcap == 0 and sinks is None and additive is None:
-        # the CPU's common case in a few ops: one fused SDPA call (grouped-query, the visibility as its
-        # bool mask); a row with no visible key gives NaN there and zeros here. Contiguous operands: the
-        # CPU's fused kernel needs unit stride along head_dim (key-contiguous V codes dequantize to
-        # keys-contiguous values), else SDPA falls back to its math path (SmolLM2 decode, 2 cores:
-        # 315 -> <100 us per call)
-        o = F.scaled_dot_product_attention(qc.contiguous(), k.contiguous(), v.contiguous(), attn_mask=valid,
-                                           scale=sm_scale, enable_gqa=group > 1)
-        if valid is not None:
-            o = torch.where(valid.any(dim=-1, keepdim=True), o, torch.zeros((), dtype=o.dtype, device=dev))
+        o, careful = _sdpa(qc, k, v, valid, sm_scale, group)
     else:
         o = _explicit_softmax(qc, k, v, valid, additive, sm_scale, softcap, sinks, group)
+        # P.V multiplies a hidden key's NaN value by its 0 weight: a masked call whose output holds a NaN
+        # or an Inf (one sum, a host read) is done again, those values kept to the rows that see them
+        careful = (valid is not None or additive is not None) and not math.isfinite(float(o.sum()))
+    if careful:  # the rare call with a non-finite value: written out, the policy exactly (README)
+        o = _explicit_softmax(qc, k, v, valid, additive, sm_scale, softcap, sinks, group, nonfinite=True)
     if v_rotation is not None:  # V's codes hold v @ R_v: P (V R_v) R_v^T = P V
         o = torch.matmul(o, v_rotation.to(compute_dtype).t())
     return o if o.dtype == q.dtype else o.to(q.dtype)
 
 
+def _sdpa(qc: Tensor, k: Tensor, v: Tensor, valid: Optional[Tensor], sm_scale: float, group: int
+          ) -> tuple[Tensor, bool]:
+    """The CPU's common case in a few ops: one fused SDPA call (grouped-query, the visibility as its bool
+    mask); a row with no visible key gives NaN there and zeros here. Contiguous operands: the CPU's fused
+    kernel needs unit stride along head_dim (key-contiguous V codes dequantize to keys-contiguous values),
+    else SDPA falls back to its math path (SmolLM2 decode, 2 cores: 315 -> <100 us per call).
+
+    Also whether the output may break the non-finite policy (README), then :func:`_explicit_softmax` redoes
+    it: SDPA on the CPU gives zeros for a row whose every score is NaN (a NaN in every key: an Inf bias made
+    NaN by RoPE), and its bool mask, added as -inf, keeps a hidden key's NaN score (as 0 x NaN keeps a hidden
+    NaN value). So: a row that sees a key and is all zeros or holds a NaN (one host read). Unmasked (a decode
+    step), every row sees a key: any zero or NaN output value (|o|'s min, +3 us on SmolLM2's decode shape)."""
+    o = F.scaled_dot_product_attention(qc.contiguous(), k.contiguous(), v.contiguous(), attn_mask=valid,
+                                       scale=sm_scale, enable_gqa=group > 1)
+    if valid is None:
+        return o, not float(o.abs().amin()) > 0
+    has_key = valid.any(dim=-1, keepdim=True)
+    row_max = torch.where(has_key, o.abs().amax(dim=-1, keepdim=True), 1.0)  # 0: all zeros, NaN: holds a NaN
+    o = torch.where(has_key, o, torch.zeros((), dtype=o.dtype, device=o.device))
+    return o, not float(row_max.min()) > 0
+
+
 def _explicit_softmax(qc: Tensor, k: Tensor, v: Tensor, valid: Optional[Tensor], additive: Optional[Tensor],
-                      sm_scale: float, softcap: float, sinks: Optional[Tensor], group: int) -> Tensor:
+                      sm_scale: float, softcap: float, sinks: Optional[Tensor], group: int,
+                      nonfinite: bool = False) -> Tensor:
     """Softmax attention written out (float64 oracle, softcap, sinks, additive masks): the query
-    heads of one kv head are rows of one matmul against its keys (no repeated K/V)."""
+    heads of one kv head are rows of one matmul against its keys (no repeated K/V).
+
+    ``nonfinite``: a NaN or an Inf in V reaches exactly the rows that see its key (a hidden key's
+    value is not multiplied by its 0 weight). A NaN score is hidden by a bool mask (``masked_fill``)."""
     B, Hq, Tq, D = qc.shape
     Hkv, n = k.shape[1], k.shape[2]
     s = torch.matmul(qc.reshape(B, Hkv, group * Tq, D), k.transpose(-1, -2)).view(B, Hq, Tq, n) * sm_scale
@@ -282,4 +306,12 @@ def _explicit_softmax(qc: Tensor, k: Tensor, v: Tensor, valid: Optional[Tensor],
     if sinks is not None:
         denom = denom + torch.where(empty, torch.zeros_like(denom), torch.exp(sink - m_safe))
     p = p / torch.where(empty, torch.ones_like(denom), denom)
-    return torch.matmul(p.view(B, Hkv, group * Tq, n), v).view(B, Hq, Tq, D)
+    p = p.view(B, Hkv, group * Tq, n)
+    bad_v = ~torch.isfinite(v) if nonfinite else None
+    if bad_v is None or not bad_v.any():
+        return torch.matmul(p, v).view(B, Hq, Tq, D)
+    # the finite values as they are, and NaN where a row sees (a score above -inf) a non-finite value
+    o = torch.matmul(p, torch.where(bad_v, torch.zeros_like(v), v))
+    seen = (~torch.isneginf(s)).to(v.dtype).view(B, Hkv, group * Tq, n)
+    o = torch.where(torch.matmul(seen, bad_v.to(v.dtype)) > 0, torch.full_like(o, float("nan")), o)
+    return o.view(B, Hq, Tq, D)

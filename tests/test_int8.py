@@ -30,8 +30,8 @@ needs_triton = pytest.mark.skipif(
 
 def int8_quantize_ref(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """(codes int8 [..., D], scales float32 [..., 1]): s = fp32(amax_finite / 127), y = fp32(x / s),
-    ±Inf -> ±127, s == 0 -> 0, code = rint(clip(y, -127, 127)); a token with a NaN gets s = NaN and
-    code 0 for the NaN."""
+    ±Inf -> ±127, s == 0 -> 0, code = rint(clip(y, -127, 127)); a token with a NaN or an Inf gets
+    s = NaN (code 0 for a NaN)."""
     x = x.float().numpy()
     amax = np.where(np.isfinite(x), np.abs(x), np.float32(0)).max(axis=-1, keepdims=True)
     s = (amax / np.float32(127.0)).astype(np.float32)
@@ -39,7 +39,7 @@ def int8_quantize_ref(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         y = np.where(s > 0, x / s, np.float32(0)).astype(np.float32)
     y = np.where(np.isinf(x), np.sign(x) * np.float32(127.0), y)
     codes = np.rint(np.clip(np.nan_to_num(y, nan=0.0), -127, 127)).astype(np.int8)
-    s = np.where(np.isnan(x).any(axis=-1, keepdims=True), np.float32(np.nan), s).astype(np.float32)
+    s = np.where(np.isfinite(x).all(axis=-1, keepdims=True), s, np.float32(np.nan)).astype(np.float32)
     return codes, s
 
 
@@ -92,17 +92,20 @@ def test_int8_nan_inf_policy():
     x[0, 0, 0, 3], x[0, 0, 0, 4] = math.inf, -math.inf
     x[0, 0, 1, 7] = math.nan
     x[0, 0, 2] = 0.0
-    x[0, 0, 2, 0] = math.inf  # Inf in an otherwise all-zero token: code 127, scale 0, value 0
+    x[0, 0, 2, 0] = math.inf  # Inf in an otherwise all-zero token: code 127, scale NaN
     codes, s = formats.quantize(x, torch.int8, kv_dtype="int8")
     finite = x[0, 0, 0].clone()
     finite[3:5] = 0
-    assert s[0, 0, 0, 0] == finite.abs().max() / torch.tensor(127.0)  # from the finite values only
-    assert codes[0, 0, 0, 3] == 127 and codes[0, 0, 0, 4] == -127
+    # the codes from the finite values' amax (as before), the token's scale NaN: int8 holds no Inf
+    want = torch.round(finite / (finite.abs().max() / torch.tensor(127.0))).to(torch.int8)
+    assert torch.equal(codes[0, 0, 0, finite != 0], want[finite != 0])
+    assert codes[0, 0, 0, 3] == 127 and codes[0, 0, 0, 4] == -127 and s[0, 0, 0, 0].isnan()
     assert s[0, 0, 1, 0].isnan() and codes[0, 0, 1, 7] == 0
     back = formats.dequantize(codes, s, torch.float32)[0, 0]
     assert back[1].isnan().all(), "an int8 token holding a NaN must dequantize to NaN as a whole"
-    assert torch.isfinite(back[0]).all() and torch.isfinite(back[3]).all()
-    assert s[0, 0, 2, 0] == 0 and codes[0, 0, 2, 0] == 127 and (back[2] == 0).all()
+    assert back[0].isnan().all() and back[2].isnan().all(), "an Inf must never dequantize to a finite value"
+    assert torch.isfinite(back[3]).all()
+    assert s[0, 0, 2, 0].isnan() and codes[0, 0, 2, 0] == 127
 
 
 def test_int8_beats_fp8_and_rotation_helps_with_outlier_channels():

@@ -236,7 +236,7 @@ def test_store_matches_reference_bit_for_bit(k_dtype, v_dtype, granularity, offs
         assert bits_equal(got, want)
     written = caches[0][0][:, :, 9:16]
     assert (written != 0).any() and (caches[0][0][:, :, :9] == 0).all() and (caches[0][0][:, :, 16:] == 0).all()
-    assert torch.isnan(caches[0][3][-1, -1, 9 + 3]).any().item() == (v_dtype != "fp8_e4m3")  # int8: NaN -> NaN scale
+    assert torch.isnan(caches[0][3][-1, -1, 9 + 3]).any()  # a NaN -> a NaN scale (and fp8's NaN code)
     if k_dtype == "q8_0":  # the float16 scale's edges were reached (K's offset moves K's small values)
         assert torch.isinf(caches[0][1][0, -1, 9 + 4]).any() and torch.isinf(caches[0][3][0, -1, 9 + 4]).any()
         tiny = caches[0][3][-1, 0, 9]

@@ -297,10 +297,17 @@ def _attend_tile(
         # e4m3 codes past n_hi may be NaN, and p = 0 does not cancel NaN. max() returns its non-NaN
         # operand: NaN becomes the lowest finite value (finite values pass) and 0 * it = 0. (An
         # unmasked tile reads no codes past n_hi: a NaN there is the data's, as in the reference.)
-        if v.dtype == tl.float16:
-            v = tl.maximum(v, tl.full([1, 1], -65504.0, v.dtype))
+        # A NaN code below n_hi is the data's too (a NaN or an Inf stored, formats.py). Token scales:
+        # its token's scale is NaN as well, and reaches P, so every NaN code can go (the max() costs
+        # what it did). Static scales: the code is the only marker, so the bound is NaN below n_hi,
+        # where max(x, NaN) = x keeps a NaN code NaN. The per-key bound costs fp8/static decode about 2%
+        # (H100) where the masked tile is a large share of the work; built from n_ok, as a bound from a
+        # fresh arange spilled 136 B on sm_80's bit-decoded path (docs/perf-log.md, non-finite values).
+        lowest = -65504.0 if v.dtype == tl.float16 else -3.0e38
+        if SCALE_KIND == SCALE_TOKEN:
+            v = tl.maximum(v, tl.full([1, 1], lowest, v.dtype))
         else:
-            v = tl.maximum(v, tl.full([1, 1], -3.0e38, v.dtype))
+            v = tl.maximum(v, tl.where(n_ok, float("nan"), lowest).to(v.dtype)[:, None])
     if DOT_DTYPE == tl.float32:
         acc += tl.dot(pv, v, input_precision="ieee")
     else:
@@ -468,8 +475,11 @@ def _attention_kernel(
     elif DOT_DTYPE == tl.float16 and q.dtype != tl.float16:
         # fp16 holds |x| < 65504, bf16 / fp32 queries may not: a block whose largest |q| reaches
         # 2^15 is scaled by 2^-shift (exact), and 2^shift goes into the softmax scale (shift = 0 otherwise).
+        # The largest finite |q|: an Inf in one row must not flush the block's other rows to zero
+        # (its own row stays Inf, its scores Inf or NaN, as in the reference). One select, once.
         q = q.to(tl.float32)
-        amax_exp = ((tl.max(tl.max(tl.abs(q), axis=1), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF)
+        qa = tl.where(tl.abs(q) < float("inf"), tl.abs(q), 0.0)
+        amax_exp = ((tl.max(tl.max(qa, axis=1), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF)
         q_shift = tl.maximum(amax_exp - 141, 0)  # |q| < 2^(e - 126) <= 2^15 once e - shift <= 141 (127 + 14)
         q = q * ((127 - q_shift) << 23).to(tl.float32, bitcast=True)
         q_unscale = ((127 + q_shift) << 23).to(tl.float32, bitcast=True)

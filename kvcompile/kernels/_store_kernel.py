@@ -59,6 +59,8 @@ def _quantize_rows(
 
     is_inf = tl.abs(x) == float("inf")
     is_nan = x != x
+    # formats.py's non-finite policy: no format holds an Inf, so a NaN or an Inf is a NaN marker (the
+    # group's scale, and fp8's NaN code for the element), never a saturated finite code
     if STATIC_SCALE:
         s = tl.load(S + h * stride_sh).to(tl.float32)
         y = tl.where(s > 0, tl.math.div_rn(x, tl.where(s > 0, s, 1.0)), 0.0)
@@ -70,7 +72,7 @@ def _quantize_rows(
             inv = tl.where(dd > 0, tl.math.div_rn(1.0, tl.where(dd > 0, dd, 1.0)), 0.0)
             y = x * inv[:, None]  # x * (1/d), as GGUF does
             y = tl.where(is_inf, tl.where(x > 0, Q8_MAX, -Q8_MAX), y)
-            has_nan = tl.max(is_nan.to(tl.int32), axis=1) > 0
+            has_nan = tl.max((is_nan | is_inf).to(tl.int32), axis=1) > 0
             s = tl.where(has_nan, float("nan"), dd)
         else:
             if CODE == CODE_INT8:
@@ -86,9 +88,9 @@ def _quantize_rows(
             y = tl.math.div_rn(x * up[:, None], ss[:, None])
             y = tl.where(s[:, None] > 0, y, 0.0)
             y = tl.where(is_inf, tl.where(x > 0, qmax, -qmax), y)
-            if CODE == CODE_INT8:  # no NaN code: the token's scale carries it (as q8_0's block scale)
-                has_nan = tl.max(is_nan.to(tl.int32), axis=1) > 0
-                s = tl.where(has_nan, float("nan"), s)
+            # a group holding a NaN or an Inf: a NaN scale (int8 has no NaN code; fp8 stores its NaN code too)
+            has_nan = tl.max((is_nan | is_inf).to(tl.int32), axis=1) > 0
+            s = tl.where(has_nan, float("nan"), s)
         tl.store(
             S + b * stride_sb + h * stride_sh + (start + t) * stride_st + g * stride_sg,
             s.to(S.dtype.element_ty),
@@ -108,7 +110,8 @@ def _quantize_rows(
         r = tl.where(y < 0, -r, r)
         code = tl.where(is_nan, 0.0, r).to(tl.int8)  # int8 has no NaN code (the scale carries it)
     else:
-        y = tl.where(is_nan, x, y)  # a NaN input stays NaN (also in an otherwise all-zero group)
+        # a NaN input stays NaN (also in an otherwise all-zero group), an Inf becomes NaN: e4m3 has no Inf
+        y = tl.where(is_nan, x, tl.where(is_inf, float("nan"), y))
         if HW_E4M3:
             code = e4m3_encode_hw(y)  # saturates to +-448 itself
         else:

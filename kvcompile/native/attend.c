@@ -187,6 +187,11 @@ int kvc_attend(const cache_t *c, int B, int Hq, int Tq, const float *q, int64_t 
     const int v_keys = v->cl == 1 && v->cd != 1; /* V stored key-contiguous: a channel's keys are a run */
     for (int b = 0; b < B; ++b) {
         const int64_t len = kv_len[n_len == 1 ? 0 : b];
+        /* the keys [j0, j1) of [lo, hi) that some query of row b may see: values outside are never read
+         * (a NaN stored past the row's length, or below every query's window, reaches no output) */
+        int64_t j1 = (hi < len ? hi : len) - lo, j0 = window > 0 ? len - Tq - window + 1 - lo : 0;
+        j0 = j0 < 0 ? 0 : j0;
+        const int64_t nb = j1 > j0 ? j1 - j0 : 0;
         for (int hk = 0; hk < Hkv; ++hk) {
             for (int r = 0; r < rows; ++r) { /* row r: query head hk * group + r / Tq, query r % Tq */
                 const int h = hk * group + r / Tq, t = r % Tq;
@@ -206,19 +211,24 @@ int kvc_attend(const cache_t *c, int B, int Hq, int Tq, const float *q, int64_t 
                 if (window > 0 && qpos - window + 1 > start) start = qpos - window + 1;
                 const uint8_t *mrow = mask ? mask + b * mb + h * mh + t * mt : NULL;
                 float *pr = p + (size_t)r * n, mx = -INFINITY;
+                int nan = 0; /* a visible key scores NaN (a NaN in q or K) */
                 for (int64_t j = 0; j < n; ++j) {
                     const int64_t pos = lo + j;
                     float s = -INFINITY;
                     if (pos >= start && pos < end && (!mrow || mrow[pos * ml])) {
                         s = pr[j] * sm_scale;
                         if (softcap > 0.f) s = softcap * tanhf(s / softcap);
+                        nan |= s != s;
                     }
                     pr[j] = s;
-                    if (s > mx) mx = s;
+                    if (s > mx) mx = s; /* a NaN score never passes: mx is the finite scores' max */
                 }
-                if (mx == -INFINITY) { /* no visible key: zeros (with sinks too) */
+                /* no finite score: zeros where no key is visible or every visible score is -inf (an Inf
+                 * in q; SDPA gives zeros too), with sinks too; NaN where a visible key scores NaN, as
+                 * softmax over it gives (not "no visible key") */
+                if (mx == -INFINITY) {
                     for (int64_t j = 0; j < n; ++j) pr[j] = 0.f;
-                    inv[r] = 0.f;
+                    inv[r] = nan ? NAN : 0.f;
                     continue;
                 }
                 float sink = 0.f;
@@ -237,15 +247,15 @@ int kvc_attend(const cache_t *c, int B, int Hq, int Tq, const float *q, int64_t 
             /* P @ V: each stored value row (or channel) once, for the group's rows */
             memset(acc, 0, sizeof(float) * (size_t)rows * D);
             if (v_keys) { /* token or static scales (block32 V is stored head_dim-contiguous) */
-                for (int64_t j = 0; j < n; ++j) sv[j] = scale_at(v, b, hk, lo + j, 0);
-                for (int d = 0; d < D; ++d) {
+                for (int64_t j = 0; j < nb; ++j) sv[j] = scale_at(v, b, hk, lo + j0 + j, 0);
+                for (int d = 0; d < D && nb; ++d) {
                     /* the channel's values, code * scale as formats.dequantize (code * 1 is exact) */
-                    codes_to_f32(v->codes + b * v->cb + hk * v->ch + d * v->cd + lo, v->code_kind, 1.f, kv, n);
-                    for (int64_t j = 0; j < n; ++j) kv[j] *= sv[j];
-                    for (int r = 0; r < rows; ++r) acc[(size_t)r * D + d] = dot_f32(p + (size_t)r * n, kv, n);
+                    codes_to_f32(v->codes + b * v->cb + hk * v->ch + d * v->cd + lo + j0, v->code_kind, 1.f, kv, nb);
+                    for (int64_t j = 0; j < nb; ++j) kv[j] *= sv[j];
+                    for (int r = 0; r < rows; ++r) acc[(size_t)r * D + d] = dot_f32(p + (size_t)r * n + j0, kv, nb);
                 }
             } else {
-                for (int64_t j = 0; j < n; ++j) {
+                for (int64_t j = j0; j < j1; ++j) {
                     row_values(v, b, hk, lo + j, D, kv);
                     for (int r = 0; r < rows; ++r) {
                         const float w = p[(size_t)r * n + j];
@@ -274,8 +284,9 @@ int kvc_attend(const cache_t *c, int B, int Hq, int Tq, const float *q, int64_t 
  * The store: quantize-on-store of new tokens, kvcompile.formats.quantize's rounding bit for bit
  * ("int8": s = amax / 127, code = round-half-even(x / s) in [-127, 127]; "fp8_e4m3" per token:
  * s = amax / 448, code = e4m3(clamp(x / s, -448, 448)) rounded to nearest even), the non-finite
- * policy included: amax over the finite values, +-Inf saturates, a NaN stays NaN in e4m3 and
- * makes an int8 token's scale NaN (its code 0). A rotation R (x @ R, float32) and a K offset come first;
+ * policy included: amax over the finite values; a NaN or +-Inf (no format holds an Inf) makes its
+ * group's scale NaN, and its code e4m3's NaN code in fp8 (int8: 0 for a NaN, +-127 for +-Inf).
+ * A rotation R (x @ R, float32) and a K offset come first;
  * the rotation's sums run in this file's order, so a rotated side can differ from torch's matmul by
  * the last bit of a value, at most one code step.
  * ------------------------------------------------------------------------------------------------ */
@@ -322,11 +333,11 @@ static inline float round_away(float y) {
  * group's scale (float32; q8_0's is rounded to float16 by the caller). */
 static float quantize_group(const float *x, int n, int kind, uint8_t *c, int64_t cd) {
     float amax = 0.f;
-    int nan = 0;
+    int nan = 0; /* the group holds a NaN or an Inf: a NaN scale marks it */
     for (int d = 0; d < n; ++d) {
         const float a = fabsf(x[d]);
-        if (a != a) nan = 1;
-        else if (a != INFINITY && a > amax) amax = a;
+        if (a != a || a == INFINITY) nan = 1;
+        else if (a > amax) amax = a;
     }
     if (kind == CODE_INT8) {
         const float s = amax / 127.f, div = s > 0.f ? s : 1.f;
@@ -355,12 +366,12 @@ static float quantize_group(const float *x, int n, int kind, uint8_t *c, int64_t
     const float s = amax / 448.f;
     for (int d = 0; d < n; ++d) {
         float y = x[d];
-        if (isinf(y)) y = y > 0 ? 448.f : -448.f;
+        if (isinf(y)) y = NAN; /* e4m3 has no Inf: its NaN code, as for a NaN (which keeps its sign) */
         else if (y == y) y = s > 0.f ? y / s : 0.f;
         y = y > 448.f ? 448.f : (y < -448.f ? -448.f : y);
         c[d * cd] = e4m3_encode(y);
     }
-    return s;
+    return nan ? NAN : s;
 }
 
 /* Store T new tokens k, v [B, H, T, D] (float32, unit stride along D) at positions start_at[0] + t
