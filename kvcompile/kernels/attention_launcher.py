@@ -216,7 +216,7 @@ def attention(
     k_rotation: Optional[Tensor] = None, v_rotation: Optional[Tensor] = None,
     new_token: Optional[tuple[Tensor, Tensor, Optional[Tensor]]] = None,
 ) -> Tensor:
-    """``kvcompile::attention`` on the Triton kernels (arguments and shapes: :func:`kvcompile.ops._attention`).
+    """``kvcompile::attention`` on the Triton kernels (arguments and shapes: :func:`kvcompile.dispatch.attention`).
 
     ``new_token`` ``(k, v, k_offset)``, k and v ``[B, Hkv, 1, D]``, with one query: store that token
     first, at position ``kv_len - 1`` (a 0-d tensor) in slot ``(kv_len - 1) % L`` (a sliding layer's
