@@ -14,13 +14,13 @@ positions (zeros outside the window) and transformers' masks apply unchanged.
 
 from __future__ import annotations
 
-import sys
 import warnings
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from . import formats, hf, ops, rotation, tp
+from . import backend_registry, formats, hf, ops, rotation, tp
+from .buffers import v_codes_buffer
 
 __all__ = ["NoKVLayer", "QuantizedLayer", "V_LAYOUTS", "v_codes_buffer"]
 
@@ -45,8 +45,7 @@ def _warn_if_compiled_module_bypassed(tokens: int) -> None:
     global _warned_uncompiled
     if _warned_uncompiled or tokens != 1:
         return
-    cb = sys.modules.get("kvcompile.compile_backend")  # not imported: no backend was made
-    if cb is None or not cb.unused_backend_exists():
+    if not backend_registry.unused_backend_exists():
         return
     _warned_uncompiled = True
     warnings.warn(
@@ -58,15 +57,6 @@ def _warn_if_compiled_module_bypassed(tokens: int) -> None:
 
 
 V_LAYOUTS = ("auto", "keys", "head_dim")
-
-
-def v_codes_buffer(shape, dtype: torch.dtype, device, keys: bool) -> torch.Tensor:
-    """Zeroed V codes ``[B, Hkv, L, D]``; ``keys=True``: key-contiguous, a view of a ``[B, Hkv, D, L16]``
-    buffer (``L16`` = ``L`` rounded up to 16: the attention kernel reads whole 16-key chunks)."""
-    B, H, L, D = shape
-    if not keys:
-        return torch.zeros((B, H, L, D), dtype=dtype, device=device)
-    return torch.zeros((B, H, D, -(-L // 16) * 16), dtype=dtype, device=device).transpose(2, 3)[:, :, :L]
 
 
 class QuantizedLayer(CacheLayerMixin):

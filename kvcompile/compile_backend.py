@@ -20,26 +20,17 @@ from __future__ import annotations
 import logging
 import os
 import time
-import weakref
 from typing import Any, Optional, Sequence
 
 import torch
 
-from . import checks, formats
+from . import backend_registry, checks, formats
+from .backend_registry import unused_backend_exists
 from .passes import KVAttentionPass, KVDtypeMismatch
 
 log = logging.getLogger("kvcompile")
 
 __all__ = ["KVCompileBackend", "unused_backend_exists"]
-
-# every backend made in this process that is still alive (unused_backend_exists)
-_BACKENDS: "weakref.WeakSet[KVCompileBackend]" = weakref.WeakSet()
-
-
-def unused_backend_exists() -> bool:
-    """Whether some live backend of this process has not been handed a graph yet."""
-    return any(not b.used for b in _BACKENDS)
-
 
 class KVCompileBackend:
     """A callable torch.compile backend; see the module docstring.
@@ -74,7 +65,7 @@ class KVCompileBackend:
         self.pass_seconds: list[float] = []  # wall time of the pass per graph (benchmarks)
         self.used = False  # Dynamo has handed this backend a graph
         self._warned_no_cache = False
-        _BACKENDS.add(self)
+        backend_registry.register(self)
 
     def report(self) -> list[dict]:
         """One dict per compiled graph: ``{"found", "rewritten", "skipped": [(site, reason)], "kv_dtype"}``."""

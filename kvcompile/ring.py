@@ -3,7 +3,8 @@
 A layer whose attention window ``W`` is shorter than ``max_cache_len`` never reads a key more than
 ``W - 1`` positions behind its query, so it stores position ``p`` in slot ``p % W`` and its memory
 is ``W`` positions whatever the context (transformers' sliding layers keep the window too). The
-ops over a ring are composed here from the plain ops' implementations (:mod:`kvcompile.ops`),
+ops over a ring are composed here from the plain ops' implementations (:mod:`kvcompile.dispatch`;
+:mod:`kvcompile.ops` registers both),
 so they run the same Triton kernels or reference code; what this module adds is which slot holds
 which position, in device tensors only (no host read: a CUDA graph replays the decode step):
 
@@ -30,15 +31,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import dispatch, reference
+from .buffers import v_codes_buffer
 from .reference import _as_bytes, _write
 
 __all__ = ["store_kv", "dequantize", "attention"]
-
-
-def _ops():
-    from . import ops  # ops registers this module's functions: imported late
-
-    return ops
 
 
 def _keys_contiguous(v_codes: Tensor) -> bool:
@@ -47,8 +44,6 @@ def _keys_contiguous(v_codes: Tensor) -> bool:
 
 def _scratch(codes: Tensor, scale: Tensor, n: int, keys: bool) -> tuple[Tensor, Tensor]:
     """Zeroed codes ``[B, H, n, D]`` (key-contiguous when ``keys``) and scales like ``scale`` for n positions."""
-    from .cache_layer import v_codes_buffer  # cache_layer imports ops, which imports this module
-
     B, H, _, D = codes.shape
     c = v_codes_buffer((B, H, n, D), codes.dtype, codes.device, keys)
     if scale.dim() == 1:  # static: per head, read only
@@ -73,7 +68,6 @@ def store_kv(k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor,
              v_rotation: Optional[Tensor] = None) -> None:
     """``kvcompile::store_kv`` into a ring of ``W = k_cache.shape[2]`` slots: position ``start + t``
     goes to slot ``(start + t) % W``; of a chunk longer than the ring only the last ``W`` tokens stay."""
-    ops = _ops()
     W, T = k_cache.shape[2], k.shape[2]
     if T == 1:
         _store_token(k_cache, k_scale, v_cache, v_scale, k, v, start, 0, k_offset, k_rotation, v_rotation)
@@ -82,7 +76,7 @@ def store_kv(k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor,
     tk, tks = _scratch(k_cache, k_scale, n, False)
     tv, tvs = _scratch(v_cache, v_scale, n, _keys_contiguous(v_cache))
     zero = torch.zeros((), dtype=torch.long, device=k.device)
-    ops._store_kv(tk, tks, tv, tvs, k[:, :, T - n:], v[:, :, T - n:], zero, k_offset, k_rotation, v_rotation)
+    dispatch.store_kv(tk, tks, tv, tvs, k[:, :, T - n:], v[:, :, T - n:], zero, k_offset, k_rotation, v_rotation)
     slots = torch.remainder(start.to(torch.long) + (T - n) + torch.arange(n, device=k.device), W)
     _put(k_cache, k_scale, slots, tk, tks)
     _put(v_cache, v_scale, slots, tv, tvs)
@@ -92,13 +86,12 @@ def _store_token(k_cache, k_scale, v_cache, v_scale, k, v, start: Tensor, shift:
                  v_rotation) -> None:
     """One token at position ``start + shift`` into slot ``(start + shift) % W``: on the Triton path the
     store kernel takes the slot itself (no extra launch, no bound to assert: every slot is in range)."""
-    ops = _ops()
     W = k_cache.shape[2]
-    if ops.kernel_backend(k.device) == "triton":
-        ops._kernels().store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation, v_rotation,
+    if dispatch.kernel_backend(k.device) == "triton":
+        dispatch.launchers().store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation, v_rotation,
                                 shift=shift, ring=W)
     else:
-        ops.reference.store_kv(k_cache, k_scale, v_cache, v_scale, k, v, torch.remainder(start + shift, W),
+        reference.store_kv(k_cache, k_scale, v_cache, v_scale, k, v, torch.remainder(start + shift, W),
                                k_offset, k_rotation, v_rotation)
 
 
@@ -108,15 +101,14 @@ def dequantize(codes: Tensor, scale: Tensor, offset: Optional[Tensor], start: Te
     ``[B, H, length, D]`` in absolute positions, the ring's positions ``[start - W + 1, start)`` (read
     before the chunk is stored), the chunk at ``[start, start + T)`` quantized as the store quantizes
     it, zeros elsewhere."""
-    ops = _ops()
     B, H, W, D = codes.shape
     T, dev = new.shape[2], codes.device
-    ring = ops._dequantize(codes, scale, offset, torch.full((), W, device=dev), dtype, rotation)
+    ring = dispatch.dequantize(codes, scale, offset, torch.full((), W, device=dev), dtype, rotation)
     tc, ts = _scratch(codes, scale, T, False)
     tc2, ts2 = _scratch(codes, scale, T, False)
     zero = torch.zeros((), dtype=torch.long, device=dev)
-    ops._store_kv(tc, ts, tc2, ts2, new, new, zero, offset, rotation, rotation)  # the K side is the one used
-    chunk = ops._dequantize(tc, ts, offset, torch.full((), T, device=dev), dtype, rotation)
+    dispatch.store_kv(tc, ts, tc2, ts2, new, new, zero, offset, rotation, rotation)  # the K side is the one used
+    chunk = dispatch.dequantize(tc, ts, offset, torch.full((), T, device=dev), dtype, rotation)
     src = torch.cat((ring, chunk, ring.new_zeros((B, H, 1, D))), dim=2)  # slot W + T: a zero row
     c = start.to(device=dev, dtype=torch.long)
     pos = torch.arange(length, device=dev)
@@ -150,7 +142,6 @@ def attention(q: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Ten
     """Store ``k, v`` (the chunk at ``[cache_len - T, cache_len)``) into the ring, then attention as
     ``kvcompile::attention`` over absolute positions with window ``W`` (the ring's size) and
     ``kv_len`` (``cache_len`` when None) as the bound on the keys (module docstring)."""
-    ops = _ops()
     W, T, Tq, dev = k_q.shape[2], k.shape[2], q.shape[2], q.device
     cache_len = cache_len.to(device=dev, dtype=torch.long)
     if T == 1 and Tq == 1:  # decode: the token's store, then attention over the ring's slots
@@ -163,12 +154,12 @@ def attention(q: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Ten
             if kv_len is not None:
                 mask = _hide(mask, (pos < kv_len.to(dev).reshape(-1, 1, 1, 1)))
         # the token count as the key bound: past W every slot holds a key (the op reads at most its L = W)
-        if ops.kernel_backend(dev) == "triton":  # the kernels store the token at slot (cache_len - 1) % W
+        if dispatch.kernel_backend(dev) == "triton":  # the kernels store the token at slot (cache_len - 1) % W
             # themselves (in the attention kernel where the plan fits it: no store launch)
-            return ops._kernels().attention(q, k_q, k_scale, v_q, v_scale, cache_len, mask, False, scale, 0, softcap,
+            return dispatch.launchers().attention(q, k_q, k_scale, v_q, v_scale, cache_len, mask, False, scale, 0, softcap,
                                             sinks, k_rotation, v_rotation, new_token=(k, v, k_offset))
         _store_token(k_q, k_scale, v_q, v_scale, k, v, cache_len, -1, k_offset, k_rotation, v_rotation)
-        return ops._attention(q, k_q, k_scale, v_q, v_scale, cache_len, mask, False, scale, 0, softcap, sinks,
+        return dispatch.attention(q, k_q, k_scale, v_q, v_scale, cache_len, mask, False, scale, 0, softcap, sinks,
                               k_rotation, v_rotation)
     n = W - 1 + T  # the ring's last W - 1 positions, then the chunk
     tk, tks = _scratch(k_q, k_scale, n, False)
@@ -177,13 +168,13 @@ def attention(q: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Ten
     slots = torch.remainder(base + torch.arange(W - 1, device=dev), W)
     for src, dst in ((k_q, tk), (k_scale, tks), (v_q, tv), (v_scale, tvs)):
         _gather(src, slots, dst)
-    ops._store_kv(tk, tks, tv, tvs, k, v, torch.full((), W - 1, dtype=torch.long, device=dev), k_offset,
+    dispatch.store_kv(tk, tks, tv, tvs, k, v, torch.full((), W - 1, dtype=torch.long, device=dev), k_offset,
                   k_rotation, v_rotation)
     pos = base + torch.arange(n, device=dev)
     mask = _hide(_mask_columns(attn_mask, pos), (pos >= 0).view(1, 1, 1, n))
     bound = torch.full((), n, dtype=torch.long, device=dev) if kv_len is None else \
         torch.clamp(kv_len.to(device=dev, dtype=torch.long) - base, 0, n)
-    out = ops._attention(q, tk, tks, tv, tvs, bound, mask, is_causal, scale, W, softcap, sinks, k_rotation,
+    out = dispatch.attention(q, tk, tks, tv, tvs, bound, mask, is_causal, scale, W, softcap, sinks, k_rotation,
                          v_rotation)
     m = min(T, W)
     ring_slots = torch.remainder(cache_len - m + torch.arange(m, device=dev), W)

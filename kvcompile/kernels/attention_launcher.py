@@ -6,13 +6,12 @@ fixed by static shapes, splits past ``kv_len`` exit at once, an LSE merge kernel
 (:mod:`kvcompile.kernels.dense`: dequantize the live prefix once, then the best SDPA; one host sync,
 so never inside CUDA graph capture). Sliding window, softcap and sinks are constexpr switches of
 the kernel; off, it compiles to the code it had without them. Nothing here decides anything the
-plan does not say; what stays here is reading the call off its tensors and the fallback to a
-smaller tile when Triton refuses one for lack of shared memory.
+plan does not say (the path, the tile and its smaller fallback when Triton refuses one for lack of
+shared memory are the plan's); what stays here is reading the call off its tensors and launching.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Optional
 
@@ -96,22 +95,8 @@ def call_of(q, k_q, k_scale, v_q, v_scale, attn_mask=None, is_causal=False, deco
     )
 
 
-_SHRUNK: dict = {}  # calls whose tile Triton refused for lack of shared memory -> the tile that compiled
-
-
-def plan_of(call: plan_mod.Call) -> plan_mod.LaunchPlan:
-    """The plan this launcher runs for ``call`` (the table's, or the smaller tile that compiled)."""
-    return plan_mod.plan(call, _SHRUNK.get(call))
-
-
-def _shrink(tile: tiles.Tile):
-    if tile.num_stages > 2:
-        return dataclasses.replace(tile, num_stages=tile.num_stages - 1)
-    if tile.block_n > 16:
-        return dataclasses.replace(tile, block_n=tile.block_n // 2)
-    if tile.block_m > 16:
-        return dataclasses.replace(tile, block_m=tile.block_m // 2)
-    return None
+_SHRUNK = plan_mod._SHRUNK  # the plan's tile fallback (benchmarks print and clear it)
+plan_of = plan_mod.plan_of
 
 
 def _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, decode: bool, window=0,
@@ -127,11 +112,8 @@ def _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale
             return _run(p, q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, sm_scale, softcap, sinks,
                         k_rotation, v_rotation, new_token)
         except OutOfResources:
-            # the shared-memory model in tiles.py is an estimate; Triton has the last word
-            smaller = _shrink(p.tile)
-            if smaller is None:
+            if not plan_mod.shrink(call, p.tile):  # the plan's smaller tile, if one is left
                 raise
-            _SHRUNK[call] = smaller
 
 
 def _run(p: plan_mod.LaunchPlan, q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, sm_scale, softcap, sinks,
@@ -216,7 +198,7 @@ def attention(
     k_rotation: Optional[Tensor] = None, v_rotation: Optional[Tensor] = None,
     new_token: Optional[tuple[Tensor, Tensor, Optional[Tensor]]] = None,
 ) -> Tensor:
-    """``kvcompile::attention`` on the Triton kernels (arguments and shapes: :func:`kvcompile.ops._attention`).
+    """``kvcompile::attention`` on the Triton kernels (arguments and shapes: :func:`kvcompile.dispatch.attention`).
 
     ``new_token`` ``(k, v, k_offset)``, k and v ``[B, Hkv, 1, D]``, with one query: store that token
     first, at position ``kv_len - 1`` (a 0-d tensor) in slot ``(kv_len - 1) % L`` (a sliding layer's
@@ -236,10 +218,7 @@ def attention(
         return torch.zeros_like(q)
     sm_scale = D**-0.5 if scale is None else float(scale)
     L = k_q.shape[2]
-    # the dense path's SDPA has no softcap and no sinks, and its one-launch dequantize decodes e4m3
-    # bits for K and V alike (archs without an fp8 type): those calls take the fused kernel
-    dense_ok = (softcap == 0 and sinks is None
-                and (k_q.dtype == v_q.dtype or tiles.has_native_fp8(device_cc(q.device))))
+    dense_ok = plan_mod.dense_ok(softcap > 0, sinks is not None, k_q.dtype, v_q.dtype, device_cc(q.device))
     path = prefill_path(q, window_hides=0 < sliding_window < L, dense_ok=dense_ok)
     if path == "dense":
         return dense.attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale,

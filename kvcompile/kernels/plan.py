@@ -7,6 +7,10 @@ frozen :class:`LaunchPlan` (tile, split count, dot type, where the rotations run
 exactly :meth:`LaunchPlan.constexprs`; ``python -m kvcompile info`` prints plans. Plans are cached
 per call (a call is hashable; no tensor in it).
 
+The prefill path (:func:`prefill_path`, :func:`dense_ok`) and the smaller tile a call falls back to
+when Triton refuses one (:func:`plan_of`, :func:`shrink`) are decided here too; the decode split
+count is :mod:`kvcompile.kernels.splits`, the scale layout :mod:`kvcompile.kernels.scales`.
+
 Variants for tests and benchmarks go through :func:`override` (``dataclasses.replace`` of every
 plan made inside the ``with``), never through module flags. Tiles themselves are data in
 :mod:`kvcompile.tiles`. Alternatives that lost their A/B, and by how much, are in
@@ -19,22 +23,22 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import math
 import os
 from typing import Optional
 
 import torch
-from torch import Tensor
 
 from .. import tiles
+from .scales import SCALE_BLOCK, SCALE_STATIC, SCALE_TOKEN, scale_bytes, scale_layout
+from .splits import (DECODE_MIN_SPLIT_TILES, DECODE_PROGRAMS_PER_SM_SMALL, DECODE_SMALL_PROGRAMS, DECODE_WAVES,
+                     decode_splits)
 
-__all__ = ["Call", "LaunchPlan", "plan", "override", "prefill_path", "decode_splits", "SCALE_TOKEN", "SCALE_BLOCK",
-           "SCALE_STATIC", "MASK_NONE", "MASK_BOOL", "MASK_ADD", "ROT_NONE", "ROT_MATRIX", "ROT_SYLVESTER",
-           "DECODE_MAX_Q", "DECODE_SMALL_PROGRAMS", "DECODE_MIN_SPLIT_TILES", "DENSE_MIN_Q", "DECODE_WAVES",
-           "DECODE_PROGRAMS_PER_SM_SMALL", "INTERPRET_TILE"]
+__all__ = ["Call", "LaunchPlan", "plan", "plan_of", "shrink", "override", "prefill_path", "dense_ok", "decode_splits",
+           "scale_layout", "scale_bytes", "SCALE_TOKEN", "SCALE_BLOCK", "SCALE_STATIC", "MASK_NONE", "MASK_BOOL",
+           "MASK_ADD", "ROT_NONE", "ROT_MATRIX", "ROT_SYLVESTER", "DECODE_MAX_Q", "DECODE_SMALL_PROGRAMS",
+           "DECODE_MIN_SPLIT_TILES", "DENSE_MIN_Q", "DECODE_WAVES", "DECODE_PROGRAMS_PER_SM_SMALL", "INTERPRET_TILE"]
 
 # the kernel's mode constants (tl.constexpr in _attention_kernel.py; equal by test_plan)
-SCALE_TOKEN, SCALE_BLOCK, SCALE_STATIC = 0, 1, 2
 MASK_NONE, MASK_BOOL, MASK_ADD = 0, 1, 2
 # how a side of the cache is rotated: not, by any orthonormal matrix (read from memory), or by the
 # shared Sylvester Hadamard matrix of a power-of-two head_dim (its +-1 entries generated in registers)
@@ -49,21 +53,6 @@ DECODE_MAX_Q = 16
 # fused kernel also reads the padding's key mask per score (bench_ttft, 32k prompt in chunks of 2048,
 # int8: 557 ms in the fused kernel against 213 in SDPA's): dense from 1024.
 DENSE_MIN_Q = 1024
-DECODE_SMALL_PROGRAMS = 16  # programs per split at most: no full wave (latency-bound), no int8 bias
-# Split-K: the split count whose equal-work programs fill whole waves of the resident programs
-# best, at most this many waves (bench_kv.py --splits, H200, aecdf70: 1-4 within 1% at B=8 L=32k and B=4 L=128k;
-# 1 loses 7% at B=32 L=32k, 6 loses 4-8%).
-DECODE_WAVES = 2
-# ... but splits shorter than this many key tiles: their per-program fixed cost (prologue, q, partial
-# output) outweighs the waves' fill, and one wave of DECODE_PROGRAMS_PER_SM_SMALL programs per SM
-# wins (bench_kv.py --splits, H200, c2148e7 and 7300928, fp8 / int8 us: B=8 L=4k 26.1 / 29.5 with
-# 4 splits against 30.6 / 34.3 with the fill's 11, B=4 L=8k 25.9 / 28.9 with 8 against 31.5 / 35.7
-# with 22, B=4 L=4k 17.7 / 19.7 with 8 against 18.7 / 21.0 with 11; 128-key tiles).
-DECODE_MIN_SPLIT_TILES = 8
-# ... when there are at most DECODE_SMALL_PROGRAMS a split per program cannot fill a wave anyway: this
-# many programs per SM (bench_kv.py --sweep, H200, aecdf70: 3 instead of 2 at B=1 L=32k, 27.3 vs 26.0 us fp8, 49.6 vs
-# 38.2 q8_0).
-DECODE_PROGRAMS_PER_SM_SMALL = 2
 # The interpreter (tests): small tiles so that short test caches cross tile edges.
 INTERPRET_TILE = (32, 16)  # (largest block_m, block_n)
 # Columns per product of a rotation (the q prologue's and the merge's); tl.dot needs >= 16.
@@ -228,36 +217,6 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def scale_layout(k_scale: Tensor, v_scale: Tensor, head_dim: int) -> tuple[int, int]:
-    """(SCALE_* kind, values per scale) of a cache's K and V scale tensors (their shapes only: meta
-    tensors do); K and V must share one granularity, and block scales must cover 16+ values."""
-
-    def kind(s: Tensor) -> tuple[int, int]:
-        if s.dim() == 1:
-            return SCALE_STATIC, head_dim
-        if s.shape[-1] == 1:
-            return SCALE_TOKEN, head_dim
-        return SCALE_BLOCK, head_dim // s.shape[-1]
-
-    kk, vk = kind(k_scale), kind(v_scale)
-    if kk[0] == SCALE_BLOCK and (kk[1] & (kk[1] - 1) or kk[1] < 16):
-        raise ValueError(
-            f"kvcompile.attention (triton): scale groups of {kk[1]} values (head_dim={head_dim}, "
-            f"{k_scale.shape[-1]} groups) are not supported; use granularity 'token' or 'block32'"
-        )
-    if kk != vk:
-        raise ValueError(
-            "kvcompile.attention (triton): K and V scales must have one granularity, got "
-            f"{tuple(k_scale.shape)} and {tuple(v_scale.shape)}"
-        )
-    return kk
-
-
-def scale_bytes(scale: Tensor) -> int:
-    """Bytes of scales the kernel loads per key (for K or for V): 0 for static scales."""
-    return 0 if scale.dim() == 1 else scale.element_size() * scale.shape[-1]
-
-
 _OVERRIDE: contextvars.ContextVar = contextvars.ContextVar("kvcompile_plan_override", default=None)
 
 
@@ -274,7 +233,7 @@ def override(**fields):
 
 
 def plan(call: Call, tile: Optional[tiles.Tile] = None) -> LaunchPlan:
-    """The plan of ``call`` (cached); ``tile`` replaces the table's (the launcher's fallback when
+    """The plan of ``call`` (cached); ``tile`` replaces the table's (:func:`plan_of`'s fallback when
     Triton refuses a tile for lack of shared memory)."""
     fields = _OVERRIDE.get()
     if fields:
@@ -445,49 +404,38 @@ def prefill_path(Tq: int, is_cuda: bool, capturing: bool, window_hides: bool = F
     return "dense" if Tq >= DENSE_MIN_Q else "fused"
 
 
-def decode_splits(programs: int, max_len: int, block_n: int, sms: int, resident: int = 1) -> tuple[int, int]:
-    """(number of splits, keys per split) from static shapes only (never the current length: graph
-    safe, no host sync).
-
-    ``programs`` per split (batch * kv heads * query blocks); ``resident`` programs of the tile fit
-    one SM at once, so ``resident * sms`` run per wave. Every program of a launch reads one split
-    (the last may be shorter), so a launch a few programs past a whole wave ends with that wave
-    nearly empty: the count chosen fills its waves best (ties: fewer waves), at most ``DECODE_WAVES``
-    of them; with at least one block of keys per split. With at most ``DECODE_SMALL_PROGRAMS``
-    a split per program cannot fill a wave anyway, and when the best fill needs splits shorter than
-    ``DECODE_MIN_SPLIT_TILES`` blocks their fixed costs outweigh it: then one wave of
-    ``DECODE_PROGRAMS_PER_SM_SMALL`` programs per SM.
-    """
-    return _decode_splits(programs, max_len, block_n, sms, max(1, resident), DECODE_WAVES,
-                          DECODE_PROGRAMS_PER_SM_SMALL, DECODE_MIN_SPLIT_TILES)
+def dense_ok(softcap: bool, sinks: bool, k_code: torch.dtype, v_code: torch.dtype, cc: tuple) -> bool:
+    """Whether the dense path can run a call (:func:`prefill_path`'s ``dense_ok``): its SDPA has no
+    softcap and no sinks, and its one-launch dequantize decodes e4m3 bits for K and V alike (archs
+    without an fp8 type): those calls take the fused kernel."""
+    return not softcap and not sinks and (k_code == v_code or tiles.has_native_fp8(cc))
 
 
-@functools.lru_cache(maxsize=4096)
-def _decode_splits(programs, max_len, block_n, sms, resident, waves_max, pps_small, min_tiles):
-    blocks = -(-max_len // block_n)
+# calls whose tile Triton refused for lack of shared memory -> the smaller tile that compiled
+# (the shared-memory model in tiles.py is an estimate; Triton has the last word)
+_SHRUNK: dict = {}
 
-    def split(want: int) -> tuple[int, int]:
-        split_len = -(-(-(-max_len // want)) // block_n) * block_n
-        return -(-max_len // split_len), split_len
 
-    if programs <= DECODE_SMALL_PROGRAMS:
-        return split(max(1, min(-(-(pps_small * sms) // programs), blocks)))
-    slots = resident * sms
-    best, best_fill = split(1), 0.0
-    for want in range(1, blocks + 1):
-        splits, split_len = split(want)
-        if splits != want:  # not reachable with whole blocks per split
-            continue
-        waves = math.ceil(programs * splits / slots)
-        if waves > waves_max:
-            break
-        # the programs of the last split (launched last) are shorter: a last wave of only those
-        # takes their length
-        last_len = max_len - (splits - 1) * split_len
-        tail = last_len if programs * (splits - 1) <= (waves - 1) * slots else split_len
-        fill = programs * max_len / (slots * ((waves - 1) * split_len + tail))
-        if fill > best_fill + 0.01:  # ties: fewer waves (fewer programs, each one's fixed cost paid fewer times)
-            best, best_fill = (splits, split_len), fill
-    if best[1] < min_tiles * block_n:  # short splits: one wave of pps_small programs per SM instead
-        return split(max(1, min(round(pps_small * sms / programs), blocks)))
-    return best
+def plan_of(call: Call) -> LaunchPlan:
+    """The plan the launcher runs for ``call``: the table's, or the smaller tile that compiled (:func:`shrink`)."""
+    return plan(call, _SHRUNK.get(call))
+
+
+def shrink(call: Call, refused: tiles.Tile) -> bool:
+    """Triton refused ``refused`` for ``call`` (out of shared memory): plan the next smaller tile
+    from now on (one stage fewer, then half the keys, then half the queries). False: none is left."""
+    smaller = _smaller_tile(refused)
+    if smaller is None:
+        return False
+    _SHRUNK[call] = smaller
+    return True
+
+
+def _smaller_tile(tile: tiles.Tile) -> Optional[tiles.Tile]:
+    if tile.num_stages > 2:
+        return dataclasses.replace(tile, num_stages=tile.num_stages - 1)
+    if tile.block_n > 16:
+        return dataclasses.replace(tile, block_n=tile.block_n // 2)
+    if tile.block_m > 16:
+        return dataclasses.replace(tile, block_m=tile.block_m // 2)
+    return None
