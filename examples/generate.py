@@ -168,7 +168,7 @@ class Session:
             self.gen_kw["min_new_tokens"] = max_new_tokens
 
     def _cache(self):
-        """The cache one generate() runs over: this session's, emptied."""
+        """The cache one generate() runs over: this Session object's, emptied."""
         self.cache.reset()
         return self.cache
 

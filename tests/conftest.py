@@ -1,4 +1,4 @@
-"""Test-session setup. Kept minimal: nothing heavy is imported here.
+"""pytest setup for the whole run. Kept minimal: nothing heavy is imported here.
 
 Without CUDA, Triton kernels can only run in its interpreter, and TRITON_INTERPRET is read
 when triton is first imported, so it is set here, before any test module imports triton.

@@ -326,7 +326,7 @@ def compile_attention_isolated(cases: list[dict], timeout: float = 600.0) -> lis
     """:func:`compile_attention` (or, with ``kernel="store"`` in a case, :func:`compile_store`) for
     each dict of keyword arguments, in a fresh Python process
     with the Triton interpreter off (a process that imported Triton with ``TRITON_INTERPRET=1``,
-    as the CPU test session does, cannot compile kernels)."""
+    as the CPU tests do, cannot compile kernels)."""
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     payload = json.dumps([{k: (dataclasses.asdict(v) if isinstance(v, tiles.Tile) else v) for k, v in c.items()}

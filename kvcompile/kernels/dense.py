@@ -57,7 +57,9 @@ def _unrotate(k, v, k_rotation, v_rotation):
     return k, v
 
 
-_CHECKED_MASK_ELEMENTS = 1 << 28  # a [B, H, Tq, L] mask is compared with the causal one up to this size
+# a [B, H, Tq, L] mask is compared with the causal one up to this size: the comparison's few bool
+# temporaries are the mask's size (2048 new tokens over 32k keys, B=1, is 1 << 26)
+_CHECKED_MASK_ELEMENTS = 1 << 27
 
 
 def _mask_facts(attn_mask: Optional[Tensor], kvl: Tensor, Tq: int, L: int, is_causal: bool) -> list[Tensor]:
