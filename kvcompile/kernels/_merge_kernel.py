@@ -6,7 +6,7 @@ the denominator once; a rotated V's output is multiplied by R_V^T on the way out
 import triton
 import triton.language as tl
 
-from ._attention_kernel import LOG2E
+from ._tile_parts import LOG2E
 from ._codes import to_store_dtype
 from ._rotation import sylvester_sign
 
