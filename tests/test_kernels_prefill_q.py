@@ -190,3 +190,19 @@ def test_gpu_quantized_prefill(kinds, fields, monkeypatch):
                                compute_dtype=torch.float64)
     tol = P_FP8_TOL if fields.get("p_fp8") else FP16_TOL
     assert rel_err(out, same) < tol
+
+
+def test_prefill_q_knob(monkeypatch):
+    """KVCOMPILE_PREFILL_Q opts the fused prefill into the modes (default exact); decode never reads it."""
+    q, cache, _ = _case(("fp8", "fp8"), 3, Tq=20)
+    call = attn_mod.call_of(q, *cache, decode=False)
+    with plan_mod.override(dot_dtype=torch.float16):
+        assert not (plan_mod.plan(call).q_fp8 or plan_mod.plan(call).pv_fp8)
+        monkeypatch.setenv("KVCOMPILE_PREFILL_Q", "int8")
+        assert plan_mod.plan(call).q_fp8 and not plan_mod.plan(call).pv_fp8
+        monkeypatch.setenv("KVCOMPILE_PREFILL_Q", "fp8")
+        assert plan_mod.plan(call).q_fp8 and plan_mod.plan(call).pv_fp8
+        assert not plan_mod.plan(attn_mod.call_of(q[:, :, :1], *cache)).q_fp8  # decode: exact
+        monkeypatch.setenv("KVCOMPILE_PREFILL_Q", "bogus")
+        with pytest.raises(ValueError):
+            plan_mod.plan(call)

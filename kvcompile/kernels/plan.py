@@ -267,10 +267,27 @@ def override(**fields):
         _OVERRIDE.reset(token)
 
 
+# KVCOMPILE_PREFILL_Q (read per call): how the fused prefill scores. "exact" (default): q at 16 bits, or
+# in two exact int8 halves against int8 K (K_MMA); "int8": q rounded per row to int8 against int8 K
+# (Q_INT8: one int8 dot), and to e4m3 against e4m3 K (Q_FP8); "fp8": that, and P in e4m3 against e4m3
+# V (P_FP8). Opt-in: they move the next-token distribution (QUALITY.md: SmolLM2 KL 0.249e-3 -> 0.336e-3
+# for int8; fp8 9.58e-3 -> 13.6e-3, 15.6e-3 with P).
+PREFILL_Q = {"exact": {}, "int8": dict(q_quant=True), "fp8": dict(q_quant=True, p_fp8=True)}
+
+
+def _prefill_q(call: Call) -> dict:
+    if call.decode:  # decode never reads it
+        return {}
+    choice = os.environ.get("KVCOMPILE_PREFILL_Q", "exact").strip().lower() or "exact"
+    if choice not in PREFILL_Q:
+        raise ValueError(f"KVCOMPILE_PREFILL_Q={choice!r} is not one of {list(PREFILL_Q)}")
+    return PREFILL_Q[choice]
+
+
 def plan(call: Call, tile: Optional[tiles.Tile] = None) -> LaunchPlan:
     """The plan of ``call`` (cached); ``tile`` replaces the table's (:func:`plan_of`'s fallback when
     Triton refuses a tile for lack of shared memory)."""
-    fields = _OVERRIDE.get()
+    fields = {**_prefill_q(call), **(_OVERRIDE.get() or {})}
     if fields:
         fields = dict(fields)
         tile = fields.pop("tile", tile)
