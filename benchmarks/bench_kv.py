@@ -422,6 +422,8 @@ def prefill(args):
                     with plan_mod.override(**changes):
                         record("sweep", shape, f"kvcompile-{fname}-fused {label}", bench([fn], 1), 0, flops,
                                base_ms=base)
+            if path == "fused" and args.prefill_variants:
+                prefill_variants(args, shape, fname, fn, flops, base)
             if fname != "fp8":
                 continue
             if path == "fused" and AB_KERNEL is not None:
@@ -464,6 +466,29 @@ def prefill(args):
         os.environ.pop("KVCOMPILE_PREFILL", None)
         del q, k, v, c
         torch.cuda.empty_cache()
+
+
+# --prefill-variants: the fused prefill's plan variants (plan.override), each with the plan's tile and
+# the Hopper tile below (128 x 64 / 8 warps / 3 stages: no spills under Triton 3.9, tests/test_sass.py)
+PREFILL_VARIANTS = {"exact": {}, "q8": dict(q_quant=True, p_fp8=False), "q8+p8": dict(q_quant=True, p_fp8=True)}
+PREFILL_TILES = {"": None, " t128x64w8s3": (128, 64, 8, 3)}
+
+
+def prefill_variants(args, shape, fname, fn, flops, base):
+    """Time each --prefill-variants entry (q quantized per row, e4m3 P: plan.LaunchPlan.q_quant / p_fp8)."""
+    for name in args.prefill_variants.split(","):
+        if name == "q8+p8" and not fname.startswith("fp8"):
+            continue  # e4m3 P needs e4m3 V
+        for tname, t in PREFILL_TILES.items():
+            fields = dict(PREFILL_VARIANTS[name], **({"tile": tiles.Tile(*t)} if t else {}))
+            launcher._SHRUNK.clear()
+            try:
+                with plan_mod.override(**fields):
+                    record("sweep", shape, f"kvcompile-{fname}-fused {name}{tname}", bench([fn], 1), 0, flops,
+                           base_ms=base)
+            except Exception as e:  # a variant that fails to compile is named, not hidden
+                print("prefill variant skip", fname, name, tname, type(e).__name__, str(e)[:160])
+            launcher._SHRUNK.clear()
 
 
 def time_eager(fn):
@@ -620,6 +645,7 @@ def main():
     p.add_argument("--prefill-q", default="16384,4096,1024")
     p.add_argument("--prefill-L", type=int, default=16384, help="subject prefill: the cache's keys (new ones last)")
     p.add_argument("--prefill-formats", default="fp8", help="formats timed by subject prefill (fused and dense)")
+    p.add_argument("--prefill-variants", default="", help=f"fused prefill plan variants, of {list(PREFILL_VARIANTS)}")
     p.add_argument("--window", type=int, default=4096, help="subject window: the sliding layer's window")
     p.add_argument("--window-context", type=int, default=32768, help="subject window: the sliding layer's context")
     p.add_argument("--window-batches", default="1,8,32", help="subject window: batch sizes")

@@ -122,14 +122,31 @@ COMPILE_MATRIX = [
     dict(kv_dtype="fp8_e4m3", granularity="token", q_len=1, v_keys=True, window=True, softcap=True, sinks=True,
          v_codes="int8"),
     dict(kv_dtype="fp8_e4m3", granularity="block32", q_len=1024, window=True, k_codes="int8"),
+    # the prefill's quantized q and e4m3 P (plan.LaunchPlan.q_quant / p_fp8; 16-bit where the arch lacks them)
+    dict(kv_dtype="int8", rotated="k", v_keys=True, q_len=1024, plan_fields={"q_quant": True}),
+    dict(kv_dtype="fp8_e4m3", granularity="token", v_keys=True, q_len=1024, plan_fields={"q_quant": True, "p_fp8": True}),
 ]
+MMAS = ("HMMA", "HGMMA", "IMMA", "IGMMA", "QMMA", "QGMMA")
 
 
 @pytest.mark.parametrize("cc", [(8, 0), (8, 9), (9, 0), (12, 0)], ids=lambda c: f"sm_{c[0]}{c[1]}")
 def test_every_launch_path_compiles(cc):
     got = aot.compile_attention_isolated([dict(case, cc=cc) for case in COMPILE_MATRIX])
     for case, r in zip(COMPILE_MATRIX, got):
-        assert r.count("HMMA") + r.count("HGMMA") > 0, (case, r.summary())
+        assert sum(r.count(m) for m in MMAS) > 0, (case, r.summary())
+
+
+def test_quantized_prefill_takes_8bit_wgmma():
+    """sm_90, the fused prefill: q as int8 per row meets int8 K in one int8 wgmma per step where K_MMA's
+    exact halves take two (IGMMA halved, the PV product's HGMMA unchanged); q and P in e4m3 put both
+    products on fp8 wgmma (QGMMA, no HGMMA left)."""
+    int8 = dict(cc=H200, kv_dtype="int8", rotated="k", v_keys=True, q_len=1024)
+    fp8 = dict(cc=H200, kv_dtype="fp8_e4m3", granularity="token", v_keys=True, q_len=1024)
+    exact, q8, f_exact, f_q8p8 = aot.compile_attention_isolated(
+        [int8, dict(int8, plan_fields={"q_quant": True}), fp8, dict(fp8, plan_fields={"q_quant": True, "p_fp8": True})])
+    assert q8.count("IGMMA") * 2 == exact.count("IGMMA") > 0, (exact.summary(), q8.summary())
+    assert q8.count("HGMMA") == exact.count("HGMMA") > 0
+    assert f_exact.count("QGMMA") == 0 and f_q8p8.count("QGMMA") > 0 and f_q8p8.count("HGMMA") == 0, f_q8p8.summary()
 
 
 A100_E4M3 = [("token", True), ("static", True), ("block32", False)]

@@ -11,7 +11,10 @@ widened to 16 bits (exact for e4m3 and int8) into ``tl.dot``; accumulation is fp
 widened to 1152 + code (``K_BIAS`` / ``V_BIAS``), the dots corrected by 1152 sum(q) / rowsum(P).
 int8 K may instead go unwidened into int8 MMAs (``K_MMA``): the prologue splits q into two int8
 halves, q = t (254 hi + lo) with t one step per program (folded into the softmax scale), and the
-two int32 dots sum exactly.
+two int32 dots sum exactly. Or, not exact, q is quantized per row after its rotation (``Q_INT8``: int8
+codes at amax / 127, one int32 dot; ``Q_FP8``: e4m3 codes against e4m3 K on fp8 MMAs), the row's scale
+applied to the scores, and P too (``P_FP8``: e4m3 P * s_v / max s_v against key-contiguous e4m3 V codes,
+FlashAttention-3's fp8 recipe): ``_tile_parts._q_rows``, ``plan.LaunchPlan.q_quant``.
 V is reduced over keys in ``P @ V``. Stored key-contiguous (``V_KEYS_CONTIG``: QuantizedCache's
 layout for token and static scales) it feeds the dot like K, read in whole 16-key chunks (16-byte
 loads). Stored head_dim-contiguous, the GPU widens it by pinned inline PTX before its shared-memory
@@ -44,9 +47,9 @@ import triton.language as tl
 from ._codes import codes_to, codes_to_f16_pinned, to_store_dtype
 from ._rotation import hadamard_rows
 from ._store_kernel import store_token
-from ._tile_parts import (LOG2E, MASK_ADD, MASK_BOOL, MASK_NONE, PV_HEADROOM, SCALE_BLOCK, SCALE_STATIC,  # noqa: F401
-                          SCALE_TOKEN, _held, _keys_end, _kv_bases, _load_k, _load_scales, _load_v, _q_int8_halves,
-                          _scale_groups, _tanh)
+from ._tile_parts import (LOG2E, MASK_ADD, MASK_BOOL, MASK_NONE, P_FP8_HEADROOM, PV_HEADROOM, SCALE_BLOCK,  # noqa: F401
+                          SCALE_STATIC, SCALE_TOKEN, _held, _keys_end, _kv_bases, _load_k, _load_scales, _load_v,
+                          _e4m3, _finite_v, _q_in_fp16_range, _q_int8_halves, _q_rows, _scale_groups, _tanh)
 
 
 @triton.jit
@@ -62,13 +65,14 @@ def _attend_tile(
     V_BIAS: tl.constexpr, K_MMA: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key of the tile is visible to every row (see the caller)
     PRELOADED: tl.constexpr,  # ``pre`` holds the tile's reads, (K codes, K scales, V codes, V scales)
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, Q_INT8: tl.constexpr, Q_FP8: tl.constexpr, P_FP8: tl.constexpr,
+    E4M3_RNE: tl.constexpr,
 ):
     """One BLOCK_N-key tile of the online softmax: returns the updated (acc, l_i, m_i, v_prev). Its reads
     are :func:`_load_k` and :func:`_load_v` (``MASKED`` alike), made here or, ``PRELOADED``, given.
 
     ``win_lo`` [BLOCK_M]: each row's first visible key (read with HAS_WINDOW by masked tiles only);
-    ``softcap`` / ``inv_softcap``: c and 1 / c (HAS_SOFTCAP).
+    ``softcap`` / ``inv_softcap``: c and 1 / c (HAS_SOFTCAP). Q_INT8 / Q_FP8: ``q_lo`` is each row's scale.
     """
     FOLD_V_MAX: tl.constexpr = SCALE_KIND == SCALE_TOKEN and DOT_DTYPE == tl.float16
     n = start_n + tl.arange(0, BLOCK_N)
@@ -85,13 +89,15 @@ def _attend_tile(
                               BLOCK_N, BLOCK_D)
         k = codes_to(kc, DOT_DTYPE, K_FP8_BITS, INT8_PTX).to(tl.float32)
         k = _scale_groups(k, ks.to(tl.float32), BLOCK_N, BLOCK_D, GROUP_SIZE).to(DOT_DTYPE)
-    elif K_MMA:
-        k = kc  # int8 codes straight into the int8 MMA
+    elif K_MMA or Q_INT8 or Q_FP8:
+        k = kc  # 8-bit codes straight into the 8-bit MMA
     else:
         k = codes_to(kc, DOT_DTYPE, K_FP8_BITS, INT8_PTX, K_BIAS)  # e4m3 / int8 -> 16 bits is exact
     if K_MMA:  # q = t (254 q_hi + q_lo) (the prologue; t is in qk_scale): exact int32 sums, |s| < 2^30
         s = tl.dot(q, tl.trans(k), out_dtype=tl.int32)
         s = tl.dot(q_lo, tl.trans(k), s * 254, out_dtype=tl.int32).to(tl.float32)
+    elif Q_INT8 or Q_FP8:  # q's codes at one scale per row (q_lo): one 8-bit dot, int32 exact / fp32
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32 if Q_INT8 else tl.float32).to(tl.float32) * q_lo[:, None]
     elif DOT_DTYPE == tl.float32:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -147,6 +153,8 @@ def _attend_tile(
     else:
         if V_PIN:
             v = codes_to_f16_pinned(vc)
+        elif P_FP8:
+            v = vc
         else:
             v = codes_to(vc, DOT_DTYPE, V_FP8_BITS, INT8_PTX, V_BIAS)
         if SCALE_KIND == SCALE_TOKEN:
@@ -159,26 +167,16 @@ def _attend_tile(
                 # of this tile (<= 1) times PV_HEADROOM, and the tile's PV product by max(s_v) in fp32
                 v_max = tl.max(vs, axis=0)
                 v_max = tl.where(v_max > 0, v_max, 1.0)
-                pv = (p * (vs * (PV_HEADROOM / v_max))[None, :]).to(DOT_DTYPE)
+                if P_FP8:  # e4m3 P (times P_FP8_HEADROOM <= 448) against V's e4m3 codes: fp8 MMAs
+                    pv = _e4m3(p * (vs * (P_FP8_HEADROOM / v_max))[None, :], E4M3_RNE)
+                else:
+                    pv = (p * (vs * (PV_HEADROOM / v_max))[None, :]).to(DOT_DTYPE)
             else:
                 pv = (p * vs[None, :]).to(DOT_DTYPE)
         else:
             pv = p.to(DOT_DTYPE)
-    if MASKED and V_KEYS_CONTIG and vc.dtype != tl.int8:
-        # e4m3 codes past n_hi may be NaN, and p = 0 does not cancel NaN. max() returns its non-NaN
-        # operand: NaN becomes the lowest finite value (finite values pass) and 0 * it = 0. (An
-        # unmasked tile reads no codes past n_hi: a NaN there is the data's, as in the reference.)
-        # A NaN code below n_hi is the data's too (a NaN or an Inf stored, formats.py). Token scales:
-        # its token's scale is NaN as well, and reaches P, so every NaN code can go (the max() costs
-        # what it did). Static scales: the code is the only marker, so the bound is NaN below n_hi,
-        # where max(x, NaN) = x keeps a NaN code NaN. The per-key bound costs fp8/static decode about 2%
-        # (H100) where the masked tile is a large share of the work; built from n_ok, as a bound from a
-        # fresh arange spilled 136 B on sm_80's bit-decoded path (docs/perf-log.md, non-finite values).
-        lowest = -65504.0 if v.dtype == tl.float16 else -3.0e38
-        if SCALE_KIND == SCALE_TOKEN:
-            v = tl.maximum(v, tl.full([1, 1], lowest, v.dtype))
-        else:
-            v = tl.maximum(v, tl.where(n_ok, float("nan"), lowest).to(v.dtype)[:, None])
+    if MASKED and V_KEYS_CONTIG and vc.dtype != tl.int8:  # e4m3 codes past n_hi may be NaN (_finite_v)
+        v = _finite_v(v, n_ok, SCALE_KIND, P_FP8)
     if DOT_DTYPE == tl.float32:
         acc += tl.dot(pv, v, input_precision="ieee")
     else:
@@ -235,6 +233,10 @@ def _attention_kernel(
     K_BIAS: tl.constexpr,        # int8 K widened to 1152 + code (no subtraction), S corrected by 1152 sum(q) per row
     V_BIAS: tl.constexpr,        # int8 V likewise, the PV product corrected by 1152 rowsum(P)
     K_MMA: tl.constexpr,         # int8 K unwidened into int8 MMAs with q's two int8 halves (_q_int8_halves)
+    Q_INT8: tl.constexpr,        # ... or with q's int8 codes at a scale per row (_q_rows): one dot, not exact
+    Q_FP8: tl.constexpr,         # e4m3 K unwidened into fp8 MMAs with q's e4m3 codes at a scale per row
+    P_FP8: tl.constexpr,         # e4m3 P (s_v folded in, token scales) against e4m3 V codes: fp8 MMAs
+    E4M3_RNE: tl.constexpr,      # ... those e4m3 roundings made exact in fp32 first (the interpreter's cast)
     Q_HADAMARD: tl.constexpr,    # q times H_D / sqrt(D) in the prologue (K stored rotated by it)
     ROT_CHUNK: tl.constexpr,     # columns per dot of that product
     ROT_EXACT: tl.constexpr,     # that product as fp32 FMA dots (interpreter, fp32 q) instead of 16-bit MMAs
@@ -324,20 +326,14 @@ def _attention_kernel(
     q_unscale = 1.0
     q_lo = 0
     q_nan = 0.0
-    if K_MMA:
+    Q_CODES: tl.constexpr = K_MMA or Q_INT8 or Q_FP8  # q goes into the dots as 8-bit codes
+    if Q_INT8 or Q_FP8:  # q_lo: each row's scale
+        q, q_lo, q_nan = _q_rows(q, Q_FP8, E4M3_RNE)
+    elif K_MMA:
         q, q_lo, q_unscale, q_nan = _q_int8_halves(q)
-    elif DOT_DTYPE == tl.float16 and q.dtype != tl.float16:
-        # fp16 holds |x| < 65504, bf16 / fp32 queries may not: a block whose largest |q| reaches
-        # 2^15 is scaled by 2^-shift (exact), and 2^shift goes into the softmax scale (shift = 0 otherwise).
-        # The largest finite |q|: an Inf in one row must not flush the block's other rows to zero
-        # (its own row stays Inf, its scores Inf or NaN, as in the reference). One select, once.
-        q = q.to(tl.float32)
-        qa = tl.where(tl.abs(q) < float("inf"), tl.abs(q), 0.0)
-        amax_exp = ((tl.max(tl.max(qa, axis=1), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF)
-        q_shift = tl.maximum(amax_exp - 141, 0)  # |q| < 2^(e - 126) <= 2^15 once e - shift <= 141 (127 + 14)
-        q = q * ((127 - q_shift) << 23).to(tl.float32, bitcast=True)
-        q_unscale = ((127 + q_shift) << 23).to(tl.float32, bitcast=True)
-    if not K_MMA:
+    elif DOT_DTYPE == tl.float16 and q.dtype != tl.float16:  # a block beyond fp16's range, scaled
+        q, q_unscale = _q_in_fp16_range(q)
+    if not Q_CODES:
         q = q.to(DOT_DTYPE)
     q_bias = 0.0
     if K_BIAS:  # 1152 * sum(q) of the values the dot sees, once per program (_attend_tile subtracts it)
@@ -374,7 +370,7 @@ def _attention_kernel(
             vs_base, stride_vsn, stride_vsg, m_base, stride_mn, first,
             GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
             DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, K_MMA, True, True, BLOCK_N,
-            BLOCK_D)
+            BLOCK_D, Q_INT8, Q_FP8, P_FP8, E4M3_RNE)
     else:
         # Key tiles in up to three loops (module docstring), each from a multiple of BLOCK_N: the window's
         # edge (from the first row's first visible key to the LAST row's, masked), the tiles every row
@@ -401,7 +397,7 @@ def _attention_kernel(
                         vs_base, stride_vsn, stride_vsg, m_base, stride_mn, 0,
                         GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
                         DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, K_MMA, True, False, BLOCK_N,
-                        BLOCK_D)
+                        BLOCK_D, Q_INT8, Q_FP8, P_FP8, E4M3_RNE)
             n_vis = n_hi
             if IS_CAUSAL:
                 n_vis = tl.minimum(n_vis, kv_len - Tq + (pid_m * BLOCK_M) // GROUP + 1)
@@ -414,7 +410,7 @@ def _attention_kernel(
                     vs_base, stride_vsn, stride_vsg, m_base, stride_mn, 0,
                     GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
                     DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, K_MMA, False, False, BLOCK_N,
-                    BLOCK_D)
+                    BLOCK_D, Q_INT8, Q_FP8, P_FP8, E4M3_RNE)
         for start_n in tl.range(n_full, n_hi, BLOCK_N, num_stages=1):  # at most 2 tiles without a mask: not pipelined
             acc, l_i, m_i, v_prev = _attend_tile(
                 acc, l_i, m_i, v_prev, start_n, n_hi, q, q_lo, q_bias, qk_scale, row_ok, q_pos, win_lo, softcap,
@@ -423,7 +419,7 @@ def _attention_kernel(
                 vs_base, stride_vsn, stride_vsg, m_base, stride_mn, 0,
                 GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
                 DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, K_MMA, True, False, BLOCK_N,
-                BLOCK_D)
+                BLOCK_D, Q_INT8, Q_FP8, P_FP8, E4M3_RNE)
 
     # ---- epilogue: rows with no visible key give zeros ----
     has_key = l_i > 0
@@ -433,8 +429,8 @@ def _attention_kernel(
         den = l_i + tl.math.exp2((sink - m_i) * LOG2E)  # l_i is relative to exp(m_i); inf past range: out -> 0
     out = acc / tl.where(has_key, den, 1.0)[:, None]
     if FOLD_V_MAX:
-        out = out * (v_prev / PV_HEADROOM)
-    if K_MMA:
+        out = out * (v_prev / (P_FP8_HEADROOM if P_FP8 else PV_HEADROOM))
+    if Q_CODES:
         out = out + q_nan[:, None]
     out_ok = row_ok[:, None] & d_ok[None, :]
     if SPLIT_OUTPUT:

@@ -11,6 +11,9 @@ LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): exp(x) = exp2(x * LOG2E)
 # scale is 1e-6 of the tile's largest keeps fp16's full precision instead of going subnormal
 # (below 2^-14) and losing it, e.g. when the large-scale keys are masked for this row
 PV_HEADROOM = tl.constexpr(16384.0)
+# e4m3 P (P_FP8): P * s_v / max(s_v) <= 1 times 2^8 (exact) stays under e4m3's largest finite 448, and
+# keeps its 3 mantissa bits down to 2^-14 of the tile's largest p * s_v (e4m3 is normal from 2^-6)
+P_FP8_HEADROOM = tl.constexpr(256.0)
 
 SCALE_TOKEN = tl.constexpr(0)
 SCALE_BLOCK = tl.constexpr(1)
@@ -63,12 +66,85 @@ def _q_int8_halves(q):
 
 
 @triton.jit
+def _e4m3(x, E4M3_RNE: tl.constexpr):
+    """fp32 ``x`` (|x| <= 448) to e4m3, rounded to nearest even: by the cast (the GPU's cvt.rn), or
+    (``E4M3_RNE``: the interpreter, whose cast mis-rounds when the carry reaches an odd exponent) rounded
+    at 3 mantissa bits in fp32 first, the carry bumping the exponent, so that the cast is exact (below
+    e4m3's normal range, 2^-6, the cast still rounds: an error under 2^-9 absolute)."""
+    if E4M3_RNE:
+        b = x.to(tl.int32, bitcast=True)
+        x = ((b + 0x7FFFF + ((b >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _q_rows(q, FP8: tl.constexpr, E4M3_RNE: tl.constexpr):
+    """q [BLOCK_M, BLOCK_D] -> (codes, row_scale, nan_rows): each row's codes at its own scale, q ~
+    row_scale * codes, for one 8-bit dot against K's codes (``Q_INT8`` / ``Q_FP8``). int8: scale amax / 127
+    of the row, codes rounded to nearest even (|error| <= amax / 254 per element). e4m3 (``FP8``): scale
+    amax / 448, each value rounded to nearest even by :func:`_e4m3` (relative error <= 2^-4 in e4m3's
+    normal range, from 2^-6 / 448 = 3.5e-5 of the row's largest).
+    Rows with a NaN or an infinity: as :func:`_q_int8_halves`."""
+    q = q.to(tl.float32)
+    row_max = tl.max(tl.where(q == q, tl.abs(q), float("inf")), axis=1)
+    nan_rows = tl.where(row_max < float("inf"), 0.0, float("nan"))
+    q = tl.where(tl.abs(q) < float("inf"), q, 0.0)
+    amax = tl.where((row_max < float("inf")) & (row_max > 0), row_max, 1.0)
+    if FP8:
+        codes = _e4m3(q * (448.0 / amax)[:, None], E4M3_RNE)
+        scale = amax / 448.0
+    else:
+        r = tl.fma(q, (127.0 / amax)[:, None], _ROUND_MAGIC)  # within 127 (+ one rounding): no clamp
+        codes = r.to(tl.int32, bitcast=True).to(tl.int8)
+        scale = amax / 127.0
+    return codes, scale, nan_rows
+
+
+@triton.jit
+def _q_in_fp16_range(q):
+    """(q, unscale) for fp16 dots: fp16 holds |x| < 65504, bf16 / fp32 queries may not: a block whose
+    largest |q| reaches 2^15 is scaled by 2^-shift (exact), and 2^shift goes into the softmax scale
+    (shift = 0 otherwise). The largest finite |q|: an Inf in one row must not flush the block's other
+    rows to zero (its own row stays Inf, its scores Inf or NaN, as in the reference). One select, once."""
+    q = q.to(tl.float32)
+    qa = tl.where(tl.abs(q) < float("inf"), tl.abs(q), 0.0)
+    amax_exp = ((tl.max(tl.max(qa, axis=1), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF)
+    q_shift = tl.maximum(amax_exp - 141, 0)  # |q| < 2^(e - 126) <= 2^15 once e - shift <= 141 (127 + 14)
+    q = q * ((127 - q_shift) << 23).to(tl.float32, bitcast=True)
+    return q, ((127 + q_shift) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _scale_groups(x, s, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_SIZE: tl.constexpr):
     """x [BLOCK_N, BLOCK_D] * s [BLOCK_N, BLOCK_D // GROUP_SIZE], each scale over its GROUP_SIZE
     columns: the scales broadcast to the tile's shape (reshaping the tile instead ran q8_0 decode
     1.9x slower on the H200: docs/perf-log.md)."""
     sb = tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_D // GROUP_SIZE, GROUP_SIZE))
     return x * tl.reshape(sb, (BLOCK_N, BLOCK_D))
+
+
+@triton.jit
+def _finite_v(v, n_ok, SCALE_KIND: tl.constexpr, P_FP8: tl.constexpr):
+    """A masked key-contiguous e4m3 V tile (its codes ``v``, widened to fp16 / fp32 or, ``P_FP8``, as
+    they are), safe for the PV dot: codes past n_hi (read in whole 16-key chunks) may be NaN, and p = 0
+    does not cancel NaN. max() returns its non-NaN operand: NaN becomes the lowest finite value (finite
+    values pass) and 0 * it = 0. (An unmasked tile reads no codes past n_hi: a NaN there is the data's,
+    as in the reference.) A NaN code below n_hi is the data's too (a NaN or an Inf stored, formats.py).
+    Token scales: its token's scale is NaN as well, and reaches P, so every NaN code can go (the max()
+    costs what it did; e4m3 codes, which have no max, are zeroed past n_hi as bits). Static scales: the
+    code is the only marker, so the bound is NaN below n_hi, where max(x, NaN) = x keeps a NaN code NaN.
+    The per-key bound costs fp8/static decode about 2% (H100) where the masked tile is a large share of
+    the work; built from n_ok, as a bound from a fresh arange spilled 136 B on sm_80's bit-decoded path
+    (docs/perf-log.md, non-finite values)."""
+    if P_FP8:
+        v = tl.where(n_ok[:, None], v.to(tl.uint8, bitcast=True), 0).to(tl.float8e4nv, bitcast=True)
+    else:
+        lowest = -65504.0 if v.dtype == tl.float16 else -3.0e38
+        if SCALE_KIND == SCALE_TOKEN:
+            v = tl.maximum(v, tl.full([1, 1], lowest, v.dtype))
+        else:
+            v = tl.maximum(v, tl.where(n_ok, float("nan"), lowest).to(v.dtype)[:, None])
+    return v
 
 
 @triton.jit

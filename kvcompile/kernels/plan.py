@@ -126,6 +126,11 @@ class LaunchPlan:
     # a program whose split is one key tile issues that tile's reads before q's prologue (ONE_TILE):
     # the plan's choice for decode; False keeps the loops (A/B)
     preload: bool = False
+    # q quantized per row after its rotation to K's code type (int8, or e4m3 with Triton's fp8 type), one
+    # 8-bit dot for the scores with the row's scale outside it: not exact (LaunchPlan.q_int8 / q_fp8);
+    # and P in e4m3 against e4m3 V codes (pv_fp8). The fused prefill's choice (_plan, PREFILL_Q8)
+    q_quant: bool = False
+    p_fp8: bool = False
 
     def _int8_fp16(self, code: torch.dtype) -> bool:
         # where the int8 bias and int8 MMAs apply (either may be forced by override): int8 codes whose
@@ -139,12 +144,39 @@ class LaunchPlan:
     def k_mma(self) -> bool:
         """int8 K meets q's two int8 halves on the int8 tensor cores (no widening, no bias; the MMA
         takes 32 codes per step, so a head dim padded to at least 32)."""
-        return self.int8_mma and self._int8_fp16(self.call.k_code) and _pow2(self.call.D) >= 32
+        return self.int8_mma and self._int8_fp16(self.call.k_code) and _pow2(self.call.D) >= 32 and not self.q_int8
+
+    def _q_codes(self, code: torch.dtype) -> bool:
+        # q quantized to this code type: asked for, K of that type with its scales out of the tile, fp16
+        # dots (16-bit q), and 8-bit MMAs for the arch (int8 from sm_80, e4m3 with the fp8 type: sm_89)
+        c = self.call
+        if not (self.q_quant and c.k_code == code and c.scale_kind != SCALE_BLOCK and self.dot_dtype == torch.float16
+                and _pow2(c.D) >= 32):
+            return False
+        return tuple(c.cc) >= (8, 0) if code == torch.int8 else not self.k_fp8_bits
+
+    @property
+    def q_int8(self) -> bool:
+        """int8 K meets q's int8 codes at a scale per row: one int32 dot (``Q_INT8``; replaces k_mma)."""
+        return self._q_codes(torch.int8)
+
+    @property
+    def q_fp8(self) -> bool:
+        """e4m3 K meets q's e4m3 codes at a scale per row on the fp8 MMAs (``Q_FP8``)."""
+        return self._q_codes(torch.float8_e4m3fn)
+
+    @property
+    def pv_fp8(self) -> bool:
+        """P in e4m3 (s_v / max s_v folded in) against key-contiguous e4m3 V codes (``P_FP8``): token
+        scales, fp16 dots, Triton's fp8 type, V read like K (no transpose, no pin)."""
+        c = self.call
+        return (self.p_fp8 and c.v_code == torch.float8_e4m3fn and c.scale_kind == SCALE_TOKEN and c.v_keys
+                and self.dot_dtype == torch.float16 and not self.v_fp8_bits and not self.v_pin and _pow2(c.D) >= 32)
 
     @property
     def k_bias(self) -> bool:
-        """The int8 K bias runs (not when K is scored unwidened: k_mma)."""
-        return self._biased(self.call.k_code) and not self.k_mma
+        """The int8 K bias runs (not when K is scored unwidened: k_mma, q_int8)."""
+        return self._biased(self.call.k_code) and not (self.k_mma or self.q_int8)
 
     @property
     def v_bias(self) -> bool:
@@ -183,7 +215,8 @@ class LaunchPlan:
             IS_CAUSAL=bool(c.is_causal), HAS_WINDOW=c.window > 0, HAS_SOFTCAP=c.softcap, HAS_SINKS=c.sinks,
             SPLIT_OUTPUT=self.splits > 1, K_FP8_BITS=self.k_fp8_bits, V_FP8_BITS=self.v_fp8_bits, DOT_DTYPE=dt,
             V_PIN=self.v_pin, V_KEYS_CONTIG=c.v_keys, INT8_PTX=self.int8_ptx,
-            K_BIAS=self.k_bias, V_BIAS=self.v_bias, K_MMA=self.k_mma,
+            K_BIAS=self.k_bias, V_BIAS=self.v_bias, K_MMA=self.k_mma, Q_INT8=self.q_int8, Q_FP8=self.q_fp8,
+            P_FP8=self.pv_fp8, E4M3_RNE=c.interpret and (self.q_fp8 or self.pv_fp8),
             Q_HADAMARD=self.q_rotation == "kernel", ROT_CHUNK=ROT_CHUNK,
             ROT_EXACT=c.interpret or self.dot_dtype == torch.float32,
             STORE_NEW=fused, STORE_OFFSET=fused and c.store_offset,
@@ -203,6 +236,8 @@ class LaunchPlan:
                 + (", V pinned" if self.v_pin else "") + (", int8 PTX" if self.int8_ptx else "")
                 + "".join(f", int8 {side} biased" for side, on in (("K", self.k_bias), ("V", self.v_bias)) if on)
                 + (", int8 K by int8 MMA" if self.k_mma else "")
+                + (", q as int8 per row" if self.q_int8 else "") + (", q as e4m3 per row" if self.q_fp8 else "")
+                + (", P as e4m3" if self.pv_fp8 else "")
                 + (", V key-contiguous" if c.v_keys else "") + "".join(", " + r for r in rot)
                 + (f", token stored by {self.store}" if self.store else "")
                 + (", the tile read before q" if self.one_tile else ""))
@@ -232,10 +267,27 @@ def override(**fields):
         _OVERRIDE.reset(token)
 
 
+# KVCOMPILE_PREFILL_Q (read per call): how the fused prefill scores. "exact" (default): q at 16 bits, or
+# in two exact int8 halves against int8 K (K_MMA); "int8": q rounded per row to int8 against int8 K
+# (Q_INT8: one int8 dot), and to e4m3 against e4m3 K (Q_FP8); "fp8": that, and P in e4m3 against e4m3
+# V (P_FP8). Opt-in: they move the next-token distribution (QUALITY.md: SmolLM2 KL 0.249e-3 -> 0.336e-3
+# for int8; fp8 9.58e-3 -> 13.6e-3, 15.6e-3 with P).
+PREFILL_Q = {"exact": {}, "int8": dict(q_quant=True), "fp8": dict(q_quant=True, p_fp8=True)}
+
+
+def _prefill_q(call: Call) -> dict:
+    if call.decode:  # decode never reads it
+        return {}
+    choice = os.environ.get("KVCOMPILE_PREFILL_Q", "exact").strip().lower() or "exact"
+    if choice not in PREFILL_Q:
+        raise ValueError(f"KVCOMPILE_PREFILL_Q={choice!r} is not one of {list(PREFILL_Q)}")
+    return PREFILL_Q[choice]
+
+
 def plan(call: Call, tile: Optional[tiles.Tile] = None) -> LaunchPlan:
     """The plan of ``call`` (cached); ``tile`` replaces the table's (:func:`plan_of`'s fallback when
     Triton refuses a tile for lack of shared memory)."""
-    fields = _OVERRIDE.get()
+    fields = {**_prefill_q(call), **(_OVERRIDE.get() or {})}
     if fields:
         fields = dict(fields)
         tile = fields.pop("tile", tile)
