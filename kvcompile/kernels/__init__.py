@@ -12,7 +12,7 @@ launcher                   kernels                                 file
 =========================  ======================================  ==========================
 ``store_kv``               ``_store_kv_kernel`` (K and V at once)   store.py / _store_kernel.py
 ``dequantize``             ``_dequantize_kernel``                  store.py / _store_kernel.py
-``attention``              ``_attention_kernel``, ``_merge_kernel``  plan.py, attention_launcher.py (+ dense.py) / _attention_kernel.py (+ _tile_parts.py), _merge_kernel.py
+``attention``              ``_attention_kernel``, ``_merge_kernel``  plan.py (+ prefill.py), attention_launcher.py (+ dense.py) / _attention_kernel.py (+ _tile_parts.py), _merge_kernel.py
 ``rotate_rows``            ``_rotate_rows_kernel``                 rotate.py / _rotation.py
 =========================  ======================================  ==========================
 """

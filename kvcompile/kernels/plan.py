@@ -7,8 +7,8 @@ frozen :class:`LaunchPlan` (tile, split count, dot type, where the rotations run
 exactly :meth:`LaunchPlan.constexprs`; ``python -m kvcompile info`` prints plans. Plans are cached
 per call (a call is hashable; no tensor in it).
 
-The prefill path (:func:`prefill_path`, :func:`dense_ok`) and the smaller tile a call falls back to
-when Triton refuses one (:func:`plan_of`, :func:`shrink`) are decided here too; the decode split
+The smaller tile a call falls back to when Triton refuses one (:func:`plan_of`, :func:`shrink`) is
+decided here too; the prefill path and how the fused prefill scores are :mod:`kvcompile.kernels.prefill`; the decode split
 count is :mod:`kvcompile.kernels.splits`, the scale layout :mod:`kvcompile.kernels.scales`.
 
 Variants for tests and benchmarks go through :func:`override` (``dataclasses.replace`` of every
@@ -23,12 +23,12 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import os
 from typing import Optional
 
 import torch
 
 from .. import tiles
+from .prefill import DECODE_MAX_Q, DENSE_MIN_Q, PREFILL_Q, dense_ok, prefill_path, prefill_q  # noqa: F401
 from .scales import SCALE_BLOCK, SCALE_STATIC, SCALE_TOKEN, scale_bytes, scale_layout
 from .splits import (DECODE_MIN_SPLIT_TILES, DECODE_PROGRAMS_PER_SM_SMALL, DECODE_SMALL_PROGRAMS, DECODE_WAVES,
                      decode_splits)
@@ -44,20 +44,10 @@ MASK_NONE, MASK_BOOL, MASK_ADD = 0, 1, 2
 # shared Sylvester Hadamard matrix of a power-of-two head_dim (its +-1 entries generated in registers)
 ROT_NONE, ROT_MATRIX, ROT_SYLVESTER = 0, 1, 2
 
-# Query blocks up to this length go to the split-K decode kernel (decode, speculative verification).
-DECODE_MAX_Q = 16
-# auto: prefills of at least this many new tokens use the dense-dequant path (the pass hands the op
-# a causal mask as is_causal, so SDPA runs its causal kernels). H100, bench_kv --subjects prefill,
-# 16k prefix, at 8ff7f09 (us, dense / fused): Tq=1024 fp8 922 / 995, int8 936 / 928; Tq=2048 fp8
-# 1662 / 1912, int8 1680 / 1755; 2048 over 32k fp8 3285 / 3837, int8 3385 / 3514. Inside a model the
-# fused kernel also reads the padding's key mask per score (bench_ttft, 32k prompt in chunks of 2048,
-# int8: 557 ms in the fused kernel against 213 in SDPA's): dense from 1024.
-DENSE_MIN_Q = 1024
 # The interpreter (tests): small tiles so that short test caches cross tile edges.
 INTERPRET_TILE = (32, 16)  # (largest block_m, block_n)
 # Columns per product of a rotation (the q prologue's and the merge's); tl.dot needs >= 16.
 ROT_CHUNK = 32
-_PATHS = ("auto", "fused", "dense")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,27 +257,10 @@ def override(**fields):
         _OVERRIDE.reset(token)
 
 
-# KVCOMPILE_PREFILL_Q (read per call): how the fused prefill scores. "exact" (default): q at 16 bits, or
-# in two exact int8 halves against int8 K (K_MMA); "int8": q rounded per row to int8 against int8 K
-# (Q_INT8: one int8 dot), and to e4m3 against e4m3 K (Q_FP8); "fp8": that, and P in e4m3 against e4m3
-# V (P_FP8). Opt-in: they move the next-token distribution (QUALITY.md: SmolLM2 KL 0.249e-3 -> 0.336e-3
-# for int8; fp8 9.58e-3 -> 13.6e-3, 15.6e-3 with P).
-PREFILL_Q = {"exact": {}, "int8": dict(q_quant=True), "fp8": dict(q_quant=True, p_fp8=True)}
-
-
-def _prefill_q(call: Call) -> dict:
-    if call.decode:  # decode never reads it
-        return {}
-    choice = os.environ.get("KVCOMPILE_PREFILL_Q", "exact").strip().lower() or "exact"
-    if choice not in PREFILL_Q:
-        raise ValueError(f"KVCOMPILE_PREFILL_Q={choice!r} is not one of {list(PREFILL_Q)}")
-    return PREFILL_Q[choice]
-
-
 def plan(call: Call, tile: Optional[tiles.Tile] = None) -> LaunchPlan:
     """The plan of ``call`` (cached); ``tile`` replaces the table's (:func:`plan_of`'s fallback when
     Triton refuses a tile for lack of shared memory)."""
-    fields = {**_prefill_q(call), **(_OVERRIDE.get() or {})}
+    fields = {**prefill_q(call.decode), **(_OVERRIDE.get() or {})}
     if fields:
         fields = dict(fields)
         tile = fields.pop("tile", tile)
@@ -426,41 +399,6 @@ def _span(c: Call, tile: tiles.Tile) -> int:
     if c.window and c.decode:
         return min(c.L, c.window + c.Tq - 1 + tile.block_n - 1)
     return c.L
-
-
-def prefill_path(Tq: int, is_cuda: bool, capturing: bool, window_hides: bool = False, dense_ok: bool = True) -> str:
-    """"decode", "fused" or "dense" for a query block of ``Tq`` tokens.
-
-    ``KVCOMPILE_PREFILL=auto|fused|dense`` forces the prefill path (read per call). The dense path
-    needs a host sync, so never while a CUDA graph is being ``capturing``. ``window_hides``: a
-    sliding window shorter than the cache; auto then takes the fused kernel, which skips the key
-    tiles below the window (SDPA would read them all under a mask). ``dense_ok`` False (softcap,
-    sinks: SDPA has neither) takes the fused kernel even when ``KVCOMPILE_PREFILL=dense``.
-    """
-    if Tq <= DECODE_MAX_Q:
-        return "decode"
-    choice = os.environ.get("KVCOMPILE_PREFILL", "auto").strip().lower() or "auto"
-    if choice not in _PATHS:
-        raise ValueError(f"KVCOMPILE_PREFILL={choice!r} is not one of {list(_PATHS)}")
-    if not dense_ok:
-        return "fused"
-    if choice == "dense":
-        if capturing:
-            raise RuntimeError(
-                "kvcompile: KVCOMPILE_PREFILL=dense needs a host sync and cannot run inside CUDA graph capture; "
-                "use KVCOMPILE_PREFILL=auto or fused"
-            )
-        return "dense"
-    if choice == "fused" or capturing or not is_cuda or window_hides:
-        return "fused"
-    return "dense" if Tq >= DENSE_MIN_Q else "fused"
-
-
-def dense_ok(softcap: bool, sinks: bool, k_code: torch.dtype, v_code: torch.dtype, cc: tuple) -> bool:
-    """Whether the dense path can run a call (:func:`prefill_path`'s ``dense_ok``): its SDPA has no
-    softcap and no sinks, and its one-launch dequantize decodes e4m3 bits for K and V alike (archs
-    without an fp8 type): those calls take the fused kernel."""
-    return not softcap and not sinks and (k_code == v_code or tiles.has_native_fp8(cc))
 
 
 # calls whose tile Triton refused for lack of shared memory -> the smaller tile that compiled
