@@ -11,7 +11,7 @@ template applied), exactly ``--new-tokens`` of them (EOS ignored):
 * ``hf-dynamic``   transformers' DynamicCache, eager (grows with the tokens: no max_cache_len);
 * ``hf-static``    transformers' StaticCache of ``max_cache_len`` positions, ``torch.compile`` (Inductor);
 * ``kvcompile-int8`` (the default format), ``kvcompile-fp8_e4m3``, ``kvcompile-q8_0``: examples/generate.py's
-  ``Session``, what its ``run()`` builds: a QuantizedCache of ``max_cache_len`` positions (the
+  ``Generation``, what its ``run()`` builds: a QuantizedCache of ``max_cache_len`` positions (the
   shipped calibration's K centering for SmolLM2, as the main job does), compiled with
   ``kvcompile.backend``.
 
@@ -72,8 +72,8 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-class _HFSession(generate.Session):
-    """transformers' own cache, timed as ``generate.Session`` times kvcompile's: a fresh cache per
+class _HFGeneration(generate.Generation):
+    """transformers' own cache, timed as ``generate.Generation`` times kvcompile's: a fresh cache per
     generate, the forward compiled by Inductor (``compile``) or eager."""
 
     def __init__(self, model, tok, prompt: str, chat: bool, new_tokens: int, cache_factory, compile: bool):
@@ -86,21 +86,21 @@ class _HFSession(generate.Session):
         return self.cache_factory()
 
 
-def _sessions(model, tok, *, prompt, chat, new_tokens, L, providers, calibration) -> list:
-    """(provider, length, session) for every provider at cache length L; hf-dynamic's length is "-"."""
+def _generations(model, tok, *, prompt, chat, new_tokens, L, providers, calibration) -> list:
+    """(provider, length, job) for every provider at cache length L; hf-dynamic's length is "-"."""
     from transformers import DynamicCache, StaticCache
 
     out = []
     if "hf-dynamic" in providers:
-        out.append(("hf-dynamic", "-", _HFSession(model, tok, prompt, chat, new_tokens,
+        out.append(("hf-dynamic", "-", _HFGeneration(model, tok, prompt, chat, new_tokens,
                                                   lambda: DynamicCache(config=model.config), compile=False)))
     if "hf-static" in providers:
-        out.append(("hf-static", L, _HFSession(model, tok, prompt, chat, new_tokens,
+        out.append(("hf-static", L, _HFGeneration(model, tok, prompt, chat, new_tokens,
                                                lambda: StaticCache(config=model.config, max_cache_len=L),
                                                compile=True)))
     for kv_dtype in ("int8", "fp8_e4m3", "q8_0"):
         if f"kvcompile-{kv_dtype}" in providers:
-            out.append((f"kvcompile-{kv_dtype}", L, generate.Session(
+            out.append((f"kvcompile-{kv_dtype}", L, generate.Generation(
                 model, tok, prompt=prompt, chat=chat, max_new_tokens=new_tokens, kv_dtype=kv_dtype,
                 calibration=calibration, compile=True, device="cpu", max_cache_len=L, ignore_eos=True)))
     return out
@@ -117,15 +117,15 @@ def run(model, tok, *, prompt: str, chat: bool, new_tokens: int, lengths, provid
     try:
         for L in lengths:
             torch._dynamo.reset()
-            sessions = _sessions(model, tok, prompt=prompt, chat=chat, new_tokens=new_tokens, L=L,
+            generations = _generations(model, tok, prompt=prompt, chat=chat, new_tokens=new_tokens, L=L,
                                  providers=providers, calibration=calibration)
-            for _, _, session in sessions:
-                if session.compiled:
-                    session.warm_up()
+            for _, _, job in generations:
+                if job.compiled:
+                    job.warm_up()
             for rep in range(repeats):
-                k = rep % len(sessions)
-                for provider, length, session in sessions[k:] + sessions[:k]:
-                    rows.append(_timed_row(provider, length, session, rep, phase=L))
+                k = rep % len(generations)
+                for provider, length, job in generations[k:] + generations[:k]:
+                    rows.append(_timed_row(provider, length, job, rep, phase=L))
                     out(_format_row(rows[-1]))
                     if rows[-1]["sites_found"] != rows[-1]["sites_rewritten"]:
                         out(f"  ({provider}, L={length}: the pass rewrote {rows[-1]['sites_rewritten']} of "
@@ -136,15 +136,15 @@ def run(model, tok, *, prompt: str, chat: bool, new_tokens: int, lengths, provid
     return rows
 
 
-def _timed_row(provider: str, length, session, repeat: int, phase: int) -> dict:
-    ids, steps, _ = session.generate()
+def _timed_row(provider: str, length, job, repeat: int, phase: int) -> dict:
+    ids, steps, _ = job.generate()
     prefill_s, decode_steps, decode_s = steps.split()
     step_s = steps.step_seconds()
-    report = session.backend.report() if session.backend is not None else None
-    return dict(phase=phase, repeat=repeat, provider=provider, max_cache_len=length, prompt_tokens=session.ids.shape[1],
-                new_tokens=ids.shape[1] - session.ids.shape[1], prefill_ms=1e3 * prefill_s,
+    report = job.backend.report() if job.backend is not None else None
+    return dict(phase=phase, repeat=repeat, provider=provider, max_cache_len=length, prompt_tokens=job.ids.shape[1],
+                new_tokens=ids.shape[1] - job.ids.shape[1], prefill_ms=1e3 * prefill_s,
                 decode_tok_s=decode_steps / decode_s if decode_steps else float("nan"),
-                step_ms=1e3 * statistics.median(step_s) if step_s else float("nan"), warmup_s=session.warmup_s,
+                step_ms=1e3 * statistics.median(step_s) if step_s else float("nan"), warmup_s=job.warmup_s,
                 sites_rewritten=sum(g["rewritten"] for g in report) if report is not None else None,
                 sites_found=sum(g["found"] for g in report) if report is not None else None,
                 graphs_compiled=torch._dynamo.utils.counters["stats"]["unique_graphs"])  # since the process began

@@ -130,11 +130,11 @@ class StepTimer(BaseStreamer):
         return [b - a for a, b in zip(self.times[1:], self.times[2:])]
 
 
-class Session:
+class Generation:
     """What :func:`run` builds before it generates: the prompt's ids, the cache, and the model's
     forward compiled with ``kvcompile.backend`` (the same format). :meth:`warm_up` compiles the
     prefill and decode graphs; each :meth:`generate` resets the cache and generates once, timing
-    every token. ``benchmarks/bench_cpu.py`` keeps several sessions of one model alive and
+    every token. ``benchmarks/bench_cpu.py`` keeps several generations of one model alive and
     interleaves their :meth:`generate` calls."""
 
     def __init__(self, model, tok, *, prompt=DEFAULT_PROMPT, max_new_tokens=48, kv_dtype=None, granularity=None,
@@ -168,7 +168,7 @@ class Session:
             self.gen_kw["min_new_tokens"] = max_new_tokens
 
     def _cache(self):
-        """The cache one generate() runs over: this Session object's, emptied."""
+        """The cache one generate() runs over: this Generation object's, emptied."""
         self.cache.reset()
         return self.cache
 
@@ -204,22 +204,22 @@ def run(model, tok, *, prompt=DEFAULT_PROMPT, max_new_tokens=48, kv_dtype=None, 
     """Generate once (after a warm-up when compiling); returns what it printed, as a dict.
 
     ``ignore_eos``: generate exactly ``max_new_tokens`` (benchmarks)."""
-    session = Session(model, tok, prompt=prompt, max_new_tokens=max_new_tokens, kv_dtype=kv_dtype,
+    job = Generation(model, tok, prompt=prompt, max_new_tokens=max_new_tokens, kv_dtype=kv_dtype,
                       granularity=granularity, calibration=calibration, compile=compile, chat=chat, device=device,
                       max_cache_len=max_cache_len, ignore_eos=ignore_eos, k_dtype=k_dtype, v_dtype=v_dtype)
-    return _run(session, prompt, out)
+    return _run(job, prompt, out)
 
 
-def _run(session: Session, prompt: str, out) -> dict:
-    if session.compiled:  # compile the prefill and decode graphs before timing
-        session.warm_up()
-    out_ids, steps, seconds = session.generate()
-    return _result(session, out_ids, steps, seconds, prompt, out)
+def _run(job: Generation, prompt: str, out) -> dict:
+    if job.compiled:  # compile the prefill and decode graphs before timing
+        job.warm_up()
+    out_ids, steps, seconds = job.generate()
+    return _result(job, out_ids, steps, seconds, prompt, out)
 
 
-def _result(session: Session, out_ids: torch.Tensor, steps: "StepTimer", seconds: float, prompt: str, out) -> dict:
-    model, tok, cache, backend = session.model, session.tok, session.cache, session.backend
-    device, T, warmup_s = session.device, session.ids.shape[1], session.warmup_s
+def _result(job: Generation, out_ids: torch.Tensor, steps: "StepTimer", seconds: float, prompt: str, out) -> dict:
+    model, tok, cache, backend = job.model, job.tok, job.cache, job.backend
+    device, T, warmup_s = job.device, job.ids.shape[1], job.warmup_s
     new = out_ids[0, T:]
     text = tok.decode(new.tolist(), skip_special_tokens=True)
     n_new = int(new.numel())
@@ -274,13 +274,13 @@ def main(argv=None, model=None, tok=None) -> dict:
     if calibration == "none":
         calibration = None
     try:
-        session = Session(model, tok, prompt=args.prompt, max_new_tokens=args.max_new_tokens, kv_dtype=args.kv_dtype,
+        job = Generation(model, tok, prompt=args.prompt, max_new_tokens=args.max_new_tokens, kv_dtype=args.kv_dtype,
                           granularity=args.granularity, calibration=calibration, compile=not args.no_compile,
                           chat=not args.no_chat, device=device, max_cache_len=args.max_cache_len,
                           k_dtype=args.k_dtype, v_dtype=args.v_dtype)
     except (ValueError, TypeError) as e:  # the arguments against this model (the prompt's tokens, the cache's bytes)
         p.error(str(e))
-    return _run(session, args.prompt, print)
+    return _run(job, args.prompt, print)
 
 
 if __name__ == "__main__":
