@@ -148,7 +148,7 @@ class PassOnly:
 
 
 def attention_oracle(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale, sliding_window=0,
-                     softcap=0.0, sinks=None, k_rotation=None, v_rotation=None):
+                     softcap=0.0, sinks=None, k_rotation=None, v_rotation=None, k_format=-1, v_format=-1):
     """``kvcompile::attention`` as its contract states it (window, softcap, sinks and the codes of a
     rotated side un-rotated: ``x @ R^T``), in float64."""
     B, Hq, Tq, D = q.shape

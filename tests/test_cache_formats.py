@@ -172,7 +172,7 @@ def test_sliding_window_reaches_dequantize(monkeypatch):
     cache.layers[0].sliding_window = 5  # what the HF glue sets for a sliding layer
     cache.update(_kv(), _kv(), 0)
     layer = cache.layers[0]
-    assert seen == [(layer.k_rotation, 5), (layer.v_rotation, 5)]
+    assert seen == [(layer.k_rotation, 5, layer.k_fmt.id), (layer.v_rotation, 5, layer.v_fmt.id)]  # the formats travel as ids
 
 
 # ------------------------------------------------------------------------------------------------

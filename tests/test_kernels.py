@@ -537,10 +537,12 @@ def test_attention_additive_mask(Tq):
 def test_attention_unsupported_scale_groups_raise():
     gen = torch.Generator().manual_seed(0)
     kc, _, vc, _ = random_cache("fp8_e4m3", "token", 1, 1, 8, 96, gen)
-    s = torch.ones(1, 1, 8, 2, device=DEV)  # groups of 48 values
+    s = torch.ones(1, 1, 8, 2, device=DEV)  # groups of 48 values: no format's scales
     q = torch.randn(1, 1, 1, 96, device=DEV)
-    with pytest.raises(ValueError, match="groups"):
-        kernels.attention(q, kc, s, vc, s, torch.tensor(8, device=DEV), None, False, None)
+    fid = formats.get_format("fp8_e4m3", "block32").id
+    with pytest.raises(ValueError, match="scale in fp8_e4m3/block32 must be"):
+        torch.ops.kvcompile.attention(q, kc, s, vc, s, torch.tensor(8, device=DEV), None, False, None,
+                                      k_format=fid, v_format=fid)
     with pytest.raises(ValueError, match="one granularity"):
         kernels.attention(q, kc, torch.ones(1, 1, 8, 1, device=DEV), vc, torch.ones(1, device=DEV),
                           torch.tensor(8, device=DEV), None, False, None)

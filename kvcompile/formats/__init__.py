@@ -141,6 +141,20 @@ def format_of(codes: torch.Tensor, scale: torch.Tensor) -> str:
         + "; ".join(f"{s.name}: {s.code_dtype} codes, {s.scale_dtype} scales" for s in specs()) + ")")
 
 
+def of_tensors(codes: torch.Tensor, scale: torch.Tensor) -> KVFormat:
+    """The :class:`KVFormat` of ``(codes, scale)`` read off the tensors (:func:`format_of` plus the
+    granularity of the scale's shape), for callers that pass no format: the ops called with no
+    ``k_format`` / ``v_format`` / ``format`` and the launchers called directly (tests, benchmarks).
+    The cache and the compiler pass always pass the cache's format."""
+    if all(codes.dtype != s.code_dtype for s in specs()):
+        raise TypeError(f"kvcompile: codes must be {' or '.join(sorted({str(s.code_dtype)[6:] for s in specs()}))}, "
+                        f"got {codes.dtype}")
+    name = format_of(codes, scale)
+    if scale.dim() == 1:
+        return get_format(name, "static")
+    return get_format(name, "token" if scale.shape[-1] == 1 and "token" in spec(name).granularities else "block32")
+
+
 def quantize(
     x: torch.Tensor,
     code_dtype: torch.dtype,

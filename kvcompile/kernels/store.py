@@ -21,32 +21,24 @@ def _as_bits(codes: Tensor) -> Tensor:
     return codes.view(torch.uint8) if codes.dtype == torch.float8_e4m3fn else codes
 
 
-def _scale_layout(scale: Tensor, head_dim: int) -> tuple[bool, int, int]:
-    """(static, groups padded to a power of two, values per group) of a scale tensor."""
-    if scale.dim() == 1:
-        return True, 1, next_pow2(head_dim)
-    groups = scale.shape[-1]
-    if groups == 1:
-        return False, 1, next_pow2(head_dim)
-    size = head_dim // groups
+def _scale_layout(fmt: formats.KVFormat, head_dim: int) -> tuple[bool, int, int]:
+    """(static, groups padded to a power of two, values per group) of a format's scales."""
+    if fmt.groups(head_dim) <= 1:  # static (0 groups) or one scale per token
+        return fmt.is_static, 1, next_pow2(head_dim)
+    size = fmt.group_size(head_dim)
     if size & (size - 1):
         raise ValueError(
-            f"kvcompile: scale groups of {size} values (head_dim={head_dim}, {groups} groups) are not supported "
+            f"kvcompile: scale groups of {size} values (head_dim={head_dim}) are not supported "
             "by the Triton store kernel; use granularity 'token' or 'block32'"
         )
-    return False, next_pow2(groups), size
-
-
-def _code(cache: Tensor, scale: Tensor) -> int:
-    """The store kernel's CODE constexpr for one side: its format, read off codes and scale."""
-    name = formats.format_of(cache, scale) if scale.dim() == 4 else "fp8_e4m3"  # static: fp8 only
-    return {"fp8_e4m3": 0, "q8_0": 1, "int8": 2}[name]
+    return False, next_pow2(head_dim // size), size
 
 
 def store_kv(
     k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor,
     k: Tensor, v: Tensor, start: Tensor, k_offset: Optional[Tensor],
     k_rotation: Optional[Tensor] = None, v_rotation: Optional[Tensor] = None, *, shift: int = 0, ring: int = 0,
+    k_fmt: Optional[formats.KVFormat] = None, v_fmt: Optional[formats.KVFormat] = None,
 ) -> None:
     """Quantize-on-store of K and V in one launch, at positions ``start + shift + arange(T)``; ``ring`` W > 0:
     one token (T == 1) at slot ``(start + shift) % W`` of a sliding layer's ring (:mod:`kvcompile.ring`), the
@@ -60,14 +52,15 @@ def store_kv(
     B, H, T, D = k.shape
     if T == 0:
         return
+    k_fmt = k_fmt or formats.of_tensors(k_cache, k_scale)  # None: a direct call (tests, benchmarks)
+    v_fmt = v_fmt or formats.of_tensors(v_cache, v_scale)
     if ring and T != 1:
         raise ValueError(f"kvcompile.store_kv (triton): a ring slot takes one token, got {T}")
-    if k_scale.dim() != v_scale.dim() or (k_scale.dim() == 4 and k_scale.shape[-1] != v_scale.shape[-1]):
+    if k_fmt.granularity != v_fmt.granularity:
         raise ValueError(
-            "kvcompile.store_kv (triton): K and V scales must share one granularity, got "
-            f"{tuple(k_scale.shape)} and {tuple(v_scale.shape)}"
+            f"kvcompile.store_kv (triton): K and V scales must share one granularity, got {k_fmt.name} and {v_fmt.name}"
         )
-    static, groups_p2, group_size = _scale_layout(k_scale, D)
+    static, groups_p2, group_size = _scale_layout(k_fmt, D)
     # kvcompile.rotation's shared Sylvester matrix over token scales, 16 tokens or more: rotated in the
     # store kernel (_in_kernel)
     k_had = k_rotation is not None and _in_kernel(k_rotation, static, groups_p2, T)
@@ -80,8 +73,8 @@ def store_kv(
         k = rotate_rows(k, k_rot)
     elif v_rot is not None:
         v = rotate_rows(v, v_rot)
-    k_code, v_code = _code(k_cache, k_scale), _code(v_cache, v_scale)
-    any_fp8 = 0 in (k_code, v_code)
+    k_code, v_code = k_fmt.spec.id, v_fmt.spec.id
+    any_fp8 = torch.float8_e4m3fn in (k_fmt.code_dtype, v_fmt.code_dtype)
     kc, vc = _as_bits(k_cache), _as_bits(v_cache)
     ks = k_scale if k_scale.dim() == 4 else k_scale.view(1, -1, 1, 1)
     vs = v_scale if v_scale.dim() == 4 else v_scale.view(1, -1, 1, 1)
