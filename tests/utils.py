@@ -157,3 +157,16 @@ def decode_codes_f64(codes: torch.Tensor) -> torch.Tensor:
     if codes.dtype == torch.float8_e4m3fn:
         return e4m3_code_values()[codes.cpu().view(torch.uint8).long()]
     return codes.cpu().to(torch.float64)
+
+
+# every registered format at every granularity it admits, the default format first: the format
+# matrix tests parametrize over (a new spec in kvcompile/formats/ joins it)
+def _format_matrix() -> list:
+    from kvcompile import formats
+
+    every = [formats.get_format(s.name, g) for s in formats.specs() for g in s.granularities]
+    return sorted(every, key=lambda f: f.kv_dtype != formats.DEFAULT_KV_DTYPE)
+
+
+FORMATS = _format_matrix()
+FORMAT_IDS = [f.name for f in FORMATS]
