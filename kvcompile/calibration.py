@@ -285,10 +285,29 @@ def calibrate(
         [layers, Hkv, D]}`` (float32, CPU) whose ``.model`` records what identifies ``model``, usable as
         ``QuantizedCache(..., calibration=...)`` and by :func:`save_calibration` (which writes that record).
     """
-    from .formats import FP8_E4M3_MAX
-
     if margin < 1.0 or not torch.isfinite(torch.tensor(margin)):
         raise ValueError(f"kvcompile.calibrate: margin must be a finite number >= 1, got {margin}")
+    windows = _windows(texts_or_batches, tokenizer, max_length)
+    shapes = per_layer_shapes(model.config)
+    kv_heads, head_dim = one_shape(model.config, shapes, "kvcompile.calibrate", "a calibration holds one [layers, "
+                                   "kv heads(, head_dim)] shape: serve this model without calibration (per-token "
+                                   "scales need none)")
+    num_layers = len(shapes)
+    stats = _record(model, windows, chunk_size, progress)
+    missing = [i for i in range(num_layers) if i not in stats]
+    if missing:
+        raise RuntimeError(
+            f"kvcompile.calibrate: layers {missing} never wrote to the cache; the model does not use a "
+            "transformers Cache for them and cannot be calibrated"
+        )
+    calib = Calibration(_scales(stats, num_layers, kv_heads, head_dim, margin), model_identity(model.config))
+    # Same checks as loading: a NaN/Inf in the model's K/V must not become a silent bad file.
+    dtype = next(model.parameters()).dtype
+    return validate(calib, num_layers, kv_heads, head_dim, "(calibrate)", dtype if dtype.is_floating_point else None)
+
+
+def _windows(texts_or_batches, tokenizer, max_length: int) -> list[torch.Tensor]:
+    """The token-id windows of at most ``max_length`` tokens that :func:`calibrate` runs."""
     if isinstance(texts_or_batches, (str, torch.Tensor)) or isinstance(texts_or_batches, Mapping):
         texts_or_batches = [texts_or_batches]
     rows = [r for item in texts_or_batches for r in _as_id_rows(item, tokenizer)]
@@ -296,12 +315,11 @@ def calibrate(
     windows = [w for w in windows if w.numel() > 0]
     if not windows:
         raise ValueError("kvcompile.calibrate: no tokens to calibrate on")
+    return windows
 
-    shapes = per_layer_shapes(model.config)
-    kv_heads, head_dim = one_shape(model.config, shapes, "kvcompile.calibrate", "a calibration holds one [layers, "
-                                   "kv heads(, head_dim)] shape: serve this model without calibration (per-token "
-                                   "scales need none)")
-    num_layers = len(shapes)
+
+def _record(model, windows: list[torch.Tensor], chunk_size: int, progress: bool) -> dict[int, "_KVStats"]:
+    """Each layer's K/V statistics over ``windows``, each window one cache, run in chunks (eval mode)."""
     device = next(model.parameters()).device
     kwarg = cache_kwarg(model)
     stats: dict[int, _KVStats] = {}
@@ -320,13 +338,13 @@ def calibrate(
                 model(input_ids=w[:, s : s + chunk_size], use_cache=True, **{kwarg: cache})
     finally:
         model.train(was_training)
+    return stats
 
-    missing = [i for i in range(num_layers) if i not in stats]
-    if missing:
-        raise RuntimeError(
-            f"kvcompile.calibrate: layers {missing} never wrote to the cache; the model does not use a "
-            "transformers Cache for them and cannot be calibrated"
-        )
+
+def _scales(stats: dict, num_layers: int, kv_heads: int, head_dim: int, margin: float) -> dict[str, torch.Tensor]:
+    """Static fp8 scales (``margin * amax / 448``) and K offsets (K's mean) from the recorded statistics."""
+    from .formats import FP8_E4M3_MAX
+
     k_offset, k_scale, v_scale = [], [], []
     for i in range(num_layers):
         st = stats[i]
@@ -340,11 +358,5 @@ def calibrate(
         k_offset.append(mu)
         k_scale.append(margin * k_amax.clamp_min(MIN_AMAX) / FP8_E4M3_MAX)
         v_scale.append(margin * st.v_amax.clamp_min(MIN_AMAX) / FP8_E4M3_MAX)
-    calib = Calibration({
-        "k_scale": torch.stack(k_scale).float(),
-        "v_scale": torch.stack(v_scale).float(),
-        "k_offset": torch.stack(k_offset).float(),
-    }, model_identity(model.config))
-    # Same checks as loading: a NaN/Inf in the model's K/V must not become a silent bad file.
-    dtype = next(model.parameters()).dtype
-    return validate(calib, num_layers, kv_heads, head_dim, "(calibrate)", dtype if dtype.is_floating_point else None)
+    return {"k_scale": torch.stack(k_scale).float(), "v_scale": torch.stack(v_scale).float(),
+            "k_offset": torch.stack(k_offset).float()}

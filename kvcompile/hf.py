@@ -101,6 +101,15 @@ def check_config(config) -> None:
         raise UnsupportedModelError(not_decoder, "build the cache from a language model's config (one that "
                                     "transformers.AutoModelForCausalLM loads)")
     text = text_config(config)
+    _check_attention_inputs(text)
+    _check_scores(text)
+    _check_family_quirks(text)
+    _check_layers(text)
+    _per_layer_shapes(text)  # raises for K and V of different head dims
+
+
+def _check_attention_inputs(text) -> None:
+    """Refuse attention whose K/V are not the layer's own self-attention K/V of one shape."""
     name = type(text).__name__
     cross = _truthy_attr(text, "add_cross_attention", "cross_attention_layers")
     if cross:
@@ -113,6 +122,11 @@ def check_config(config) -> None:
             "Kimi K2, MiniCPM3): K and V come from a compressed latent with different head dims, which the cache's "
             "one-shape K/V store and kvcompile::attention do not serve"
         )
+
+
+def _check_scores(text) -> None:
+    """Refuse attention whose scores are not causal q.k (with the mask and biases the op applies)."""
+    name = type(text).__name__
     model_type = getattr(text, "model_type", "") or ""
     # Bloom's ALiBi is a per-head, per-key score term sized by the cache (generate() runs over transformers'
     # StaticCache too), which the pass adds to the op's additive mask. MPT's and Falcon's (alibi=True): generate()
@@ -151,6 +165,12 @@ def check_config(config) -> None:
             "Inkling), computed over key positions read from the cache's layout, which kvcompile::attention does "
             "not apply"
         )
+
+
+def _check_family_quirks(text) -> None:
+    """Refuse the families that read or evict cache entries in ways a fixed 8-bit cache cannot follow."""
+    name = type(text).__name__
+    model_type = getattr(text, "model_type", "") or ""
     last_loop = _attr(text, "recurrent_kv_cache_mode") == "last_loop"
     if model_type == "dory" and _attr(text, "n_recurrent_layers", 0) and last_loop:
         raise UnsupportedModelError(
@@ -170,6 +190,12 @@ def check_config(config) -> None:
             f"{name} shares K/V across layers (num_kv_shared_layers={shared}: Gemma 3n, Gemma 4): those layers "
             "read another layer's cache entries directly"
         )
+
+
+def _check_layers(text) -> None:
+    """Refuse a model without attention heads, a layer type the cache does not serve, a sliding layer
+    without a window, and a model none of whose layers stores K/V."""
+    name = type(text).__name__
     if _attr(text, "num_attention_heads") is None:
         raise UnsupportedModelError(
             f"{name} has no attention heads (a recurrent model such as Mamba or RWKV): it keeps no K/V to quantize",
@@ -201,7 +227,6 @@ def check_config(config) -> None:
             f"no layer of {name} stores K/V (its layer types are {sorted(set(types))}): there is nothing to quantize",
             "run it without kvcompile (transformers' DynamicCache keeps its states)",
         )
-    _per_layer_shapes(text)  # raises for K and V of different head dims
 
 
 def _kv_heads(cfg, heads: int) -> int:
