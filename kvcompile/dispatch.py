@@ -94,11 +94,17 @@ def launchers():
 # ---------------------------------------------------------------------------------------------
 
 
-def format_arg(format_id: int, codes: Tensor, scale: Tensor) -> KVFormat:
-    """The :class:`KVFormat` an op's ``k_format`` / ``v_format`` / ``format`` argument names (the cache's
-    ``KVFormat.id``, which the cache and the compiler pass always give); -1, the schema's default for
-    direct calls that predate the ids, reads it off the tensors (:func:`formats.of_tensors`)."""
-    return formats.of_tensors(codes, scale) if format_id == -1 else formats.from_id(format_id)
+def format_arg(format_id: int, op: str, arg: str) -> KVFormat:
+    """The :class:`KVFormat` an op's ``k_format`` / ``v_format`` / ``format`` argument names: the
+    cache's ``KVFormat.id`` (the cache and the compiler pass always give it). The schemas default it
+    to -1 only because a positional argument after defaulted ones needs a default; -1 is refused:
+    the format is never read off the tensors."""
+    if format_id == -1:
+        raise ValueError(
+            f"kvcompile.{op}: pass {arg}=KVFormat.id, the id of the format the codes hold (a cache layer's "
+            f"k_fmt.id / v_fmt.id, or kvcompile.formats.get_format(kv_dtype, granularity).id); kvcompile does "
+            "not read a format off the tensors")
+    return formats.from_id(format_id)
 
 
 def _check_codes_scale(name: str, codes: Tensor, scale: Tensor, fmt: KVFormat) -> None:
@@ -213,8 +219,8 @@ def dequantize(
     if sliding_window < 0:
         raise ValueError(f"kvcompile.dequantize: sliding_window must be >= 0 (0 = full attention), got {sliding_window}")
     if kernel_backend(codes.device) == "triton":
-        return launchers().dequantize(codes, scale, offset, kv_len, dtype, rotation)
-    return reference.dequantize(codes, scale, offset, kv_len, dtype, rotation)
+        return launchers().dequantize(codes, scale, offset, kv_len, dtype, rotation, fmt=fmt)
+    return reference.dequantize(codes, scale, offset, kv_len, dtype, rotation, fmt=fmt)
 
 
 def _check_window_softcap(sliding_window: int, softcap: float) -> None:
@@ -321,4 +327,4 @@ def attention(
         return launchers().attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale,
                                     sliding_window, softcap, sinks, k_rotation, v_rotation, k_fmt=k_fmt, v_fmt=v_fmt)
     return reference.attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale,
-                               sliding_window, softcap, sinks, k_rotation, v_rotation)
+                               sliding_window, softcap, sinks, k_rotation, v_rotation, k_fmt=k_fmt, v_fmt=v_fmt)

@@ -26,7 +26,8 @@ __all__ = ["store_kv", "dequantize", "attention", "dequantize_ring", "attention_
 
 # Every op takes the caches' formats as ints (``k_format`` / ``v_format``, or ``format``: the cache's
 # ``KVFormat.id``, kvcompile.formats.spec), last, so existing positional arguments keep their places; the
-# schemas default them to -1 for direct calls that pass none (dispatch.format_arg).
+# schemas default them to -1 (a positional argument after defaulted ones needs a default), which every
+# op refuses with the fix (dispatch.format_arg): the format is never read off the tensors.
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,7 +99,7 @@ def _store_kv(k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor
     """:func:`kvcompile.dispatch.store_kv`; ``ring``: the caches are a sliding layer's ring of
     ``W = L`` slots (:mod:`kvcompile.ring`): position ``p`` goes to slot ``p % W`` and of a chunk
     longer than W only its last W tokens stay."""
-    fmts = dict(k_fmt=format_arg(k_format, k_cache, k_scale), v_fmt=format_arg(v_format, v_cache, v_scale))
+    fmts = dict(k_fmt=format_arg(k_format, "store_kv", "k_format"), v_fmt=format_arg(v_format, "store_kv", "v_format"))
     store = ring_ops.store_kv if ring else dispatch.store_kv
     store(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation, v_rotation, **fmts)
 
@@ -118,7 +119,7 @@ store_kv = _register(
 def _dequantize(codes, scale, offset, kv_len, dtype, rotation=None, sliding_window=0, format=-1) -> Tensor:
     """:func:`kvcompile.dispatch.dequantize` (its docstring: the op's contract) of codes in ``format``."""
     return dispatch.dequantize(codes, scale, offset, kv_len, dtype, rotation, sliding_window,
-                               fmt=format_arg(format, codes, scale))
+                               fmt=format_arg(format, "dequantize", "format"))
 
 
 def _dequantize_fake(codes, scale, offset, kv_len, dtype, rotation=None, sliding_window=0, format=-1):
@@ -135,14 +136,14 @@ def _attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scal
                sinks=None, k_rotation=None, v_rotation=None, k_format=-1, v_format=-1) -> Tensor:
     """:func:`kvcompile.dispatch.attention` (its docstring: the op's contract), K in ``k_format``, V in ``v_format``."""
     return dispatch.attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale, sliding_window,
-                              softcap, sinks, k_rotation, v_rotation, k_fmt=format_arg(k_format, k_q, k_scale),
-                              v_fmt=format_arg(v_format, v_q, v_scale))
+                              softcap, sinks, k_rotation, v_rotation, k_fmt=format_arg(k_format, "attention", "k_format"),
+                              v_fmt=format_arg(v_format, "attention", "v_format"))
 
 
 def _attention_fake(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale, sliding_window=0,
                     softcap=0.0, sinks=None, k_rotation=None, v_rotation=None, k_format=-1, v_format=-1):
     _check_attention(q, k_q, k_scale, v_q, v_scale, sliding_window, softcap, sinks, k_rotation, v_rotation,
-                     format_arg(k_format, k_q, k_scale), format_arg(v_format, v_q, v_scale))  # errors at trace time
+                     format_arg(k_format, "attention", "k_format"), format_arg(v_format, "attention", "v_format"))  # errors at trace time
     # dense [B, Hq, Tq, D] whatever q's strides (HF's q is a transposed view): the kernels and
     # the reference both write a contiguous output
     return q.new_empty(q.shape)
@@ -179,7 +180,7 @@ def _dequantize_ring(
     :func:`_dequantize`'s (``sliding_window`` is W, the ring's size). The eager path of a sliding
     layer's ring; the compiler pass replaces attention over it by :func:`_attention_ring`.
     """
-    fmt = format_arg(format, codes, scale)
+    fmt = format_arg(format, "dequantize_ring", "format")
     _check_codes_scale("dequantize_ring", codes, scale, fmt)
     _check_rotation("rotation", rotation, codes)
     if sliding_window != codes.shape[2]:
@@ -238,7 +239,8 @@ def _attention_ring(
     One op for both because a chunk's tail may overwrite keys its first queries see
     (:mod:`kvcompile.ring`).
     """
-    fmts = dict(k_fmt=format_arg(k_format, k_q, k_scale), v_fmt=format_arg(v_format, v_q, v_scale))
+    fmts = dict(k_fmt=format_arg(k_format, "attention_ring", "k_format"),
+                v_fmt=format_arg(v_format, "attention_ring", "v_format"))
     _check_attention_ring(q, k_q, k_scale, v_q, v_scale, k, v, softcap, sinks, k_rotation, v_rotation, *fmts.values())
     return ring_ops.attention(q, k_q, k_scale, v_q, v_scale, cache_len, k, v, k_offset, kv_len, attn_mask, is_causal,
                               scale, softcap, sinks, k_rotation, v_rotation, **fmts)
@@ -247,7 +249,8 @@ def _attention_ring(
 def _attention_ring_fake(q, k_q, k_scale, v_q, v_scale, cache_len, k, v, k_offset, kv_len, attn_mask, is_causal,
                          scale, softcap=0.0, sinks=None, k_rotation=None, v_rotation=None, k_format=-1, v_format=-1):
     _check_attention_ring(q, k_q, k_scale, v_q, v_scale, k, v, softcap, sinks, k_rotation, v_rotation,
-                          format_arg(k_format, k_q, k_scale), format_arg(v_format, v_q, v_scale))
+                          format_arg(k_format, "attention_ring", "k_format"),
+                          format_arg(v_format, "attention_ring", "v_format"))
     return q.new_empty(q.shape)
 
 

@@ -81,12 +81,10 @@ def store_kv(
     k_rotation: Optional[Tensor] = None,
     v_rotation: Optional[Tensor] = None,
     *,
-    k_fmt: Optional[formats.KVFormat] = None,
-    v_fmt: Optional[formats.KVFormat] = None,
+    k_fmt: formats.KVFormat,
+    v_fmt: formats.KVFormat,
 ) -> None:
     T = k.shape[2]
-    k_fmt = k_fmt or formats.of_tensors(k_cache, k_scale)  # None: a direct call (tests, benchmarks)
-    v_fmt = v_fmt or formats.of_tensors(v_cache, v_scale)
     if k.device.type == "cpu":  # the host read is free: a slice instead of an index tensor
         s0 = int(start)
         where = slice(s0, s0 + T)
@@ -120,7 +118,10 @@ def _valid_positions(kv_len: Tensor, batch: int, length: int, device) -> Tensor:
 def dequantize(
     codes: Tensor, scale: Tensor, offset: Optional[Tensor], kv_len: Tensor, dtype: torch.dtype,
     rotation: Optional[Tensor] = None,
+    *,
+    fmt: formats.KVFormat,
 ) -> Tensor:
+    """codes in ``fmt`` -> values (the reference reads ``code * scale`` for every registered format)."""
     x = formats.dequantize(codes, scale, torch.float32)
     if offset is not None:
         x = x + _per_head(offset)
@@ -184,8 +185,12 @@ def attention(
     k_rotation: Optional[Tensor] = None,
     v_rotation: Optional[Tensor] = None,
     compute_dtype: torch.dtype = torch.float32,
+    *,
+    k_fmt: formats.KVFormat,
+    v_fmt: formats.KVFormat,
 ) -> Tensor:
-    """Reference attention (see :func:`kvcompile.ops._attention` for the contract).
+    """Reference attention (see :func:`kvcompile.ops._attention` for the contract), K in ``k_fmt``,
+    V in ``v_fmt`` (the reference reads ``code * scale`` for every registered format).
 
     q [B, Hq, Tq, D] over codes [B, Hkv, L, D] -> [B, Hq, Tq, D] in q.dtype. Pays for what is
     stored: it reads ``kv_len`` on the host and dequantizes only keys ``[lo, n)``, ``n`` the

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import kvcompile
 from kvcompile.passes import KVAttentionPass
 from models import cache_kwarg, tiny_model
+from utils import fmt_of  # noqa: E402
 
 VOCAB = 96
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=128)
@@ -41,7 +42,7 @@ def make_model(family: str, attn: str, seed: int = 0):
     return tiny_model(family, attn, seed=seed, **_COMMON, **kw), kv_dtype
 
 
-def make_cache(model, kv_dtype: str, max_len: int = MAX_LEN, batch: int = BATCH, padded: bool = False):
+def model_cache(model, kv_dtype: str, max_len: int = MAX_LEN, batch: int = BATCH, padded: bool = False):
     """A QuantizedCache on CPU. ``padded=True`` turns prompt-mean K centering off where the cache has
     it: that mean includes the padded positions, whose hidden states are implementation-defined
     (a query row with no visible key), so centering would let them leak into real tokens' codes."""

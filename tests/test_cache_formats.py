@@ -135,7 +135,7 @@ def test_rotated_update_returns_unrotated_values(D):
     lay_codes = QuantizedCache(cfg, max_batch_size=2, max_cache_len=9, kv_dtype="int8", device="cpu")
     lay_codes.update(k, v, 0)
     L0 = lay_codes.layers[0]
-    raw = kvcompile.ops.dequantize(L0.k_codes, L0.k_scales, None, L0.cumulative_length, torch.float32)[:, :, :7]
+    raw = kvcompile.ops.dequantize(L0.k_codes, L0.k_scales, None, L0.cumulative_length, torch.float32, format=L0.k_fmt.id)[:, :, :7]
     assert (raw - k).norm() / k.norm() > 20 * err_on
 
 
@@ -257,7 +257,7 @@ def test_int8_model_close_to_dynamic_cache(monkeypatch):
     import kvcompile.reference as ref_mod
 
     real = ref_mod.dequantize
-    monkeypatch.setattr(ref_mod, "dequantize", lambda c, s, o, n, d, rotation=None: real(c, s, o, n, d))
+    monkeypatch.setattr(ref_mod, "dequantize", lambda c, s, o, n, d, rotation=None, fmt=None: real(c, s, o, n, d, fmt=fmt))
     cache = QuantizedCache(model.config, max_batch_size=2, max_cache_len=MAX_LEN, kv_dtype="int8", rotate=True)
     broken = logits_error(ref, run_steps(model, cache, ids, am, toks), am)
     assert broken > 5 * errs["int8"], (broken, errs)

@@ -142,10 +142,9 @@ def format_of(codes: torch.Tensor, scale: torch.Tensor) -> str:
 
 
 def of_tensors(codes: torch.Tensor, scale: torch.Tensor) -> KVFormat:
-    """The :class:`KVFormat` of ``(codes, scale)`` read off the tensors (:func:`format_of` plus the
-    granularity of the scale's shape), for callers that pass no format: the ops called with no
-    ``k_format`` / ``v_format`` / ``format`` and the launchers called directly (tests, benchmarks).
-    The cache and the compiler pass always pass the cache's format."""
+    """The :class:`KVFormat` a stored ``(codes, scale)`` pair can be read as (:func:`format_of` plus the
+    granularity of the scale's shape), for a user, benchmark or test inspecting tensors it built by
+    hand. kvcompile itself never asks: its ops take the format's id and refuse a call without one."""
     if all(codes.dtype != s.code_dtype for s in specs()):
         raise TypeError(f"kvcompile: codes must be {' or '.join(sorted({str(s.code_dtype)[6:] for s in specs()}))}, "
                         f"got {codes.dtype}")

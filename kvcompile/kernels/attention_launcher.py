@@ -76,14 +76,12 @@ def _rot_kind(r: Optional[Tensor]) -> int:
 
 
 def call_of(q, k_q, k_scale, v_q, v_scale, attn_mask=None, is_causal=False, decode=True, window=0, softcap=0.0,
-            sinks=None, k_rotation=None, v_rotation=None, new_token=None, *, k_fmt=None, v_fmt=None) -> plan_mod.Call:
+            sinks=None, k_rotation=None, v_rotation=None, new_token=None, *, k_fmt, v_fmt) -> plan_mod.Call:
     """The :class:`plan.Call` of a call with these tensors in formats ``k_fmt`` / ``v_fmt``
     (``window`` > 0 only when it hides keys)."""
     B, Hq, Tq, D = q.shape
     Hkv, L = k_q.shape[1], k_q.shape[2]
     dev = q.device
-    k_fmt = k_fmt or formats.of_tensors(k_q, k_scale)  # None: a direct call (tests, benchmarks)
-    v_fmt = v_fmt or formats.of_tensors(v_q, v_scale)
     kind, group_size = scale_layout(k_fmt, v_fmt, D)
     return plan_mod.Call(
         cc=tuple(device_cc(dev)), sms=sm_count(dev), interpret=interpreting(), B=B, Hq=Hq, Hkv=Hkv, Tq=Tq, L=L, D=D,
@@ -200,7 +198,7 @@ def attention(
     attn_mask: Optional[Tensor], is_causal: bool, scale: Optional[float],
     sliding_window: int = 0, softcap: float = 0.0, sinks: Optional[Tensor] = None,
     k_rotation: Optional[Tensor] = None, v_rotation: Optional[Tensor] = None,
-    new_token: Optional[tuple[Tensor, Tensor, Optional[Tensor]]] = None, *, k_fmt=None, v_fmt=None,
+    new_token: Optional[tuple[Tensor, Tensor, Optional[Tensor]]] = None, *, k_fmt, v_fmt,
 ) -> Tensor:
     """``kvcompile::attention`` on the Triton kernels (arguments and shapes: :func:`kvcompile.dispatch.attention`;
     ``k_fmt`` / ``v_fmt``: the caches' :class:`kvcompile.formats.KVFormat`).
@@ -211,8 +209,6 @@ def attention(
     in the attention kernel (no launch of its own) or in a store launch before it."""
     B, Hq, Tq, D = q.shape
     tiles.check_head_dim(D)
-    k_fmt = k_fmt or formats.of_tensors(k_q, k_scale)  # None: a direct call (tests, benchmarks)
-    v_fmt = v_fmt or formats.of_tensors(v_q, v_scale)
     if new_token is not None and (Tq != 1 or kv_len.dim() != 0 or new_token[0].shape != (B, k_q.shape[1], 1, D)
                                   or new_token[1].shape != new_token[0].shape):
         raise ValueError(
@@ -225,10 +221,10 @@ def attention(
         return torch.zeros_like(q)
     sm_scale = D**-0.5 if scale is None else float(scale)
     L = k_q.shape[2]
-    dense_ok = plan_mod.dense_ok(softcap > 0, sinks is not None, k_q.dtype, v_q.dtype, device_cc(q.device))
+    dense_ok = plan_mod.dense_ok(softcap > 0, sinks is not None, k_fmt.code_dtype, v_fmt.code_dtype, device_cc(q.device))
     path = prefill_path(q, window_hides=0 < sliding_window < L, dense_ok=dense_ok)
     if path == "dense":
         return dense.attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale,
-                               sliding_window, k_rotation, v_rotation)
+                               sliding_window, k_rotation, v_rotation, k_fmt=k_fmt, v_fmt=v_fmt)
     return _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, path == "decode",
                   sliding_window, softcap, sinks, k_rotation, v_rotation, new_token, k_fmt=k_fmt, v_fmt=v_fmt)

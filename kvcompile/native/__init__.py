@@ -253,15 +253,10 @@ def _plan(tensors: tuple, k_fmt: formats.KVFormat, v_fmt: formats.KVFormat) -> O
     """The plan of (k codes, k scale, v codes, v scale, k rotation, v rotation) in formats ``k_fmt`` /
     ``v_fmt``, built on a miss; None where the library does not load."""
     plan = _plans.get(id(tensors[0]))
-    if plan is not None and plan.matches(tensors) and (k_fmt is None or plan.fmts == (k_fmt, v_fmt)):
+    if plan is not None and plan.matches(tensors) and plan.fmts == (k_fmt, v_fmt):
         return plan
     if _load() is None:
         return None
-    if k_fmt is None:  # a direct call (tests, benchmarks)
-        try:
-            k_fmt, v_fmt = formats.of_tensors(*tensors[:2]), formats.of_tensors(*tensors[2:4])
-        except (TypeError, ValueError, IndexError):
-            return None  # no format: the caller's checks name the problem
     plan = _new_plan(*tensors, k_fmt, v_fmt)
     plan.fmts = (k_fmt, v_fmt)
     return plan
@@ -289,7 +284,7 @@ def _mask_strides(mask: Tensor, B: int, Hq: int, Tq: int) -> Optional[tuple[int,
 def attention(q: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Tensor, kv_len: Tensor,
               attn_mask: Optional[Tensor], is_causal: bool, sm_scale: float, sliding_window: int, softcap: float,
               sinks: Optional[Tensor], k_rotation: Optional[Tensor], v_rotation: Optional[Tensor],
-              k_fmt: Optional[formats.KVFormat] = None, v_fmt: Optional[formats.KVFormat] = None) -> Optional[Tensor]:
+              k_fmt: formats.KVFormat, v_fmt: formats.KVFormat) -> Optional[Tensor]:
     """``kvcompile::attention``'s result, reading only the stored keys (``kv_len``, int64 [] or [B]),
     or None where this path does not apply (see the module docstring)."""
     plan = _plan((k_q, k_scale, v_q, v_scale, k_rotation, v_rotation), k_fmt, v_fmt)
@@ -321,8 +316,7 @@ def attention(q: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Ten
 
 def store_kv(k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor, k: Tensor, v: Tensor,
              start: Union[Tensor, int], k_offset: Optional[Tensor], k_rotation: Optional[Tensor],
-             v_rotation: Optional[Tensor], k_fmt: Optional[formats.KVFormat] = None,
-             v_fmt: Optional[formats.KVFormat] = None) -> bool:
+             v_rotation: Optional[Tensor], k_fmt: formats.KVFormat, v_fmt: formats.KVFormat) -> bool:
     """Quantize and write ``k, v`` at positions ``start + t`` as the reference does, in one C call;
     True when written. False (nothing written) where this path does not apply: other than float32
     inputs with unit stride along head_dim, static scales, above :data:`MAX_WORK`, or a start

@@ -91,7 +91,7 @@ class PassReport:
         return {"found": self.found, "rewritten": self.rewritten, "skipped": list(self.skipped), "kv_dtype": self.kv_dtype}
 
 
-def _format_of_node(node: fx.Node) -> Optional[str]:
+def _node_format(node: fx.Node) -> Optional[str]:
     """The kv_dtype of the codes a dequantize node reads: its ``format`` argument (the cache's
     ``KVFormat.id``); None where the graph does not say (a constant int)."""
     fid = spellings.read_dequantize(node).format
@@ -231,7 +231,7 @@ class KVAttentionPass(CustomGraphPass):
         (a site skipped for another reason still reports a wrong backend). A cache whose K and V formats
         differ from each other is named side by side where a site pairs them (:meth:`_check_pair`); if no
         site got that far, after every site (returned: the formats found)."""
-        found = {f for f in map(_format_of_node, dequants) if f is not None}
+        found = {f for f in map(_node_format, dequants) if f is not None}
         if found <= {self.k_dtype, self.v_dtype}:
             return None
         if len(found) == 1:  # K and V alike
@@ -240,7 +240,7 @@ class KVAttentionPass(CustomGraphPass):
         return found
 
     def _check_pair(self, k: fx.Node, v: fx.Node) -> None:
-        kf, vf = _format_of_node(k), _format_of_node(v)
+        kf, vf = _node_format(k), _node_format(v)
         if None not in (kf, vf) and (kf, vf) != (self.k_dtype, self.v_dtype):
             raise self._mismatch(kf, vf)
 
