@@ -32,6 +32,17 @@ from kvcompile.kernels import attention_launcher as launcher  # noqa: E402
 from kvcompile.kernels import plan as plan_mod  # noqa: E402
 from kvcompile.kernels import store as store_launcher  # noqa: E402
 
+
+def fmt_of(codes, scale):
+    """The format of a cache built here, read off its tensors (:func:`kvcompile.formats.of_tensors`)."""
+    return formats.of_tensors(codes, scale)
+
+
+def fmts_of(k_codes, k_scale, v_codes, v_scale) -> dict:
+    """The launchers' ``k_fmt`` / ``v_fmt`` of a cache built here."""
+    return {"k_fmt": fmt_of(k_codes, k_scale), "v_fmt": fmt_of(v_codes, v_scale)}
+
+
 HQ, HKV, D = 32, 8, 128
 DEVICE = "cuda"  # the smoke's and make_cache's device (tests/test_bench_kv.py runs the smoke on the CPU)
 ROTATE_BYTES = 256 << 20
@@ -104,7 +115,7 @@ def make_cache(kv_dtype, gran, B, L, gen_scale=1.0, R=(None, None)):
     else:
         ks = torch.empty(fmt.scale_shape(B, HKV, L, D), dtype=fmt.scale_dtype, device=DEVICE)
         vs = torch.empty_like(ks)
-    kernels.store_kv(kc, ks, vc, vs, k, v, torch.tensor(0, device=DEVICE), None, *R)
+    kernels.store_kv(kc, ks, vc, vs, k, v, torch.tensor(0, device=DEVICE), None, *R, **fmts_of(kc, ks, vc, vs))
     return (kc, ks, vc, vs), (k, v)
 
 
@@ -174,7 +185,7 @@ def decode(args):
             n = copies_for(nb)
             caches = [c0] + [make_cache(kv_dtype, gran, B, L, R=R)[0] for _ in range(n - 1)]
             fns = [lambda q=q, c=c: kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, False, None,
-                                                      0, 0.0, None, *R)
+                                                      0, 0.0, None, *R, **fmts_of(c[0], c[1], c[2], c[3]))
                    for q, c in zip(qs, caches)]
             ms = bench(fns, len(fns))
             splits = splits_used(fns[0])
@@ -183,7 +194,7 @@ def decode(args):
                 # q rotated by a launch before the kernel and the output by the merge (or a launch) after it
                 Rm = tuple(r if r is None else r.clone() for r in R)
                 fns_m = [lambda q=q, c=c: kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, False, None,
-                                                            0, 0.0, None, *Rm) for q, c in zip(qs, caches)]
+                                                            0, 0.0, None, *Rm, **fmts_of(c[0], c[1], c[2], c[3])) for q, c in zip(qs, caches)]
                 record("decode", shape, f"kvcompile-{name} R-launches", bench(fns_m, len(fns_m)),
                        nb + 4 * B * HQ * D, base_ms=base, splits=splits)
                 del fns_m
@@ -226,7 +237,7 @@ def window(args):
                 caches = [c0] + [make_cache(kv_dtype, gran, B, L, R=R)[0] for _ in range(n - 1)]
                 kv_len = torch.full((B,), L, device="cuda", dtype=torch.long)
                 fns = [lambda q=q, c=c, kv_len=kv_len, win=win: kernels.attention(
-                           q, c[0], c[1], c[2], c[3], kv_len, None, False, None, win, 0.0, None, *R)
+                           q, c[0], c[1], c[2], c[3], kv_len, None, False, None, win, 0.0, None, *R, **fmts_of(c[0], c[1], c[2], c[3]))
                        for q, c in zip(qs * (-(-n // len(qs))), caches)]
                 times[label] = ms = bench(fns, len(fns))
                 extra = {"vs_full": times["full L=W"] / ms} if label == "sliding" else {}
@@ -235,9 +246,9 @@ def window(args):
                 if label == "full L=W":  # the whole step of a full layer: store the token, then attend
                     last = torch.tensor(W - 1, device="cuda")
                     fns = [lambda q=q, c=c, kv_len=kv_len: (
-                               kernels.store_kv(c[0], c[1], c[2], c[3], kv_new[0], kv_new[1], last, None, *R),
+                               kernels.store_kv(c[0], c[1], c[2], c[3], kv_new[0], kv_new[1], last, None, *R, **fmts_of(c[0], c[1], c[2], c[3])),
                                kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, False, None, 0, 0.0, None,
-                                                 *R))
+                                                 *R, **fmts_of(c[0], c[1], c[2], c[3])))
                            for q, c in zip(qs * (-(-n // len(qs))), caches)]
                     times["full step"] = ms = bench(fns, len(fns))
                     record("window", shape, f"kvcompile-{name} full L=W + store", ms, nb + 4 * B * HQ * D,
@@ -251,7 +262,7 @@ def window(args):
             caches = [c0] + [make_cache(kv_dtype, gran, B, W, R=R)[0] for _ in range(n - 1)]
             cache_len = torch.tensor(ctx, device="cuda")
             fns = [lambda q=q, c=c: ring.attention(q, c[0], c[1], c[2], c[3], cache_len, kv_new[0], kv_new[1], None,
-                                                   None, None, False, None, 0.0, None, *R)
+                                                   None, None, False, None, 0.0, None, *R, **fmts_of(c[0], c[1], c[2], c[3]))
                    for q, c in zip(qs * (-(-n // len(qs))), caches)]
             ms = bench(fns, len(fns))
             record("window", shape, f"kvcompile-{name} ring", ms, nb + 4 * B * HQ * D, base_ms=base,
@@ -336,7 +347,7 @@ def sweep_decode(shape, qs, caches, kv_len, base, nb, name, tiles_sweep=False, R
             if kernel_file is not None:
                 launcher._attention_kernel = load_kernel_file(kernel_file)
             fns = [lambda q=q, c=c: kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, False, None,
-                                                      0, 0.0, None, *R)
+                                                      0, 0.0, None, *R, **fmts_of(c[0], c[1], c[2], c[3]))
                    for q, c in zip(qv, use)]
             with plan_mod.override(**changes):
                 ms = bench(fns, len(fns))
@@ -405,7 +416,7 @@ def prefill(args):
             R = rot(fname)
             c, _ = make_cache(*FORMATS[fname], 1, L, R=R)
             os.environ["KVCOMPILE_PREFILL"] = path
-            fn = lambda: kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, causal, None, 0, 0.0, None, *R)
+            fn = lambda: kernels.attention(q, c[0], c[1], c[2], c[3], kv_len, None, causal, None, 0, 0.0, None, *R, **fmts_of(c[0], c[1], c[2], c[3]))
             try:
                 ms = bench([fn], 1) if path == "fused" else time_eager(fn)
             except Exception as e:
@@ -440,7 +451,7 @@ def prefill(args):
             if path == "fused" and args.tile_sweep:
                 # fused prefill tiles, V in the cache's layout and in the other one
                 vt = other_v_layout(c[2])
-                fnt = lambda: kernels.attention(q, c[0], c[1], vt, c[3], kv_len, None, causal, None)
+                fnt = lambda: kernels.attention(q, c[0], c[1], vt, c[3], kv_len, None, causal, None, **fmts_of(c[0], c[1], vt, c[3]))
                 for vk, f in ((" V " + v_layout_name(c[2]), fn), (" V " + v_layout_name(vt), fnt)):
                     for t in (None, (128, 128, 8, 3), (128, 64, 8, 3), (64, 128, 4, 2), (64, 128, 4, 3), (64, 64, 4, 2),
                               (128, 128, 8, 2), (64, 128, 8, 2), (32, 128, 4, 2)):
@@ -531,7 +542,7 @@ def store(args):
             else:
                 sk = torch.empty(fmt.scale_shape(B, HKV, L, D), dtype=fmt.scale_dtype, device="cuda")
                 sv = torch.empty_like(sk)
-            fns = [lambda k=k, v=v: kernels.store_kv(kc, sk, vc, sv, k, v, start, None, *R) for k, v in zip(ks, vs)]
+            fns = [lambda k=k, v=v: kernels.store_kv(kc, sk, vc, sv, k, v, start, None, *R, **fmts_of(kc, sk, vc, sv)) for k, v in zip(ks, vs)]
             g = fmt.groups(D)
             nb = 2 * nel * (2 + 1) + 2 * B * HKV * T * g * (2 if kv_dtype == "q8_0" else 4)
             record("store", shape, f"kvcompile-{name}", bench(fns, len(fns)), nb, base_ms=base)
@@ -617,16 +628,16 @@ def smoke(args):
             for Tq in (1, 7, 40):
                 q = torch.randn(3, HQ, Tq, D, device=DEVICE, dtype=torch.bfloat16)
                 m = torch.rand(3, 1, Tq, 301, device=DEVICE) > 0.2
-                kernels.attention(q, kc, ks, v, vs, kv_len, m, True, None, 0, 0.0, None, *R)
-                kernels.attention(q, kc, ks, v, vs, kv_len, None, False, None, 0, 0.0, None, *R)
-                kernels.attention(q, kc, ks, v, vs, kv_len, None, True, None, 0, 0.0, None, *R)  # unmasked + diagonal
+                kernels.attention(q, kc, ks, v, vs, kv_len, m, True, None, 0, 0.0, None, *R, **fmts_of(kc, ks, v, vs))
+                kernels.attention(q, kc, ks, v, vs, kv_len, None, False, None, 0, 0.0, None, *R, **fmts_of(kc, ks, v, vs))
+                kernels.attention(q, kc, ks, v, vs, kv_len, None, True, None, 0, 0.0, None, *R, **fmts_of(kc, ks, v, vs))  # unmasked + diagonal
                 sinks = torch.randn(HQ, device=DEVICE)
-                kernels.attention(q, kc, ks, v, vs, kv_len, None, True, None, 37, 20.0, sinks, *R)  # window edges
+                kernels.attention(q, kc, ks, v, vs, kv_len, None, True, None, 37, 20.0, sinks, *R, **fmts_of(kc, ks, v, vs))  # window edges
             os.environ["KVCOMPILE_PREFILL"] = "dense"  # the one-launch K + V dequantize, both V layouts
-            kernels.attention(q, kc, ks, v, vs, kv_len, m, True, None, 0, 0.0, None, *R)
+            kernels.attention(q, kc, ks, v, vs, kv_len, m, True, None, 0, 0.0, None, *R, **fmts_of(kc, ks, v, vs))
             os.environ["KVCOMPILE_PREFILL"] = "fused"
-            kernels.dequantize(v, vs, None, kv_len, torch.bfloat16)
-        kernels.dequantize(kc, ks, None, kv_len, torch.bfloat16)
+            kernels.dequantize(v, vs, None, kv_len, torch.bfloat16, fmt=fmt_of(v, vs))
+        kernels.dequantize(kc, ks, None, kv_len, torch.bfloat16, fmt=fmt_of(kc, ks))
     os.environ.pop("KVCOMPILE_PREFILL")
     if DEVICE == "cuda":
         torch.cuda.synchronize()

@@ -22,7 +22,8 @@ from kvcompile import kernels  # noqa: E402
 from kvcompile.kernels import plan as plan_mod  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_kv import HQ, make_cache  # noqa: E402
+from bench_kv import HQ, fmts_of, make_cache  # noqa: E402
+
 
 
 def main():
@@ -44,10 +45,10 @@ def main():
     kv_len = torch.full((B,), L, device="cuda", dtype=torch.long)
     with plan_mod.override(**fields):
         for _ in range(3):
-            kernels.attention(q, kc, ks, vc, vs, kv_len, None, False, None)
+            kernels.attention(q, kc, ks, vc, vs, kv_len, None, False, None, **fmts_of(kc, ks, vc, vs))
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStart()
-        kernels.attention(q, kc, ks, vc, vs, kv_len, None, False, None)
+        kernels.attention(q, kc, ks, vc, vs, kv_len, None, False, None, **fmts_of(kc, ks, vc, vs))
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
 

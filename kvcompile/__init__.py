@@ -1,8 +1,7 @@
 """kvcompile: 8-bit KV caches that attention reads directly, inside torch.compile.
 
-    cache = kvcompile.QuantizedCache(model.config, max_batch_size=B, max_cache_len=L,
-                                     kv_dtype="fp8_e4m3", device="cuda")
-    model.forward = torch.compile(model.forward, backend=kvcompile.backend(kv_dtype="fp8_e4m3"))
+    cache = kvcompile.QuantizedCache(model.config, max_batch_size=B, max_cache_len=L, device="cuda")
+    model.forward = torch.compile(model.forward, backend=kvcompile.backend())  # both: the default int8
     out = model.generate(ids, cache=cache, max_new_tokens=64)   # transformers < 5.24: past_key_values=cache
 
 Importing kvcompile registers the ``torch.ops.kvcompile.*`` ops; Triton is imported only when

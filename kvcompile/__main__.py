@@ -89,14 +89,12 @@ def _plan_lines(archs) -> list[str]:
         lines.append(f"sm_{cc[0]}{cc[1]}: fp8 e4m3 " + ("native (tl.float8e4nv)" if tiles.has_native_fp8(cc)
                                                        else "decoded by bit manipulation"))
         for d in HEAD_DIMS:
-            for label, kv, gran, rot in (("int8", "int8", "token", True), ("fp8", "fp8_e4m3", "token", False),
-                                         ("fp8 static", "fp8_e4m3", "static", False),
-                                         ("fp8 block32", "fp8_e4m3", "block32", False), ("q8_0", "q8_0", "block32", False)):
-                fmt = formats.get_format(kv, gran)
-                scales = torch.empty(fmt.scale_shape(1, 1, 1, d), dtype=fmt.scale_dtype, device="meta")  # shapes only
-                kind, group = plan_mod.scale_layout(scales, scales, d)
-                sb = plan_mod.scale_bytes(scales)
-                # int8's default: K rotated, V not (QuantizedCache(rotate=None))
+            every = [formats.get_format(s.name, g) for s in formats.specs() for g in s.granularities]
+            for fmt in sorted(every, key=lambda f: f.kv_dtype != formats.DEFAULT_KV_DTYPE):  # the default first
+                label, rot = fmt.name, fmt.spec.rotate_k and not fmt.is_static
+                kind, group = plan_mod.scale_layout(fmt, fmt, d)
+                sb = plan_mod.scale_bytes(fmt, d)
+                # the format's default: K rotated or not, V not (QuantizedCache(rotate=None))
                 r = plan_mod.ROT_NONE if not rot else (plan_mod.ROT_SYLVESTER if d & (d - 1) == 0 else plan_mod.ROT_MATRIX)
                 for decode in (True, False):
                     call = plan_mod.Call(cc=tuple(cc), sms=sms, interpret=False, B=8, Hq=32, Hkv=8, Tq=1 if decode else 1024,
@@ -276,7 +274,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="store: quantize-on-store of a --tokens-long write (default attention)")
     sp.add_argument("--tokens", type=positive_int_arg, default=16384, help="store: tokens written by the launch")
     sp.add_argument("--arch", default="90", help="compute capability, e.g. 90 or 89 (default 90)")
-    sp.add_argument("--kv-dtype", type=_kv_dtype, default="fp8_e4m3")
+    sp.add_argument("--kv-dtype", type=_kv_dtype, default=None, help="cache format (default: the registry's first, id 0)")
     sp.add_argument("--granularity", choices=SCALE_GRANULARITIES, default=None,
                     help="token / block32 / static (default: the format's)")
     sp.add_argument("--head-dim", type=positive_int_arg, default=128)
@@ -321,6 +319,7 @@ def main(argv=None) -> int:
         from . import formats
 
         cc = (int(args.arch[:-1]), int(args.arch[-1]))
+        args.kv_dtype = args.kv_dtype or formats.KV_DTYPES[0]
         try:
             fmt = formats.get_format(args.kv_dtype, args.granularity)
         except ValueError as e:

@@ -79,7 +79,7 @@ class QuantizedCache(Cache):
             over as is), hence the warning rather than a guess. A cache larger than its device holds (a
             GPU's free memory, the CPU's total memory) is refused before anything is allocated (with
             ``device=None``: at the first update, outside ``torch.compile``), naming its bytes.
-        kv_dtype: one of :data:`kvcompile.KV_DTYPES` (``"fp8_e4m3"``, ``"q8_0"``, ``"int8"``) for K and
+        kv_dtype: one of :data:`kvcompile.KV_DTYPES` (``fp8_e4m3``, ``q8_0``, ``int8``) for K and
             V; ``None``: :data:`kvcompile.formats.DEFAULT_KV_DTYPE`.
         device: where to allocate now; ``None`` allocates lazily on the first update's device (under
             ``torch.compile`` the graph that allocates is its own, so the cache's next prefill, after
@@ -162,9 +162,7 @@ class QuantizedCache(Cache):
             raise TypeError(f"kvcompile.QuantizedCache: ring must be True or False, got {ring!r}")
         config = checks.checked_config(config)
         text_config = hf.text_config(config)
-        k_name, v_name = formats.resolve_kv_dtypes(kv_dtype, k_dtype, v_dtype)
-        k_fmt, v_fmt = formats.get_format(k_name, granularity), formats.get_format(v_name, granularity)
-        formats.check_pair(k_fmt, v_fmt)
+        k_fmt, v_fmt, k_rotate, v_rotate = formats.resolve(kv_dtype, k_dtype, v_dtype, granularity, rotate)
         fmt = k_fmt
         max_batch_size = checks.positive_int("max_batch_size", max_batch_size)
         size_from_config = max_cache_len is None
@@ -186,10 +184,6 @@ class QuantizedCache(Cache):
         for head_dim in head_dims:
             k_fmt.check_head_dim(head_dim)
             v_fmt.check_head_dim(head_dim)
-        if rotate is None:
-            k_rotate, v_rotate = k_fmt.kv_dtype == "int8", False
-        else:
-            k_rotate, v_rotate = rotate in (True, "k"), rotate in (True, "v")
         if (k_rotate or v_rotate) and fmt.is_static:
             raise ValueError(
                 f"kvcompile.QuantizedCache: rotate={rotate!r} with granularity='static': static scales are calibrated on "
@@ -200,10 +194,11 @@ class QuantizedCache(Cache):
                 for head_dim in head_dims:
                     rotation.check_head_dim(head_dim)
             except ValueError as e:
-                how = f"rotate={rotate!r}" if rotate else "int8 rotates K by default"
+                how = f"rotate={rotate!r}" if rotate else f"{k_fmt.kv_dtype} rotates K by default"
+                plain = next(s.name for s in formats.specs() if not s.rotate_k)
                 raise ValueError(
                     f"kvcompile.QuantizedCache: {how}, but {e}"
-                    + ("" if rotate else " (or a format that is not rotated by default, e.g. kv_dtype='fp8_e4m3')")
+                    + ("" if rotate else f" (or a format that is not rotated by default, e.g. kv_dtype={plain!r})")
                 ) from None
 
         calib = {}

@@ -269,25 +269,28 @@ class QuantizedLayer(CacheLayerMixin):
         k_codes, k_scales, v_codes, v_scales = self.live_buffers(key_states.shape[0])
         if self.ring:
             return self._update_ring(key_states, value_states, k_codes, k_scales, v_codes, v_scales)
+        kf, vf = self.k_fmt.id, self.v_fmt.id
         ops.store_kv(
             k_codes, k_scales, v_codes, v_scales,
             key_states, value_states, self.cumulative_length, self.k_offset, self.k_rotation, self.v_rotation,
+            False, kf, vf,
         )
         self.cumulative_length.add_(key_states.shape[2])
         dtype = key_states.dtype
         n, w = self.cumulative_length, self.sliding_window
-        k = ops.dequantize(k_codes, k_scales, self.k_offset, n, dtype, self.k_rotation, w)
-        v = ops.dequantize(v_codes, v_scales, None, n, dtype, self.v_rotation, w)
+        k = ops.dequantize(k_codes, k_scales, self.k_offset, n, dtype, self.k_rotation, w, kf)
+        v = ops.dequantize(v_codes, v_scales, None, n, dtype, self.v_rotation, w, vf)
         return k, v
 
     def _update_ring(self, key_states, value_states, k_codes, k_scales, v_codes, v_scales):
         """Read before write (class docstring): the window and the new tokens, then the store."""
         n, w, L, dtype = self.cumulative_length, self.sliding_window, self.max_cache_len, key_states.dtype
-        k = ops.dequantize_ring(k_codes, k_scales, self.k_offset, n, dtype, self.k_rotation, w, key_states, L)
-        v = ops.dequantize_ring(v_codes, v_scales, None, n, dtype, self.v_rotation, w, value_states, L)
+        kf, vf = self.k_fmt.id, self.v_fmt.id
+        k = ops.dequantize_ring(k_codes, k_scales, self.k_offset, n, dtype, self.k_rotation, w, key_states, L, kf)
+        v = ops.dequantize_ring(v_codes, v_scales, None, n, dtype, self.v_rotation, w, value_states, L, vf)
         ops.store_kv(
             k_codes, k_scales, v_codes, v_scales,
-            key_states, value_states, n, self.k_offset, self.k_rotation, self.v_rotation, ring=True,
+            key_states, value_states, n, self.k_offset, self.k_rotation, self.v_rotation, True, kf, vf,
         )
         self.cumulative_length.add_(key_states.shape[2])
         return k, v

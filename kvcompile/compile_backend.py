@@ -1,9 +1,9 @@
 """``kvcompile.backend(kv_dtype=...)``: a torch.compile backend = the attention pass + Inductor.
 
-    backend = kvcompile.backend(kv_dtype="fp8_e4m3")   # or k_dtype="int8", v_dtype="fp8_e4m3"
+    backend = kvcompile.backend(kv_dtype=name)   # or k_dtype=..., v_dtype=... (names: kvcompile.KV_DTYPES)
     model.forward = torch.compile(model.forward, backend=backend, fullgraph=True)
     ...
-    backend.report()  # [{"found": 30, "rewritten": 30, "skipped": [], "kv_dtype": "fp8_e4m3"}, ...]
+    backend.report()  # [{"found": 30, "rewritten": 30, "skipped": [], "kv_dtype": name}, ...]
 
 ``kv_dtype`` in the report is the format's name when K and V agree, ``"k_dtype/v_dtype"``
 (e.g. ``"int8/fp8_e4m3"``) when they differ.

@@ -38,7 +38,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import native, reference
+from . import formats, native, reference
+from .formats import KVFormat
 
 __all__ = ["store_kv", "dequantize", "attention", "kernel_backend", "launchers", "sizing_advice"]
 
@@ -93,23 +94,32 @@ def launchers():
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_codes_scale(name: str, codes: Tensor, scale: Tensor) -> None:
-    if codes.dtype not in (torch.float8_e4m3fn, torch.int8):
-        raise TypeError(f"kvcompile: {name} codes must be float8_e4m3fn or int8, got {codes.dtype}")
+def format_arg(format_id: int, op: str, arg: str) -> KVFormat:
+    """The :class:`KVFormat` an op's ``k_format`` / ``v_format`` / ``format`` argument names: the
+    cache's ``KVFormat.id`` (the cache and the compiler pass always give it). The schemas default it
+    to -1 only because a positional argument after defaulted ones needs a default; -1 is refused:
+    the format is never read off the tensors."""
+    if format_id == -1:
+        raise ValueError(
+            f"kvcompile.{op}: pass {arg}=KVFormat.id, the id of the format the codes hold (a cache layer's "
+            f"k_fmt.id / v_fmt.id, or kvcompile.formats.get_format(kv_dtype, granularity).id); kvcompile does "
+            "not read a format off the tensors")
+    return formats.from_id(format_id)
+
+
+def _check_codes_scale(name: str, codes: Tensor, scale: Tensor, fmt: KVFormat) -> None:
+    """Codes and scales are what format ``fmt`` stores (checked, never inferred)."""
+    if codes.dtype != fmt.code_dtype:
+        raise TypeError(f"kvcompile: {name} codes in {fmt.name} must be {fmt.code_dtype}, got {codes.dtype}")
     if codes.dim() != 4:
         raise ValueError(f"kvcompile: {name} codes must be [B, Hkv, L, D], got shape {tuple(codes.shape)}")
     B, H, L, D = codes.shape
-    if scale.dim() == 1:
-        if scale.shape[0] != H:
-            raise ValueError(f"kvcompile: static {name} scale must be [Hkv={H}], got {tuple(scale.shape)}")
-    elif scale.dim() == 4:
-        if tuple(scale.shape[:3]) != (B, H, L) or D % scale.shape[3] != 0:
-            raise ValueError(
-                f"kvcompile: {name} scale must be [B, Hkv, L, G] with G dividing D={D} for codes "
-                f"{tuple(codes.shape)}, got {tuple(scale.shape)}"
-            )
-    else:
-        raise ValueError(f"kvcompile: {name} scale must be [Hkv] or [B, Hkv, L, G], got {tuple(scale.shape)}")
+    want = (H,) if fmt.is_static else (B, H, L, fmt.groups(D))
+    if tuple(scale.shape) != want or scale.dtype != (torch.float32 if fmt.is_static else fmt.scale_dtype):
+        raise ValueError(
+            f"kvcompile: {name} scale in {fmt.name} must be {'float32' if fmt.is_static else fmt.scale_dtype} "
+            f"{list(want)} for codes {tuple(codes.shape)}, got {scale.dtype} {tuple(scale.shape)}"
+        )
 
 
 def _check_rotation(name: str, rotation: Optional[Tensor], codes: Tensor) -> None:
@@ -139,8 +149,12 @@ def store_kv(
     k_offset: Optional[Tensor],
     k_rotation: Optional[Tensor] = None,
     v_rotation: Optional[Tensor] = None,
+    *,
+    k_fmt: KVFormat,
+    v_fmt: KVFormat,
 ) -> None:
-    """Quantize ``k, v`` [B, Hkv, T, D] into the caches at positions ``start + arange(T)``.
+    """Quantize ``k, v`` [B, Hkv, T, D] into the caches at positions ``start + arange(T)``, in the
+    formats ``k_fmt`` / ``v_fmt`` (the op's ``k_format`` / ``v_format`` ids).
 
     ``start`` is a 0-d int tensor (the cache's current length). Static scales ([Hkv]) are read,
     not written. ``k_rotation`` / ``v_rotation`` ([D, D]) rotate K / V first (``x @ R``, float32);
@@ -150,10 +164,10 @@ def store_kv(
     """
     backend = kernel_backend(k.device)
     if backend == "native" and native.store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation,
-                                               v_rotation):
+                                               v_rotation, k_fmt, v_fmt):
         return  # kvcompile.native takes only inputs it has checked; the checks below name what it declined
-    _check_codes_scale("k", k_cache, k_scale)
-    _check_codes_scale("v", v_cache, v_scale)
+    _check_codes_scale("k", k_cache, k_scale, k_fmt)
+    _check_codes_scale("v", v_cache, v_scale, v_fmt)
     _check_rotation("k_rotation", k_rotation, k_cache)
     _check_rotation("v_rotation", v_rotation, v_cache)
     if k.shape[:2] != k_cache.shape[:2] or k.shape[3] != k_cache.shape[3] or k.shape != v.shape:
@@ -172,9 +186,11 @@ def store_kv(
         past_end = "kvcompile.store_kv: writing past max_cache_len; build the cache with a larger max_cache_len"
         torch._assert_async(start + k.shape[2] <= k_cache.shape[2], past_end)
     if backend == "triton":
-        launchers().store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation, v_rotation)
+        launchers().store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation, v_rotation,
+                             k_fmt=k_fmt, v_fmt=v_fmt)
     else:
-        reference.store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation, v_rotation)
+        reference.store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation, v_rotation,
+                           k_fmt=k_fmt, v_fmt=v_fmt)
 
 
 def dequantize(
@@ -185,8 +201,10 @@ def dequantize(
     dtype: torch.dtype,
     rotation: Optional[Tensor] = None,
     sliding_window: int = 0,
+    *,
+    fmt: KVFormat,
 ) -> Tensor:
-    """codes [B, Hkv, L, D] -> values [B, Hkv, L, D] in ``dtype``; positions >= kv_len are zeros.
+    """codes [B, Hkv, L, D] in format ``fmt`` -> values [B, Hkv, L, D] in ``dtype``; positions >= kv_len are zeros.
 
     ``offset`` ([Hkv, D], K centering) is added back and ``rotation`` R ([D, D]) undone:
     ``(codes * scale + offset) @ R^T`` (float32), so the result is the value that was stored, in
@@ -196,13 +214,13 @@ def dequantize(
     compiler pass replaces attention over its result by ``kvcompile::attention``, which reads the codes
     directly.
     """
-    _check_codes_scale("dequantize", codes, scale)
+    _check_codes_scale("dequantize", codes, scale, fmt)
     _check_rotation("rotation", rotation, codes)
     if sliding_window < 0:
         raise ValueError(f"kvcompile.dequantize: sliding_window must be >= 0 (0 = full attention), got {sliding_window}")
     if kernel_backend(codes.device) == "triton":
-        return launchers().dequantize(codes, scale, offset, kv_len, dtype, rotation)
-    return reference.dequantize(codes, scale, offset, kv_len, dtype, rotation)
+        return launchers().dequantize(codes, scale, offset, kv_len, dtype, rotation, fmt=fmt)
+    return reference.dequantize(codes, scale, offset, kv_len, dtype, rotation, fmt=fmt)
 
 
 def _check_window_softcap(sliding_window: int, softcap: float) -> None:
@@ -220,10 +238,12 @@ def _check_window_softcap(sliding_window: int, softcap: float) -> None:
 
 def _check_attention(q: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Tensor,
                      sliding_window: int, softcap: float, sinks: Optional[Tensor],
-                     k_rotation: Optional[Tensor] = None, v_rotation: Optional[Tensor] = None) -> None:
-    """Shapes and the window / softcap / sinks / rotation arguments of ``attention`` (metadata only)."""
-    _check_codes_scale("k", k_q, k_scale)
-    _check_codes_scale("v", v_q, v_scale)
+                     k_rotation: Optional[Tensor], v_rotation: Optional[Tensor], k_fmt: KVFormat,
+                     v_fmt: KVFormat) -> None:
+    """Shapes, formats and the window / softcap / sinks / rotation arguments of ``attention`` (metadata only)."""
+    _check_codes_scale("k", k_q, k_scale, k_fmt)
+    _check_codes_scale("v", v_q, v_scale, v_fmt)
+    formats.check_pair(k_fmt, v_fmt)
     _check_rotation("k_rotation", k_rotation, k_q)
     _check_rotation("v_rotation", v_rotation, v_q)
     if q.dim() != 4 or q.shape[0] != k_q.shape[0] or q.shape[3] != k_q.shape[3]:
@@ -265,8 +285,12 @@ def attention(
     sinks: Optional[Tensor] = None,
     k_rotation: Optional[Tensor] = None,
     v_rotation: Optional[Tensor] = None,
+    *,
+    k_fmt: KVFormat,
+    v_fmt: KVFormat,
 ) -> Tensor:
-    """Attention of ``q`` [B, Hq, Tq, D] over the 8-bit cache, output [B, Hq, Tq, D] in q.dtype.
+    """Attention of ``q`` [B, Hq, Tq, D] over the 8-bit cache (K in ``k_fmt``, V in ``v_fmt``: the
+    op's ``k_format`` / ``v_format`` ids), output [B, Hq, Tq, D] in q.dtype.
 
     * keys at positions >= ``kv_len[b]`` are excluded; a ``kv_len[b]`` above L makes all L keys
       visible (the bound a ring past its window passes: its token count);
@@ -294,12 +318,13 @@ def attention(
         _check_window_softcap(sliding_window, softcap)
         out = native.attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal,
                                q.shape[-1] ** -0.5 if scale is None else scale, sliding_window, softcap, sinks,
-                               k_rotation, v_rotation)
+                               k_rotation, v_rotation, k_fmt, v_fmt)
         if out is not None:  # kvcompile.native takes only inputs it has checked
             return out
-    _check_attention(q, k_q, k_scale, v_q, v_scale, sliding_window, softcap, sinks, k_rotation, v_rotation)
+    _check_attention(q, k_q, k_scale, v_q, v_scale, sliding_window, softcap, sinks, k_rotation, v_rotation,
+                     k_fmt, v_fmt)
     if backend == "triton":
         return launchers().attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale,
-                                    sliding_window, softcap, sinks, k_rotation, v_rotation)
+                                    sliding_window, softcap, sinks, k_rotation, v_rotation, k_fmt=k_fmt, v_fmt=v_fmt)
     return reference.attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale,
-                               sliding_window, softcap, sinks, k_rotation, v_rotation)
+                               sliding_window, softcap, sinks, k_rotation, v_rotation, k_fmt=k_fmt, v_fmt=v_fmt)

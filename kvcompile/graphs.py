@@ -6,7 +6,7 @@ capture a short list of batch sizes instead (1, 2, 4, 8, ...) and run a live bat
 captured size; :class:`BatchPaddedForward` does that for an HF causal LM:
 
     cache = kvcompile.QuantizedCache(model.config, max_batch_size=8, max_cache_len=4096, device="cuda")
-    fwd = torch.compile(model.forward, backend=kvcompile.backend("fp8_e4m3"), mode="reduce-overhead")
+    fwd = torch.compile(model.forward, backend=kvcompile.backend(), mode="reduce-overhead")
     model.forward = kvcompile.BatchPaddedForward(fwd, max_batch_size=cache.max_batch_size)
     model.generate(ids, cache=cache, ...)   # a batch of 3 runs (and is captured) at 4
 

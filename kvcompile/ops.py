@@ -19,14 +19,15 @@ import torch
 from torch import Tensor
 
 from . import dispatch, ring as ring_ops
-from .dispatch import _check_attention, _check_codes_scale, _check_rotation, kernel_backend, sizing_advice
+from .dispatch import _check_attention, _check_codes_scale, _check_rotation, format_arg, kernel_backend, sizing_advice
 
 __all__ = ["store_kv", "dequantize", "attention", "dequantize_ring", "attention_ring", "kernel_backend",
            "sizing_advice"]
 
-# the implementations under the names the docs cite (kvcompile.ops._attention: the op's contract)
-_dequantize = dispatch.dequantize
-_attention = dispatch.attention
+# Every op takes the caches' formats as ints (``k_format`` / ``v_format``, or ``format``: the cache's
+# ``KVFormat.id``, kvcompile.formats.spec), last, so existing positional arguments keep their places; the
+# schemas default them to -1 (a positional argument after defaulted ones needs a default), which every
+# op refuses with the fix (dispatch.format_arg): the format is never read off the tensors.
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,42 +95,55 @@ def _register(schema: str, impl, fake):
 
 def _store_kv(k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor, k: Tensor, v: Tensor,
               start: Tensor, k_offset: Optional[Tensor], k_rotation: Optional[Tensor] = None,
-              v_rotation: Optional[Tensor] = None, ring: bool = False) -> None:
+              v_rotation: Optional[Tensor] = None, ring: bool = False, k_format: int = -1, v_format: int = -1) -> None:
     """:func:`kvcompile.dispatch.store_kv`; ``ring``: the caches are a sliding layer's ring of
     ``W = L`` slots (:mod:`kvcompile.ring`): position ``p`` goes to slot ``p % W`` and of a chunk
     longer than W only its last W tokens stay."""
-    if ring:
-        ring_ops.store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation, v_rotation)
-        return
-    dispatch.store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation, v_rotation)
+    fmts = dict(k_fmt=format_arg(k_format, "store_kv", "k_format"), v_fmt=format_arg(v_format, "store_kv", "v_format"))
+    store = ring_ops.store_kv if ring else dispatch.store_kv
+    store(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation, v_rotation, **fmts)
 
 
 def _store_kv_fake(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation=None, v_rotation=None,
-                   ring=False) -> None:
+                   ring=False, k_format=-1, v_format=-1) -> None:
     return None
 
 
 store_kv = _register(
     "store_kv(Tensor(a0!) k_cache, Tensor(a1!) k_scale, Tensor(a2!) v_cache, Tensor(a3!) v_scale, Tensor k, "
     "Tensor v, Tensor start, Tensor? k_offset, Tensor? k_rotation=None, Tensor? v_rotation=None, "
-    "bool ring=False) -> ()",
+    "bool ring=False, int k_format=-1, int v_format=-1) -> ()",
     _store_kv, _store_kv_fake)
 
 
-def _dequantize_fake(codes, scale, offset, kv_len, dtype, rotation=None, sliding_window=0):
+def _dequantize(codes, scale, offset, kv_len, dtype, rotation=None, sliding_window=0, format=-1) -> Tensor:
+    """:func:`kvcompile.dispatch.dequantize` (its docstring: the op's contract) of codes in ``format``."""
+    return dispatch.dequantize(codes, scale, offset, kv_len, dtype, rotation, sliding_window,
+                               fmt=format_arg(format, "dequantize", "format"))
+
+
+def _dequantize_fake(codes, scale, offset, kv_len, dtype, rotation=None, sliding_window=0, format=-1):
     return codes.new_empty(codes.shape, dtype=dtype)
 
 
 dequantize = _register(
     "dequantize(Tensor codes, Tensor scale, Tensor? offset, Tensor kv_len, ScalarType dtype, Tensor? rotation=None, "
-    "SymInt sliding_window=0) -> Tensor",
+    "SymInt sliding_window=0, int format=-1) -> Tensor",
     _dequantize, _dequantize_fake)
 
 
+def _attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale, sliding_window=0, softcap=0.0,
+               sinks=None, k_rotation=None, v_rotation=None, k_format=-1, v_format=-1) -> Tensor:
+    """:func:`kvcompile.dispatch.attention` (its docstring: the op's contract), K in ``k_format``, V in ``v_format``."""
+    return dispatch.attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale, sliding_window,
+                              softcap, sinks, k_rotation, v_rotation, k_fmt=format_arg(k_format, "attention", "k_format"),
+                              v_fmt=format_arg(v_format, "attention", "v_format"))
+
+
 def _attention_fake(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale, sliding_window=0,
-                    softcap=0.0, sinks=None, k_rotation=None, v_rotation=None):
-    _check_attention(q, k_q, k_scale, v_q, v_scale, sliding_window, softcap, sinks,
-                     k_rotation, v_rotation)  # errors at trace time
+                    softcap=0.0, sinks=None, k_rotation=None, v_rotation=None, k_format=-1, v_format=-1):
+    _check_attention(q, k_q, k_scale, v_q, v_scale, sliding_window, softcap, sinks, k_rotation, v_rotation,
+                     format_arg(k_format, "attention", "k_format"), format_arg(v_format, "attention", "v_format"))  # errors at trace time
     # dense [B, Hq, Tq, D] whatever q's strides (HF's q is a transposed view): the kernels and
     # the reference both write a contiguous output
     return q.new_empty(q.shape)
@@ -138,7 +152,7 @@ def _attention_fake(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal,
 attention = _register(
     "attention(Tensor q, Tensor k_q, Tensor k_scale, Tensor v_q, Tensor v_scale, Tensor kv_len, Tensor? attn_mask, "
     "bool is_causal, float? scale, SymInt sliding_window=0, float softcap=0., Tensor? sinks=None, "
-    "Tensor? k_rotation=None, Tensor? v_rotation=None) -> Tensor",
+    "Tensor? k_rotation=None, Tensor? v_rotation=None, int k_format=-1, int v_format=-1) -> Tensor",
     _attention, _attention_fake)
 
 
@@ -157,6 +171,7 @@ def _dequantize_ring(
     sliding_window: int,
     new: Tensor,
     length: int,
+    format: int = -1,
 ) -> Tensor:
     """A ring of ``W = L`` slots plus ``new`` [B, Hkv, T, D] (raw values, about to be stored at
     ``kv_len``, the tokens stored so far) -> values [B, Hkv, ``length``, D] in ``dtype`` at absolute
@@ -165,29 +180,32 @@ def _dequantize_ring(
     :func:`_dequantize`'s (``sliding_window`` is W, the ring's size). The eager path of a sliding
     layer's ring; the compiler pass replaces attention over it by :func:`_attention_ring`.
     """
-    _check_codes_scale("dequantize_ring", codes, scale)
+    fmt = format_arg(format, "dequantize_ring", "format")
+    _check_codes_scale("dequantize_ring", codes, scale, fmt)
     _check_rotation("rotation", rotation, codes)
     if sliding_window != codes.shape[2]:
         raise ValueError(f"kvcompile.dequantize_ring: a ring of {codes.shape[2]} slots serves a window of as many "
                          f"positions, got sliding_window={sliding_window}")
     if new.dim() != 4 or new.shape[:2] != codes.shape[:2] or new.shape[3] != codes.shape[3]:
         raise ValueError(f"kvcompile.dequantize_ring: new {tuple(new.shape)} does not fit the ring {tuple(codes.shape)}")
-    return ring_ops.dequantize(codes, scale, offset, kv_len, dtype, rotation, new, length)
+    return ring_ops.dequantize(codes, scale, offset, kv_len, dtype, rotation, new, length, fmt=fmt)
 
 
-def _dequantize_ring_fake(codes, scale, offset, kv_len, dtype, rotation, sliding_window, new, length):
+def _dequantize_ring_fake(codes, scale, offset, kv_len, dtype, rotation, sliding_window, new, length, format=-1):
     B, H, _, D = codes.shape
     return codes.new_empty((B, H, length, D), dtype=dtype)
 
 
 dequantize_ring = _register(
     "dequantize_ring(Tensor codes, Tensor scale, Tensor? offset, Tensor kv_len, ScalarType dtype, Tensor? rotation, "
-    "SymInt sliding_window, Tensor new, SymInt length) -> Tensor",
+    "SymInt sliding_window, Tensor new, SymInt length, int format=-1) -> Tensor",
     _dequantize_ring, _dequantize_ring_fake)
 
 
-def _check_attention_ring(q, k_q, k_scale, v_q, v_scale, k, v, softcap, sinks, k_rotation, v_rotation) -> None:
-    _check_attention(q, k_q, k_scale, v_q, v_scale, k_q.shape[2], softcap, sinks, k_rotation, v_rotation)
+def _check_attention_ring(q, k_q, k_scale, v_q, v_scale, k, v, softcap, sinks, k_rotation, v_rotation, k_fmt,
+                          v_fmt) -> None:
+    _check_attention(q, k_q, k_scale, v_q, v_scale, k_q.shape[2], softcap, sinks, k_rotation, v_rotation, k_fmt,
+                     v_fmt)
     if k.shape != v.shape or k.dim() != 4 or k.shape[:2] != k_q.shape[:2] or k.shape[3] != k_q.shape[3]:
         raise ValueError(f"kvcompile.attention_ring: k {tuple(k.shape)} / v {tuple(v.shape)} do not fit the ring "
                          f"{tuple(k_q.shape)}")
@@ -211,6 +229,8 @@ def _attention_ring(
     sinks: Optional[Tensor] = None,
     k_rotation: Optional[Tensor] = None,
     v_rotation: Optional[Tensor] = None,
+    k_format: int = -1,
+    v_format: int = -1,
 ) -> Tensor:
     """Store ``k, v`` [B, Hkv, T, D] into a sliding layer's ring at ``[cache_len - T, cache_len)``
     (``cache_len``: the tokens stored once they are in; as ``store_kv(ring=True)``), then return
@@ -219,19 +239,24 @@ def _attention_ring(
     One op for both because a chunk's tail may overwrite keys its first queries see
     (:mod:`kvcompile.ring`).
     """
-    _check_attention_ring(q, k_q, k_scale, v_q, v_scale, k, v, softcap, sinks, k_rotation, v_rotation)
+    fmts = dict(k_fmt=format_arg(k_format, "attention_ring", "k_format"),
+                v_fmt=format_arg(v_format, "attention_ring", "v_format"))
+    _check_attention_ring(q, k_q, k_scale, v_q, v_scale, k, v, softcap, sinks, k_rotation, v_rotation, *fmts.values())
     return ring_ops.attention(q, k_q, k_scale, v_q, v_scale, cache_len, k, v, k_offset, kv_len, attn_mask, is_causal,
-                              scale, softcap, sinks, k_rotation, v_rotation)
+                              scale, softcap, sinks, k_rotation, v_rotation, **fmts)
 
 
 def _attention_ring_fake(q, k_q, k_scale, v_q, v_scale, cache_len, k, v, k_offset, kv_len, attn_mask, is_causal,
-                         scale, softcap=0.0, sinks=None, k_rotation=None, v_rotation=None):
-    _check_attention_ring(q, k_q, k_scale, v_q, v_scale, k, v, softcap, sinks, k_rotation, v_rotation)
+                         scale, softcap=0.0, sinks=None, k_rotation=None, v_rotation=None, k_format=-1, v_format=-1):
+    _check_attention_ring(q, k_q, k_scale, v_q, v_scale, k, v, softcap, sinks, k_rotation, v_rotation,
+                          format_arg(k_format, "attention_ring", "k_format"),
+                          format_arg(v_format, "attention_ring", "v_format"))
     return q.new_empty(q.shape)
 
 
 attention_ring = _register(
     "attention_ring(Tensor q, Tensor(a0!) k_q, Tensor(a1!) k_scale, Tensor(a2!) v_q, Tensor(a3!) v_scale, "
     "Tensor cache_len, Tensor k, Tensor v, Tensor? k_offset, Tensor? kv_len, Tensor? attn_mask, bool is_causal, "
-    "float? scale, float softcap=0., Tensor? sinks=None, Tensor? k_rotation=None, Tensor? v_rotation=None) -> Tensor",
+    "float? scale, float softcap=0., Tensor? sinks=None, Tensor? k_rotation=None, Tensor? v_rotation=None, "
+    "int k_format=-1, int v_format=-1) -> Tensor",
     _attention_ring, _attention_ring_fake)

@@ -42,14 +42,12 @@ def _rotate_center(x: Tensor, offset: Optional[Tensor], rotation: Optional[Tenso
     return x
 
 
-def _quantize_as(cache: Tensor, scale: Tensor, x: Tensor, kv_dtype: Optional[str] = None
-                 ) -> tuple[Tensor, Optional[Tensor]]:
-    """(codes, scales, or None for static ones) of ``x`` in the format of ``cache`` / ``scale``
-    (``kv_dtype``: that format's name, when the caller has read it already)."""
-    if scale.dim() == 1:
-        return formats.quantize(x, cache.dtype, scale=scale)[0], None
-    kv_dtype = kv_dtype or formats.format_of(cache, scale)
-    codes, s = formats.quantize(x, cache.dtype, groups=scale.shape[-1], kv_dtype=kv_dtype)
+def _quantize_as(fmt: formats.KVFormat, scale: Tensor, x: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+    """(codes, scales, or None for static ones) of ``x`` [..., D] in format ``fmt`` (``scale``: the
+    static scales it reads)."""
+    if fmt.is_static:
+        return formats.quantize(x, fmt.code_dtype, scale=scale, kv_dtype=fmt.kv_dtype)[0], None
+    codes, s = formats.quantize(x, fmt.code_dtype, groups=fmt.groups(x.shape[-1]), kv_dtype=fmt.kv_dtype)
     return codes, s if s.dtype == scale.dtype else s.to(scale.dtype)
 
 
@@ -65,16 +63,10 @@ def _write(cache: Tensor, scale: Tensor, codes: Tensor, s: Optional[Tensor], whe
         scale.index_copy_(2, where, s)
 
 
-def _one_format(k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor, k: Tensor, v: Tensor
-                ) -> Optional[str]:
-    """The format K and V share when stored in one format and scale layout (once rotated, each by
-    its own matrix, they can be quantized as one tensor), else None. Static scales never do (K's
-    and V's scales differ)."""
-    if k_scale.dim() == 1 or k.shape != v.shape or k_cache.dtype != v_cache.dtype or k_scale.shape != v_scale.shape \
-            or k_scale.dtype != v_scale.dtype:
-        return None
-    name = formats.format_of(k_cache, k_scale)
-    return name if name == formats.format_of(v_cache, v_scale) else None
+def _one_format(k_fmt: formats.KVFormat, v_fmt: formats.KVFormat, k: Tensor, v: Tensor) -> bool:
+    """Whether K and V are stored in one format (once rotated, each by its own matrix, they can be
+    quantized as one tensor). Static scales never are (K's and V's scales differ)."""
+    return k_fmt == v_fmt and not k_fmt.is_static and k.shape == v.shape
 
 
 def store_kv(
@@ -88,6 +80,9 @@ def store_kv(
     k_offset: Optional[Tensor],
     k_rotation: Optional[Tensor] = None,
     v_rotation: Optional[Tensor] = None,
+    *,
+    k_fmt: formats.KVFormat,
+    v_fmt: formats.KVFormat,
 ) -> None:
     T = k.shape[2]
     if k.device.type == "cpu":  # the host read is free: a slice instead of an index tensor
@@ -95,8 +90,7 @@ def store_kv(
         where = slice(s0, s0 + T)
     else:
         where = torch.arange(T, device=k.device) + start.to(device=k.device, dtype=torch.long)
-    shared = _one_format(k_cache, k_scale, v_cache, v_scale, k, v)
-    if shared:
+    if _one_format(k_fmt, v_fmt, k, v):
         # K and V quantized as one [2, B, H, T, D] tensor: half the ops, the same values
         if k_rotation is not None and k_rotation is v_rotation:  # one matrix: one product for both
             x = _rotate_center(torch.stack((k, v)), None, k_rotation)
@@ -104,13 +98,13 @@ def store_kv(
                 x[0] -= _per_head(k_offset)  # K only
         else:
             x = torch.stack((_rotate_center(k, k_offset, k_rotation), _rotate_center(v, None, v_rotation)))
-        codes, s = _quantize_as(k_cache, k_scale, x, shared)
+        codes, s = _quantize_as(k_fmt, k_scale, x)
         _write(k_cache, k_scale, codes[0], None if s is None else s[0], where)
         _write(v_cache, v_scale, codes[1], None if s is None else s[1], where)
         return
-    for cache, scale, x, off, rot in ((k_cache, k_scale, k, k_offset, k_rotation),
-                                      (v_cache, v_scale, v, None, v_rotation)):
-        codes, s = _quantize_as(cache, scale, _rotate_center(x, off, rot))
+    for fmt, cache, scale, x, off, rot in ((k_fmt, k_cache, k_scale, k, k_offset, k_rotation),
+                                           (v_fmt, v_cache, v_scale, v, None, v_rotation)):
+        codes, s = _quantize_as(fmt, scale, _rotate_center(x, off, rot))
         _write(cache, scale, codes, s, where)
 
 
@@ -124,7 +118,10 @@ def _valid_positions(kv_len: Tensor, batch: int, length: int, device) -> Tensor:
 def dequantize(
     codes: Tensor, scale: Tensor, offset: Optional[Tensor], kv_len: Tensor, dtype: torch.dtype,
     rotation: Optional[Tensor] = None,
+    *,
+    fmt: formats.KVFormat,
 ) -> Tensor:
+    """codes in ``fmt`` -> values (the reference reads ``code * scale`` for every registered format)."""
     x = formats.dequantize(codes, scale, torch.float32)
     if offset is not None:
         x = x + _per_head(offset)
@@ -188,8 +185,12 @@ def attention(
     k_rotation: Optional[Tensor] = None,
     v_rotation: Optional[Tensor] = None,
     compute_dtype: torch.dtype = torch.float32,
+    *,
+    k_fmt: formats.KVFormat,
+    v_fmt: formats.KVFormat,
 ) -> Tensor:
-    """Reference attention (see :func:`kvcompile.ops._attention` for the contract).
+    """Reference attention (see :func:`kvcompile.ops._attention` for the contract), K in ``k_fmt``,
+    V in ``v_fmt`` (the reference reads ``code * scale`` for every registered format).
 
     q [B, Hq, Tq, D] over codes [B, Hkv, L, D] -> [B, Hq, Tq, D] in q.dtype. Pays for what is
     stored: it reads ``kv_len`` on the host and dequantizes only keys ``[lo, n)``, ``n`` the

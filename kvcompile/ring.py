@@ -65,50 +65,53 @@ def _gather(src: Tensor, slots: Tensor, dst: Tensor) -> None:
 
 def store_kv(k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor, k: Tensor, v: Tensor,
              start: Tensor, k_offset: Optional[Tensor], k_rotation: Optional[Tensor] = None,
-             v_rotation: Optional[Tensor] = None) -> None:
+             v_rotation: Optional[Tensor] = None, *, k_fmt, v_fmt) -> None:
     """``kvcompile::store_kv`` into a ring of ``W = k_cache.shape[2]`` slots: position ``start + t``
     goes to slot ``(start + t) % W``; of a chunk longer than the ring only the last ``W`` tokens stay."""
     W, T = k_cache.shape[2], k.shape[2]
     if T == 1:
-        _store_token(k_cache, k_scale, v_cache, v_scale, k, v, start, 0, k_offset, k_rotation, v_rotation)
+        _store_token(k_cache, k_scale, v_cache, v_scale, k, v, start, 0, k_offset, k_rotation, v_rotation,
+                     k_fmt, v_fmt)
         return
     n = min(T, W)  # quantization is per token: the tail alone gives the tail's codes
     tk, tks = _scratch(k_cache, k_scale, n, False)
     tv, tvs = _scratch(v_cache, v_scale, n, _keys_contiguous(v_cache))
     zero = torch.zeros((), dtype=torch.long, device=k.device)
-    dispatch.store_kv(tk, tks, tv, tvs, k[:, :, T - n:], v[:, :, T - n:], zero, k_offset, k_rotation, v_rotation)
+    dispatch.store_kv(tk, tks, tv, tvs, k[:, :, T - n:], v[:, :, T - n:], zero, k_offset, k_rotation, v_rotation,
+                      k_fmt=k_fmt, v_fmt=v_fmt)
     slots = torch.remainder(start.to(torch.long) + (T - n) + torch.arange(n, device=k.device), W)
     _put(k_cache, k_scale, slots, tk, tks)
     _put(v_cache, v_scale, slots, tv, tvs)
 
 
 def _store_token(k_cache, k_scale, v_cache, v_scale, k, v, start: Tensor, shift: int, k_offset, k_rotation,
-                 v_rotation) -> None:
+                 v_rotation, k_fmt, v_fmt) -> None:
     """One token at position ``start + shift`` into slot ``(start + shift) % W``: on the Triton path the
     store kernel takes the slot itself (no extra launch, no bound to assert: every slot is in range)."""
     W = k_cache.shape[2]
     if dispatch.kernel_backend(k.device) == "triton":
         dispatch.launchers().store_kv(k_cache, k_scale, v_cache, v_scale, k, v, start, k_offset, k_rotation, v_rotation,
-                                shift=shift, ring=W)
+                                shift=shift, ring=W, k_fmt=k_fmt, v_fmt=v_fmt)
     else:
         reference.store_kv(k_cache, k_scale, v_cache, v_scale, k, v, torch.remainder(start + shift, W),
-                               k_offset, k_rotation, v_rotation)
+                           k_offset, k_rotation, v_rotation, k_fmt=k_fmt, v_fmt=v_fmt)
 
 
 def dequantize(codes: Tensor, scale: Tensor, offset: Optional[Tensor], start: Tensor, dtype: torch.dtype,
-               rotation: Optional[Tensor], new: Tensor, length: int) -> Tensor:
+               rotation: Optional[Tensor], new: Tensor, length: int, *, fmt) -> Tensor:
     """The values attention over a ring reads when ``new`` ([B, H, T, D]) joins at ``start``:
     ``[B, H, length, D]`` in absolute positions, the ring's positions ``[start - W + 1, start)`` (read
     before the chunk is stored), the chunk at ``[start, start + T)`` quantized as the store quantizes
     it, zeros elsewhere."""
     B, H, W, D = codes.shape
     T, dev = new.shape[2], codes.device
-    ring = dispatch.dequantize(codes, scale, offset, torch.full((), W, device=dev), dtype, rotation)
+    ring = dispatch.dequantize(codes, scale, offset, torch.full((), W, device=dev), dtype, rotation, fmt=fmt)
     tc, ts = _scratch(codes, scale, T, False)
     tc2, ts2 = _scratch(codes, scale, T, False)
     zero = torch.zeros((), dtype=torch.long, device=dev)
-    dispatch.store_kv(tc, ts, tc2, ts2, new, new, zero, offset, rotation, rotation)  # the K side is the one used
-    chunk = dispatch.dequantize(tc, ts, offset, torch.full((), T, device=dev), dtype, rotation)
+    # the K side is the one used
+    dispatch.store_kv(tc, ts, tc2, ts2, new, new, zero, offset, rotation, rotation, k_fmt=fmt, v_fmt=fmt)
+    chunk = dispatch.dequantize(tc, ts, offset, torch.full((), T, device=dev), dtype, rotation, fmt=fmt)
     src = torch.cat((ring, chunk, ring.new_zeros((B, H, 1, D))), dim=2)  # slot W + T: a zero row
     c = start.to(device=dev, dtype=torch.long)
     pos = torch.arange(length, device=dev)
@@ -138,7 +141,7 @@ def attention(q: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Ten
               k: Tensor, v: Tensor, k_offset: Optional[Tensor], kv_len: Optional[Tensor],
               attn_mask: Optional[Tensor], is_causal: bool, scale: Optional[float], softcap: float = 0.0,
               sinks: Optional[Tensor] = None, k_rotation: Optional[Tensor] = None,
-              v_rotation: Optional[Tensor] = None) -> Tensor:
+              v_rotation: Optional[Tensor] = None, *, k_fmt, v_fmt) -> Tensor:
     """Store ``k, v`` (the chunk at ``[cache_len - T, cache_len)``) into the ring, then attention as
     ``kvcompile::attention`` over absolute positions with window ``W`` (the ring's size) and
     ``kv_len`` (``cache_len`` when None) as the bound on the keys (module docstring)."""
@@ -157,10 +160,11 @@ def attention(q: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Ten
         if dispatch.kernel_backend(dev) == "triton":  # the kernels store the token at slot (cache_len - 1) % W
             # themselves (in the attention kernel where the plan fits it: no store launch)
             return dispatch.launchers().attention(q, k_q, k_scale, v_q, v_scale, cache_len, mask, False, scale, 0, softcap,
-                                            sinks, k_rotation, v_rotation, new_token=(k, v, k_offset))
-        _store_token(k_q, k_scale, v_q, v_scale, k, v, cache_len, -1, k_offset, k_rotation, v_rotation)
+                                                  sinks, k_rotation, v_rotation, new_token=(k, v, k_offset),
+                                                  k_fmt=k_fmt, v_fmt=v_fmt)
+        _store_token(k_q, k_scale, v_q, v_scale, k, v, cache_len, -1, k_offset, k_rotation, v_rotation, k_fmt, v_fmt)
         return dispatch.attention(q, k_q, k_scale, v_q, v_scale, cache_len, mask, False, scale, 0, softcap, sinks,
-                              k_rotation, v_rotation)
+                                  k_rotation, v_rotation, k_fmt=k_fmt, v_fmt=v_fmt)
     n = W - 1 + T  # the ring's last W - 1 positions, then the chunk
     tk, tks = _scratch(k_q, k_scale, n, False)
     tv, tvs = _scratch(v_q, v_scale, n, _keys_contiguous(v_q))
@@ -169,13 +173,13 @@ def attention(q: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Ten
     for src, dst in ((k_q, tk), (k_scale, tks), (v_q, tv), (v_scale, tvs)):
         _gather(src, slots, dst)
     dispatch.store_kv(tk, tks, tv, tvs, k, v, torch.full((), W - 1, dtype=torch.long, device=dev), k_offset,
-                  k_rotation, v_rotation)
+                      k_rotation, v_rotation, k_fmt=k_fmt, v_fmt=v_fmt)
     pos = base + torch.arange(n, device=dev)
     mask = _hide(_mask_columns(attn_mask, pos), (pos >= 0).view(1, 1, 1, n))
     bound = torch.full((), n, dtype=torch.long, device=dev) if kv_len is None else \
         torch.clamp(kv_len.to(device=dev, dtype=torch.long) - base, 0, n)
     out = dispatch.attention(q, tk, tks, tv, tvs, bound, mask, is_causal, scale, W, softcap, sinks, k_rotation,
-                         v_rotation)
+                             v_rotation, k_fmt=k_fmt, v_fmt=v_fmt)
     m = min(T, W)
     ring_slots = torch.remainder(cache_len - m + torch.arange(m, device=dev), W)
     tail = lambda t: t if t.dim() == 1 else t[:, :, n - m:]  # noqa: E731  (static scales: per head)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import kvcompile
 from kvcompile.passes import KVAttentionPass
 from models import cache_kwarg, tiny_model
+from utils import fmt_of  # noqa: E402
 
 VOCAB = 96
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=128)
@@ -41,7 +42,7 @@ def make_model(family: str, attn: str, seed: int = 0):
     return tiny_model(family, attn, seed=seed, **_COMMON, **kw), kv_dtype
 
 
-def make_cache(model, kv_dtype: str, max_len: int = MAX_LEN, batch: int = BATCH, padded: bool = False):
+def model_cache(model, kv_dtype: str, max_len: int = MAX_LEN, batch: int = BATCH, padded: bool = False):
     """A QuantizedCache on CPU. ``padded=True`` turns prompt-mean K centering off where the cache has
     it: that mean includes the padded positions, whose hidden states are implementation-defined
     (a query row with no visible key), so centering would let them leak into real tokens' codes."""
@@ -148,7 +149,7 @@ class PassOnly:
 
 
 def attention_oracle(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, scale, sliding_window=0,
-                     softcap=0.0, sinks=None, k_rotation=None, v_rotation=None):
+                     softcap=0.0, sinks=None, k_rotation=None, v_rotation=None, k_format=-1, v_format=-1):
     """``kvcompile::attention`` as its contract states it (window, softcap, sinks and the codes of a
     rotated side un-rotated: ``x @ R^T``), in float64."""
     B, Hq, Tq, D = q.shape

@@ -17,7 +17,7 @@ import transformers
 
 import kvcompile
 from models import cache_kwarg, tiny_model
-from pass_models import fresh_dynamo, greedy, make_cache, make_model, prompt
+from pass_models import fresh_dynamo, greedy, model_cache, make_model, prompt
 
 ATOL = RTOL = 1e-4
 
@@ -36,11 +36,11 @@ def test_compiled_matches_eager_no_recompiles(family, attn, padded):
     ids, mask = prompt(padded)
     steps = 3 + 64
     max_len = ids.shape[1] + steps + 1
-    expected = greedy(model.forward, model, make_cache(model, kv_dtype, max_len, padded=padded), ids, mask, steps=steps)
+    expected = greedy(model.forward, model, model_cache(model, kv_dtype, max_len, padded=padded), ids, mask, steps=steps)
 
     backend = kvcompile.backend(kv_dtype)
     compiled = torch.compile(model.forward, backend=backend, fullgraph=True)
-    cache = make_cache(model, kv_dtype, max_len, padded=padded)
+    cache = model_cache(model, kv_dtype, max_len, padded=padded)
     warm = greedy(compiled, model, cache, ids, mask, steps=3)
     # the next 64 steps continue from the warm-up state
     kw = cache_kwarg(model)
@@ -78,11 +78,11 @@ def test_generate_matches_eager(caplog):
     kw = cache_kwarg(model)
     gen = _greedy_generate_kwargs(mask)
     with torch.no_grad():
-        ref = model.generate(ids, **{kw: make_cache(model, kv_dtype, padded=padded)}, **gen)
+        ref = model.generate(ids, **{kw: model_cache(model, kv_dtype, padded=padded)}, **gen)
         backend = kvcompile.backend(kv_dtype)
         model.forward = torch.compile(model.forward, backend=backend, fullgraph=True)
         with caplog.at_level(logging.INFO, logger="kvcompile"):
-            out = model.generate(ids, **{kw: make_cache(model, kv_dtype, padded=padded)}, **gen)
+            out = model.generate(ids, **{kw: model_cache(model, kv_dtype, padded=padded)}, **gen)
     assert torch.equal(out.sequences, ref.sequences)
     for e, g in zip(ref.scores, out.scores):
         torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
@@ -125,7 +125,7 @@ def test_kv_dtype_mismatch_is_a_clear_compile_error():
     ids, mask = prompt(False)
     compiled = torch.compile(model.forward, backend=kvcompile.backend("fp8_e4m3"), fullgraph=True)
     with pytest.raises(Exception, match=r"holds K and V as 'q8_0' codes\. Build the backend with kv_dtype='q8_0'"):
-        greedy(compiled, model, make_cache(model, "q8_0"), ids, mask, steps=0)
+        greedy(compiled, model, model_cache(model, "q8_0"), ids, mask, steps=0)
 
 
 def test_unknown_kv_dtype_rejected():
@@ -201,7 +201,7 @@ def test_unrewritten_site_warns(caplog):
     backend = kvcompile.backend("fp8_e4m3")
     with caplog.at_level(logging.INFO, logger="kvcompile"):
         greedy(torch.compile(model.forward, backend=backend, fullgraph=True), model,
-               make_cache(model, "fp8_e4m3"), ids, mask, steps=0)
+               model_cache(model, "fp8_e4m3"), ids, mask, steps=0)
     (r,) = backend.report()
     assert r["found"] == 2 and r["rewritten"] == 0 and len(r["skipped"]) == 2
     warnings = [x for x in caplog.records if x.name == "kvcompile" and x.levelno == logging.WARNING]
@@ -224,12 +224,12 @@ def test_dynamic_true_compiles_without_dequantize():
     padded = True
     ids, mask = prompt(padded)
     kw = cache_kwarg(model)
-    expected = greedy(model.forward, model, make_cache(model, kv_dtype, padded=padded), ids, mask, steps=0)
+    expected = greedy(model.forward, model, model_cache(model, kv_dtype, padded=padded), ids, mask, steps=0)
     backend = kvcompile.backend(kv_dtype)
     with torch._dynamo.config.patch(specialize_float=True), torch.no_grad():
         f = torch.compile(model.forward, backend=backend, dynamic=True, fullgraph=True)
         out, codes = run_and_get_code(
-            lambda: f(input_ids=ids, attention_mask=mask, use_cache=True, **{kw: make_cache(model, kv_dtype, padded=padded)}))
+            lambda: f(input_ids=ids, attention_mask=mask, use_cache=True, **{kw: model_cache(model, kv_dtype, padded=padded)}))
     torch.testing.assert_close(out.logits[mask.bool()], expected[0], atol=ATOL, rtol=RTOL)
     code = "\n".join(codes)
     assert "kvcompile.attention" in code and "kvcompile.dequantize" not in code
@@ -245,13 +245,13 @@ def test_generate_with_compile_config():
     kw = cache_kwarg(model)
     gen = _greedy_generate_kwargs(mask)
     with torch.no_grad():
-        ref = model.generate(ids, **{kw: make_cache(model, kv_dtype, padded=padded)}, **gen)
+        ref = model.generate(ids, **{kw: model_cache(model, kv_dtype, padded=padded)}, **gen)
         backend = kvcompile.backend(kv_dtype)
         config = transformers.CompileConfig(backend=backend, fullgraph=True)
         config._compile_all_devices = True  # CPU CI: transformers auto-compiles on accelerators only
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            out = model.generate(ids, **{kw: make_cache(model, kv_dtype, padded=padded)}, compile_config=config, **gen)
+            out = model.generate(ids, **{kw: model_cache(model, kv_dtype, padded=padded)}, compile_config=config, **gen)
     # the prefill runs uncompiled before the backend's first graph: not the bypassed compiled module
     assert not [w for w in caught if "compiled nothing" in str(w.message)]
     assert torch.equal(out.sequences, ref.sequences)
@@ -267,10 +267,10 @@ def test_smaller_live_batch_compiles_and_matches():
     model, kv_dtype = make_model("llama", "sdpa")
     ids, mask = prompt(True)  # batch 2, left-padded
     max_len = ids.shape[1] + 6
-    expected = greedy(model.forward, model, make_cache(model, kv_dtype, max_len, padded=True), ids, mask, steps=4)
+    expected = greedy(model.forward, model, model_cache(model, kv_dtype, max_len, padded=True), ids, mask, steps=4)
     backend = kvcompile.backend(kv_dtype)
     compiled = torch.compile(model.forward, backend=backend, fullgraph=True)
-    roomy = make_cache(model, kv_dtype, max_len, batch=4, padded=True)
+    roomy = model_cache(model, kv_dtype, max_len, batch=4, padded=True)
     got = greedy(compiled, model, roomy, ids, mask, steps=4)
     for e, g in zip(expected, got):
         torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)

@@ -135,7 +135,7 @@ def test_rotated_update_returns_unrotated_values(D):
     lay_codes = QuantizedCache(cfg, max_batch_size=2, max_cache_len=9, kv_dtype="int8", device="cpu")
     lay_codes.update(k, v, 0)
     L0 = lay_codes.layers[0]
-    raw = kvcompile.ops.dequantize(L0.k_codes, L0.k_scales, None, L0.cumulative_length, torch.float32)[:, :, :7]
+    raw = kvcompile.ops.dequantize(L0.k_codes, L0.k_scales, None, L0.cumulative_length, torch.float32, format=L0.k_fmt.id)[:, :, :7]
     assert (raw - k).norm() / k.norm() > 20 * err_on
 
 
@@ -172,7 +172,7 @@ def test_sliding_window_reaches_dequantize(monkeypatch):
     cache.layers[0].sliding_window = 5  # what the HF glue sets for a sliding layer
     cache.update(_kv(), _kv(), 0)
     layer = cache.layers[0]
-    assert seen == [(layer.k_rotation, 5), (layer.v_rotation, 5)]
+    assert seen == [(layer.k_rotation, 5, layer.k_fmt.id), (layer.v_rotation, 5, layer.v_fmt.id)]  # the formats travel as ids
 
 
 # ------------------------------------------------------------------------------------------------
@@ -257,7 +257,7 @@ def test_int8_model_close_to_dynamic_cache(monkeypatch):
     import kvcompile.reference as ref_mod
 
     real = ref_mod.dequantize
-    monkeypatch.setattr(ref_mod, "dequantize", lambda c, s, o, n, d, rotation=None: real(c, s, o, n, d))
+    monkeypatch.setattr(ref_mod, "dequantize", lambda c, s, o, n, d, rotation=None, fmt=None: real(c, s, o, n, d, fmt=fmt))
     cache = QuantizedCache(model.config, max_batch_size=2, max_cache_len=MAX_LEN, kv_dtype="int8", rotate=True)
     broken = logits_error(ref, run_steps(model, cache, ids, am, toks), am)
     assert broken > 5 * errs["int8"], (broken, errs)

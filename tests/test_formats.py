@@ -405,3 +405,24 @@ def test_cpu_e4m3_lookup_equals_the_conversion():
     assert torch.equal(formats._e4m3_to_float(keys).nan_to_num(0.0), keys.float().nan_to_num(0.0))
     scale = torch.rand(2, 2, 2, 1) + 0.5
     assert torch.equal(formats.dequantize(codes, scale).nan_to_num(0.0), (want * scale).nan_to_num(0.0))
+
+
+def test_one_id_numbering_for_python_triton_and_c():
+    """The registry's ids are the store kernel's CODE constexprs and the ids attend.c is built with."""
+    from kvcompile import native
+    from kvcompile.formats.spec import GRANULARITY_IDS
+    from kvcompile.kernels import scales
+
+    from utils import FORMATS
+
+    assert FORMATS[0].kv_dtype == formats.DEFAULT_KV_DTYPE and {f.kv_dtype for f in FORMATS} == set(KV_DTYPES)
+    for f in FORMATS:
+        assert formats.from_id(f.id) == f
+    assert (scales.SCALE_TOKEN, scales.SCALE_BLOCK, scales.SCALE_STATIC) == tuple(GRANULARITY_IDS.values())
+    flags = native.defines()
+    for s in formats.specs():
+        assert f"-DKVC_CODE_{s.name.upper()}={s.id}" in flags
+    src = open(native._SRC).read()
+    assert "#error" in src and all(f"KVC_CODE_{s.name.upper()}" in src for s in formats.specs())
+    with pytest.raises(ValueError, match="names no format"):
+        formats.from_id(99)

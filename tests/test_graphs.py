@@ -15,7 +15,7 @@ import torch
 
 import kvcompile
 from models import cache_kwarg
-from pass_models import greedy, make_cache, make_model, prompt
+from pass_models import greedy, model_cache, make_model, prompt
 
 ATOL = RTOL = 1e-4
 
@@ -79,7 +79,7 @@ def test_padded_batch_matches_unpadded_eager():
     model, kv_dtype = make_model("llama", "sdpa")
     ids, mask = _three_prompts()
     max_len = ids.shape[1] + 6
-    expected = greedy(model.forward, model, make_cache(model, kv_dtype, max_len, batch=3, padded=True), ids, mask,
+    expected = greedy(model.forward, model, model_cache(model, kv_dtype, max_len, batch=3, padded=True), ids, mask,
                       steps=5)
     calls = []
 
@@ -88,7 +88,7 @@ def test_padded_batch_matches_unpadded_eager():
         return model.forward(**kw)
 
     padded = kvcompile.BatchPaddedForward(forward, max_batch_size=4, capture_sizes=(1, 2, 4))
-    got = greedy(padded, model, make_cache(model, kv_dtype, max_len, batch=4, padded=True), ids, mask, steps=5)
+    got = greedy(padded, model, model_cache(model, kv_dtype, max_len, batch=4, padded=True), ids, mask, steps=5)
     assert calls == [4] * 6
     for i, (e, g) in enumerate(zip(expected, got)):
         torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL, msg=lambda m: f"step {i}: {m}")
@@ -105,15 +105,15 @@ def test_generate_through_padded_compiled_forward_no_recompile_for_a_second_batc
     gen = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     max_len = ids4.shape[1] + gen["max_new_tokens"] + 1
     with torch.no_grad():
-        ref3 = model.generate(ids3, attention_mask=mask3, **{kw: make_cache(model, kv_dtype, max_len, 3, True)}, **gen)
-        ref4 = model.generate(ids4, attention_mask=mask4, **{kw: make_cache(model, kv_dtype, max_len, 4, True)}, **gen)
+        ref3 = model.generate(ids3, attention_mask=mask3, **{kw: model_cache(model, kv_dtype, max_len, 3, True)}, **gen)
+        ref4 = model.generate(ids4, attention_mask=mask4, **{kw: model_cache(model, kv_dtype, max_len, 4, True)}, **gen)
         backend = kvcompile.backend(kv_dtype)
         eager_forward = model.forward
         model.forward = kvcompile.BatchPaddedForward(
             torch.compile(eager_forward, backend=backend, fullgraph=True), max_batch_size=4, capture_sizes=(2, 4))
         try:
             assert cache_kwarg(model) == kw  # the wrapper shows generate() the wrapped signature
-            cache = make_cache(model, kv_dtype, max_len, 4, True)
+            cache = model_cache(model, kv_dtype, max_len, 4, True)
             out3 = model.generate(ids3, attention_mask=mask3, **{kw: cache}, **gen)
             graphs = len(backend.report())
             cache.reset()

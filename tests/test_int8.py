@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvcompile import formats, reference, rotation
-from utils import assert_close, bits_equal, sqnr
+from utils import assert_close, bits_equal, fmt_of, fmts_of, id_of, ids_of, sqnr
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
@@ -256,8 +256,8 @@ def test_store_kernel_bit_exact(k_dtype, v_dtype, gran, rotate):
             # symmetric, so x @ R^T would store other codes
             R = _signed_permutation(D, gen).to(DEV) if rotate else None
             start = torch.tensor(4, device=DEV)
-            kernels.store_kv(kc, ks, vc, vs, k, v, start, off, R, R)
-            reference.store_kv(*ref, k, v, start, off, R, R)
+            kernels.store_kv(kc, ks, vc, vs, k, v, start, off, R, R, **fmts_of(kc, ks, vc, vs))
+            reference.store_kv(*ref, k, v, start, off, R, R, **fmts_of(*ref))
             assert _codes_equal(kc, ref[0]) and _codes_equal(vc, ref[2]), (D, in_dtype)
             assert _scales_equal(ks, ref[1]) and _scales_equal(vs, ref[3]), (D, in_dtype)
             assert not kc[:, :, :4].float().any() and not kc[:, :, 4 + T:].float().any()
@@ -296,7 +296,7 @@ def test_store_kernel_hadamard_rounds_the_rotated_values(D, shared, T, monkeypat
     kc, ks = _empty("int8", B, H, L, D)
     vc, vs = _empty("int8", B, H, L, D)
     start = torch.tensor(3, device=DEV)
-    kernels.store_kv(kc, ks, vc, vs, x, -x, start, None, R, None)
+    kernels.store_kv(kc, ks, vc, vs, x, -x, start, None, R, None, **fmts_of(kc, ks, vc, vs))
     y64 = x.double().cpu() @ R.double().cpu()
     s64 = y64.abs().amax(-1, keepdim=True) / 127
     s = ks[:, :, 3:3 + T].double().cpu()
@@ -311,7 +311,7 @@ def test_store_kernel_hadamard_rounds_the_rotated_values(D, shared, T, monkeypat
     # both sides rotated (rotate=True): V = -x gives exactly the negated codes of K (the same sums, negated)
     kc2, ks2 = _empty("int8", B, H, L, D)
     vc2, vs2 = _empty("int8", B, H, L, D)
-    kernels.store_kv(kc2, ks2, vc2, vs2, x, -x, start, None, R, R)
+    kernels.store_kv(kc2, ks2, vc2, vs2, x, -x, start, None, R, R, **fmts_of(kc2, ks2, vc2, vs2))
     assert torch.equal(kc2, kc) and torch.equal(ks2, ks)
     assert torch.equal(vc2, kc.neg()) and torch.equal(vs2, ks)
 
@@ -333,8 +333,8 @@ def test_store_kernel_int8_rounding_sweep():
     ref = [c.clone(), s.clone(), c.clone(), s.clone()]
     c2, s2 = c.clone(), s.clone()
     start = torch.tensor(0, device=DEV)
-    kernels.store_kv(c, s, c2, s2, x, -x, start, None)
-    reference.store_kv(*ref, x, -x, start, None)
+    kernels.store_kv(c, s, c2, s2, x, -x, start, None, **fmts_of(c, s, c2, s2))
+    reference.store_kv(*ref, x, -x, start, None, **fmts_of(*ref))
     assert (s == 1).all()
     assert torch.equal(c, ref[0]) and torch.equal(c2, ref[2]) and torch.equal(s, ref[1])
     want = torch.from_numpy(np.rint(x.cpu().numpy())).to(torch.int8)
@@ -352,21 +352,21 @@ def test_dequantize_kernel_with_rotation_matches_reference(kv_dtype):
     c2, s2 = _empty(kv_dtype, B, H, L, D)
     R = rotation.hadamard(D, device=DEV)
     x = torch.randn(B, H, L, D, generator=gen).to(DEV)
-    reference.store_kv(c, s, c2, s2, x, x, torch.tensor(0, device=DEV), None, R, None)
+    reference.store_kv(c, s, c2, s2, x, x, torch.tensor(0, device=DEV), None, R, None, **fmts_of(c, s, c2, s2))
     off = torch.randn(H, D, generator=gen).to(DEV)
     for kv_len in (torch.tensor(13, device=DEV), torch.tensor([19, 4], device=DEV)):
         for dtype in (torch.float32, torch.bfloat16):
             for o in (None, off):
-                got = kernels.dequantize(c, s, o, kv_len, dtype, R)
-                want = reference.dequantize(c, s, o, kv_len, dtype, R)
+                got = kernels.dequantize(c, s, o, kv_len, dtype, R, fmt=fmt_of(c, s))
+                want = reference.dequantize(c, s, o, kv_len, dtype, R, fmt=fmt_of(c, s))
                 assert torch.equal(got, want), (kv_len, dtype, o is None)
     # un-rotated: the rotated store read back with R^T is x within int8/fp8 error; without R^T it is not
     full = torch.tensor(L, device=DEV)
-    back = reference.dequantize(c, s, None, full, torch.float32, R)
-    plain = reference.dequantize(c2, s2, None, full, torch.float32)
+    back = reference.dequantize(c, s, None, full, torch.float32, R, fmt=fmt_of(c, s))
+    plain = reference.dequantize(c2, s2, None, full, torch.float32, fmt=fmt_of(c2, s2))
     err = (back - x).abs().max().item()
     assert err <= 2 * (plain - x).abs().max().item() + 1e-6
-    assert (reference.dequantize(c, s, None, full, torch.float32) - x).abs().max() > 20 * err
+    assert (reference.dequantize(c, s, None, full, torch.float32, fmt=fmt_of(c, s)) - x).abs().max() > 20 * err
 
 
 @needs_triton
@@ -379,11 +379,11 @@ def test_dequantize_kv_mixed_codes():
         kc, ks = _empty(k_dtype, B, H, L, D)
         vc, vs = _empty(v_dtype, B, H, L, D)
         reference.store_kv(kc, ks, vc, vs, torch.randn(B, H, L, D, generator=gen).to(DEV),
-                           torch.randn(B, H, L, D, generator=gen).to(DEV), torch.tensor(0, device=DEV), None)
+                           torch.randn(B, H, L, D, generator=gen).to(DEV), torch.tensor(0, device=DEV), None, **fmts_of(kc, ks, vc, vs))
         kv_len = torch.tensor([33, 9], device=DEV)
-        k, v = store_mod.dequantize_kv(kc, ks, vc, vs, kv_len, 30, torch.float32)
-        assert torch.equal(k, reference.dequantize(kc[:, :, :30], ks[:, :, :30], None, kv_len, torch.float32))
-        assert torch.equal(v, reference.dequantize(vc[:, :, :30], vs[:, :, :30], None, kv_len, torch.float32))
+        k, v = store_mod.dequantize_kv(kc, ks, vc, vs, kv_len, 30, torch.float32, **fmts_of(kc, ks, vc, vs))
+        assert torch.equal(k, reference.dequantize(kc[:, :, :30], ks[:, :, :30], None, kv_len, torch.float32, fmt=fmt_of(kc[:, :, :30], ks[:, :, :30])))
+        assert torch.equal(v, reference.dequantize(vc[:, :, :30], vs[:, :, :30], None, kv_len, torch.float32, fmt=fmt_of(vc[:, :, :30], vs[:, :, :30])))
 
 
 def test_ops_refuse_bad_rotations():
@@ -393,16 +393,16 @@ def test_ops_refuse_bad_rotations():
     kv_len = torch.tensor(4, device=DEV)
     for bad in (torch.eye(32, device=DEV), torch.eye(64, dtype=torch.float64, device=DEV)):
         with pytest.raises(ValueError, match=r"float32 \[D, D\]"):
-            torch.ops.kvcompile.dequantize(c, s, None, kv_len, torch.float32, bad, 0)
+            torch.ops.kvcompile.dequantize(c, s, None, kv_len, torch.float32, bad, 0, format=id_of(c, s))
         with pytest.raises(ValueError, match="k_rotation"):
             torch.ops.kvcompile.store_kv(c, s, c.clone(), s.clone(), torch.zeros(1, 1, 1, 64, device=DEV),
                                          torch.zeros(1, 1, 1, 64, device=DEV), torch.tensor(0, device=DEV), None,
-                                         bad, None)
+                                         bad, None, **ids_of(c, s, c, s))
     with pytest.raises(ValueError, match="sliding_window"):
-        torch.ops.kvcompile.dequantize(c, s, None, kv_len, torch.float32, None, -1)
+        torch.ops.kvcompile.dequantize(c, s, None, kv_len, torch.float32, None, -1, format=id_of(c, s))
     # sliding_window is metadata: the result does not change
-    assert torch.equal(torch.ops.kvcompile.dequantize(c, s, None, kv_len, torch.float32, None, 3),
-                       torch.ops.kvcompile.dequantize(c, s, None, kv_len, torch.float32))
+    assert torch.equal(torch.ops.kvcompile.dequantize(c, s, None, kv_len, torch.float32, None, 3, format=id_of(c, s)),
+                       torch.ops.kvcompile.dequantize(c, s, None, kv_len, torch.float32, format=id_of(c, s)))
 
 
 def test_lazy_cache_in_a_compiled_graph_holds_the_shared_rotation():

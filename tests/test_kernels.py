@@ -37,9 +37,10 @@ from kvcompile.kernels import plan as plan_mod  # noqa: E402
 from kvcompile.kernels import store as store_mod  # noqa: E402
 from kvcompile.kernels._codes import codes_to, codes_to_f16_pinned, to_store_dtype  # noqa: E402
 from kvcompile.kernels.store import dequantize as dequantize_launcher  # noqa: E402
+import utils  # noqa: E402
+from utils import FORMAT_IDS as FMT_IDS, as_format, fmt_of, fmts, fmts_of, ids_of, make_cache, rel_err  # noqa: E402
 
-FORMATS = [("fp8_e4m3", "token"), ("fp8_e4m3", "block32"), ("fp8_e4m3", "static"), ("q8_0", "block32")]
-FMT_IDS = ["fp8", "fp8-block32", "fp8-static", "q8_0"]
+FORMATS = [(f.kv_dtype, f.granularity) for f in utils.FORMATS]  # the registry's matrix, the default format first
 ATOL_REL = 1e-5 if DEV == "cpu" else 1e-5  # fp32 q on either device (see module docstring)
 
 
@@ -60,34 +61,18 @@ def scales_equal(a, b):
     return torch.equal(a.nan_to_num(nan=-1.0), b.nan_to_num(nan=-1.0)) and torch.equal(a.isnan(), b.isnan())
 
 
-def rel_err(out, ref):
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def empty_cache(kv_dtype, gran, B, H, L, D, gen):
-    fmt = formats.get_format(kv_dtype, gran)
-    c = torch.zeros(B, H, L, D, dtype=fmt.code_dtype, device=DEV)
-    if fmt.is_static:
-        s = (torch.rand(H, generator=gen) * 0.05 + 0.01).to(DEV)
-    else:
-        s = torch.zeros(fmt.scale_shape(B, H, L, D), dtype=fmt.scale_dtype, device=DEV)
-    return c, s
-
-
 def random_cache(kv_dtype, gran, B, H, L, D, gen, v_layout="head_dim"):
     """Codes + scales as store_kv would leave them, from random K/V (via the reference store).
 
     ``v_layout="keys"``: V codes key-contiguous, as QuantizedCache stores them for token/static
     scales (a [B, H, D, L16] buffer, L16 = L rounded up to 16, seen as [B, H, L, D]).
     """
-    kc, ks = empty_cache(kv_dtype, gran, B, H, L, D, gen)
-    vc, vs = empty_cache(kv_dtype, gran, B, H, L, D, gen)
+    kc, ks, vc, vs = make_cache((kv_dtype, gran), None, B, H, L, D, gen=gen, device=DEV, static_scale=(0.01, 0.05))
     if v_layout == "keys":
         vc = v_codes_buffer((B, H, L, D), vc.dtype, DEV, keys=True)
     k = torch.randn(B, H, L, D, generator=gen).to(DEV) * 2
     v = torch.randn(B, H, L, D, generator=gen).to(DEV)
-    reference.store_kv(kc, ks, vc, vs, k, v, torch.tensor(0, device=DEV), None)
+    reference.store_kv(kc, ks, vc, vs, k, v, torch.tensor(0, device=DEV), None, **fmts((kv_dtype, gran)))
     return kc, ks, vc, vs
 
 
@@ -151,16 +136,16 @@ def test_store_bit_exact(kv_dtype, gran, with_offset, e4m3_encoder):
     dims = (64, 96) if gran == "block32" else (64, 80)
     for D in dims:
         for in_dtype in (torch.float32, torch.bfloat16):
-            kc, ks = empty_cache(kv_dtype, gran, B, H, L, D, gen)
-            vc, vs = empty_cache(kv_dtype, gran, B, H, L, D, gen)
+            kc, ks, vc, vs = make_cache((kv_dtype, gran), None, B, H, L, D, gen=gen, device=DEV,
+                                        static_scale=(0.01, 0.05))
             ref = [t.clone() for t in (kc, ks, vc, vs)]
             T = 11  # not a power of two
             k = special_values(torch.randn(B, H, T, D, generator=gen) * 3).to(in_dtype).to(DEV)
             v = special_values(torch.randn(B, H, T, D, generator=gen)).to(in_dtype).to(DEV)
             off = (torch.randn(H, D, generator=gen) * 0.5).to(DEV) if with_offset else None
             start = torch.tensor(5, device=DEV)
-            kernels.store_kv(kc, ks, vc, vs, k, v, start, off)
-            reference.store_kv(*ref, k, v, start, off)
+            kernels.store_kv(kc, ks, vc, vs, k, v, start, off, **fmts((kv_dtype, gran)))
+            reference.store_kv(*ref, k, v, start, off, **fmts((kv_dtype, gran)))
             assert codes_equal(kc, ref[0]) and codes_equal(vc, ref[2]), (D, in_dtype)
             assert scales_equal(ks, ref[1]) and scales_equal(vs, ref[3]), (D, in_dtype)
             # positions outside [start, start + T) are untouched
@@ -189,8 +174,8 @@ def test_store_rounding_sweep(e4m3_encoder):
         ref = [c.clone(), s.clone(), c.clone(), s.clone()]
         c2, s2 = c.clone(), s.clone()
         start = torch.tensor(0, device=DEV)
-        kernels.store_kv(c, s, c2, s2, x, x * 0.37, start, None)
-        reference.store_kv(*ref, x, x * 0.37, start, None)
+        kernels.store_kv(c, s, c2, s2, x, x * 0.37, start, None, **fmts_of(c, s, c2, s2))
+        reference.store_kv(*ref, x, x * 0.37, start, None, **fmts_of(*ref))
         assert codes_equal(c, ref[0]) and codes_equal(c2, ref[2]), kv_dtype
         if not fmt.is_static:
             assert scales_equal(s, ref[1]) and scales_equal(s2, ref[3])
@@ -201,14 +186,14 @@ def test_e4m3_all_256_codes_by_bits():
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).view(1, 1, 8, 32).to(DEV)
     scale = torch.ones(1, device=DEV)
     kv_len = torch.tensor(8, device=DEV)
-    got = dequantize_launcher(codes, scale, None, kv_len, torch.float32, fp8_bits=True)
+    got = dequantize_launcher(codes, scale, None, kv_len, torch.float32, fp8_bits=True, fmt=fmt_of(codes, scale))
     want = codes.float()
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
     assert torch.equal(torch.signbit(got[~got.isnan()]), torch.signbit(want[~want.isnan()]))  # -0 stays -0
     # and the native path agrees (on the NaN codes too, except in the interpreter, which decodes
     # 0x7F / 0xFF as +-480)
-    got2 = dequantize_launcher(codes, scale, None, kv_len, torch.float32, fp8_bits=False)
+    got2 = dequantize_launcher(codes, scale, None, kv_len, torch.float32, fp8_bits=False, fmt=fmt_of(codes, scale))
     finite = ~want.isnan()
     assert torch.equal(got2[finite], want[finite])
     if DEV == "cuda":
@@ -229,8 +214,8 @@ def test_dequantize_matches_reference(kv_dtype, gran):
     for kv_len in (torch.tensor(13, device=DEV), torch.tensor([21, 4], device=DEV)):
         for dtype in (torch.float32, torch.bfloat16):
             for o in (None, off):
-                got = kernels.dequantize(kc, ks, o, kv_len, dtype)
-                want = reference.dequantize(kc, ks, o, kv_len, dtype)
+                got = kernels.dequantize(kc, ks, o, kv_len, dtype, fmt=fmts((kv_dtype, gran))["k_fmt"])
+                want = reference.dequantize(kc, ks, o, kv_len, dtype, fmt=fmts((kv_dtype, gran))["k_fmt"])
                 assert torch.equal(got, want), (kv_len, dtype, o is None)
 
 
@@ -246,13 +231,15 @@ def test_dequantize_kv_matches_reference(kv_dtype, gran):
     for kv_len, n in ((torch.tensor([45, 9], device=DEV), 45), (torch.tensor([30, 17], device=DEV), 30),
                       (torch.tensor(20, device=DEV), 20)):
         for dtype in (torch.float32, torch.bfloat16):
-            k, v = store_mod.dequantize_kv(kc, ks, vc, vs, kv_len, n, dtype)
+            k, v = store_mod.dequantize_kv(kc, ks, vc, vs, kv_len, n, dtype, **fmts((kv_dtype, gran)))
             assert k.shape == v.shape == (B, H, n, D) and k.is_contiguous() and v.is_contiguous()
             sl = (lambda s: s) if ks.dim() == 1 else (lambda s: s[:, :, :n])
-            assert torch.equal(k, reference.dequantize(kc[:, :, :n], sl(ks), None, kv_len, dtype)), (kv_len, dtype)
-            assert torch.equal(v, reference.dequantize(vc[:, :, :n], sl(vs), None, kv_len, dtype)), (kv_len, dtype)
+            assert torch.equal(k, reference.dequantize(kc[:, :, :n], sl(ks), None, kv_len, dtype,
+                                                         fmt=as_format(kv_dtype, gran))), (kv_len, dtype)
+            assert torch.equal(v, reference.dequantize(vc[:, :, :n], sl(vs), None, kv_len, dtype,
+                                                         fmt=as_format(kv_dtype, gran))), (kv_len, dtype)
     with pytest.raises(ValueError, match="n=46"):
-        store_mod.dequantize_kv(kc, ks, vc, vs, torch.tensor(45, device=DEV), L + 1, torch.float32)
+        store_mod.dequantize_kv(kc, ks, vc, vs, torch.tensor(45, device=DEV), L + 1, torch.float32, **fmts((kv_dtype, gran)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,8 +264,8 @@ def check_attention(kv_dtype, gran, *, B=2, Hkv=2, group=2, Tq=1, L=37, D=64, kv
     if v_layout == "keys":  # what lies past kv_len is not part of the cache: NaN codes must not leak
         assert attn_mod.v_keys_contiguous(vc)
         v_ref = poison_past(vc, kv_len)
-    out = kernels.attention(q, kc, ks, vc, vs, kv_len, mask, causal, scale)
-    ref = reference.attention(q, kc, ks, v_ref, vs, kv_len, mask, causal, scale, compute_dtype=torch.float64)
+    out = kernels.attention(q, kc, ks, vc, vs, kv_len, mask, causal, scale, **fmts((kv_dtype, gran)))
+    ref = reference.attention(q, kc, ks, v_ref, vs, kv_len, mask, causal, scale, compute_dtype=torch.float64, **fmts_of(kc, ks, v_ref, vs))
     assert out.shape == q.shape and out.dtype == q.dtype
     assert not out.isnan().any()
     err = rel_err(out, ref)
@@ -444,20 +431,19 @@ def _fp8_token_cache_with_v_magnitudes(mag, B, v_layout, seed, Hkv=2, group=4, D
     and fp16 queries on the GPU (fp32 in the interpreter) small enough for a flat softmax."""
     gen = torch.Generator().manual_seed(seed)
     L = mag.numel()
-    kc, ks = empty_cache("fp8_e4m3", "token", B, Hkv, L, D, gen)
-    vc, vs = empty_cache("fp8_e4m3", "token", B, Hkv, L, D, gen)
+    kc, ks, vc, vs = make_cache("fp8_e4m3", None, B, Hkv, L, D, gen=gen, device=DEV)
     if v_layout == "keys":
         vc = v_codes_buffer((B, Hkv, L, D), vc.dtype, DEV, keys=True)
     k = torch.randn(B, Hkv, L, D, generator=gen).to(DEV)
     v = (torch.randn(B, Hkv, L, D, generator=gen) * mag.view(1, 1, L, 1)).to(DEV)
-    reference.store_kv(kc, ks, vc, vs, k, v, torch.tensor(0, device=DEV), None)
+    reference.store_kv(kc, ks, vc, vs, k, v, torch.tensor(0, device=DEV), None, **fmts("fp8_e4m3"))
     q = torch.randn(B, Hkv * group, 1, D, generator=gen).to(DEV) * 0.2  # flat softmax: every tile counts
     return (q if DEV == "cpu" else q.half()), (kc, ks, vc, vs)
 
 
 def _fp16_path_err(q, cache, kv_len, mask):
-    out = kernels.attention(q, *cache, kv_len, mask, False, None)
-    ref = reference.attention(q, *cache, kv_len, mask, False, None, compute_dtype=torch.float64)
+    out = kernels.attention(q, *cache, kv_len, mask, False, None, **fmts_of(*cache))
+    ref = reference.attention(q, *cache, kv_len, mask, False, None, compute_dtype=torch.float64, **fmts_of(*cache))
     return rel_err(out, ref)
 
 
@@ -509,7 +495,7 @@ def test_attention_unsupported_head_dim_raises():
     kc, ks, vc, vs = random_cache("fp8_e4m3", "token", 1, 1, 8, 48, gen)
     q = torch.randn(1, 1, 1, 48, device=DEV)
     with pytest.raises(ValueError, match="head_dim"):
-        kernels.attention(q, kc, ks, vc, vs, torch.tensor(8, device=DEV), None, False, None)
+        kernels.attention(q, kc, ks, vc, vs, torch.tensor(8, device=DEV), None, False, None, **fmts_of(kc, ks, vc, vs))
 
 
 @pytest.mark.parametrize("Tq", [1, 4, 20])
@@ -537,13 +523,16 @@ def test_attention_additive_mask(Tq):
 def test_attention_unsupported_scale_groups_raise():
     gen = torch.Generator().manual_seed(0)
     kc, _, vc, _ = random_cache("fp8_e4m3", "token", 1, 1, 8, 96, gen)
-    s = torch.ones(1, 1, 8, 2, device=DEV)  # groups of 48 values
+    s = torch.ones(1, 1, 8, 2, device=DEV)  # groups of 48 values: no format's scales
     q = torch.randn(1, 1, 1, 96, device=DEV)
-    with pytest.raises(ValueError, match="groups"):
-        kernels.attention(q, kc, s, vc, s, torch.tensor(8, device=DEV), None, False, None)
+    fid = formats.get_format("fp8_e4m3", "block32").id
+    with pytest.raises(ValueError, match="scale in fp8_e4m3/block32 must be"):
+        torch.ops.kvcompile.attention(q, kc, s, vc, s, torch.tensor(8, device=DEV), None, False, None,
+                                      k_format=fid, v_format=fid)
     with pytest.raises(ValueError, match="one granularity"):
         kernels.attention(q, kc, torch.ones(1, 1, 8, 1, device=DEV), vc, torch.ones(1, device=DEV),
-                          torch.tensor(8, device=DEV), None, False, None)
+                          torch.tensor(8, device=DEV), None, False, None,
+                          **fmts(("fp8_e4m3", "token"), ("fp8_e4m3", "static")))
 
 
 def test_attention_rows_without_keys_are_zero():
@@ -563,9 +552,9 @@ def test_attention_kv_len_zero_gives_zeros():
     gen = torch.Generator().manual_seed(0)
     kc, ks, vc, vs = random_cache("fp8_e4m3", "token", 2, 1, 16, 64, gen)
     q = torch.randn(2, 2, 1, 64, device=DEV)
-    out = kernels.attention(q, kc, ks, vc, vs, torch.tensor([0, 5], device=DEV), None, False, None)
+    out = kernels.attention(q, kc, ks, vc, vs, torch.tensor([0, 5], device=DEV), None, False, None, **fmts_of(kc, ks, vc, vs))
     ref = reference.attention(q, kc, ks, vc, vs, torch.tensor([0, 5], device=DEV), None, False, None,
-                              compute_dtype=torch.float64)
+                              compute_dtype=torch.float64, **fmts_of(kc, ks, vc, vs))
     assert torch.all(out[0] == 0) and rel_err(out[1], ref[1]) < ATOL_REL
 
 
@@ -701,7 +690,7 @@ def test_dense_workspace_released_when_sdpa_raises(monkeypatch):
     kc, ks, vc, vs = random_cache("fp8_e4m3", "token", 1, 1, 24, 64, gen)
     q = torch.randn(1, 2, 20, 64, device=DEV)
     with pytest.raises(RuntimeError, match="injected") as info:
-        kernels.attention(q, kc, ks, vc, vs, torch.tensor(24, device=DEV), None, True, None)
+        kernels.attention(q, kc, ks, vc, vs, torch.tensor(24, device=DEV), None, True, None, **fmts_of(kc, ks, vc, vs))
     assert info.value is not None  # the traceback is still alive here
     assert len(refs) == 2 and all(r() is None for r in refs), "dense workspace kept alive after a failure"
 
@@ -729,19 +718,18 @@ def test_ops_dispatch_to_triton(monkeypatch):
     monkeypatch.setenv("KVCOMPILE_KERNELS", "triton")
     gen = torch.Generator().manual_seed(3)
     B, H, L, D = 1, 2, 16, 64
-    kc, ks = empty_cache("fp8_e4m3", "token", B, H, L, D, gen)
-    vc, vs = empty_cache("fp8_e4m3", "token", B, H, L, D, gen)
+    kc, ks, vc, vs = make_cache("fp8_e4m3", None, B, H, L, D, gen=gen, device=DEV)
     k = torch.randn(B, H, 6, D, generator=gen).to(DEV)
     v = torch.randn(B, H, 6, D, generator=gen).to(DEV)
     start = torch.tensor(0, device=DEV)
-    torch.ops.kvcompile.store_kv(kc, ks, vc, vs, k, v, start, None)
+    torch.ops.kvcompile.store_kv(kc, ks, vc, vs, k, v, start, None, **ids_of(kc, ks, vc, vs))
     ref = [t.clone().zero_() for t in (kc, ks, vc, vs)]
-    reference.store_kv(*ref, k, v, start, None)
+    reference.store_kv(*ref, k, v, start, None, **fmts_of(*ref))
     assert codes_equal(kc, ref[0]) and scales_equal(vs, ref[3])
     q = torch.randn(B, 4, 1, D, generator=gen).to(DEV)
     kv_len = torch.tensor(6, device=DEV)
-    out = torch.ops.kvcompile.attention(q, kc, ks, vc, vs, kv_len, None, False, None)
-    want = reference.attention(q, kc, ks, vc, vs, kv_len, None, False, None, compute_dtype=torch.float64)
+    out = torch.ops.kvcompile.attention(q, kc, ks, vc, vs, kv_len, None, False, None, **ids_of(kc, ks, vc, vs))
+    want = reference.attention(q, kc, ks, vc, vs, kv_len, None, False, None, compute_dtype=torch.float64, **fmts_of(kc, ks, vc, vs))
     assert rel_err(out, want) < ATOL_REL
 
 
@@ -786,14 +774,14 @@ def test_gpu_decode_in_cuda_graph():
     kc, ks, vc, vs = random_cache("fp8_e4m3", "token", B, Hkv, L, D, gen)
     q = torch.randn(B, 32, 1, D, generator=gen).to(DEV).bfloat16()
     kv_len = torch.tensor([100, 200], device=DEV)
-    kernels.attention(q, kc, ks, vc, vs, kv_len, None, False, None)  # compile outside capture
+    kernels.attention(q, kc, ks, vc, vs, kv_len, None, False, None, **fmts_of(kc, ks, vc, vs))  # compile outside capture
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = kernels.attention(q, kc, ks, vc, vs, kv_len, None, False, None)
+        out = kernels.attention(q, kc, ks, vc, vs, kv_len, None, False, None, **fmts_of(kc, ks, vc, vs))
     for lens in ([100, 200], [2048, 1], [1500, 777]):
         kv_len.copy_(torch.tensor(lens))
         g.replay()
-        ref = reference.attention(q, kc, ks, vc, vs, kv_len, None, False, None, compute_dtype=torch.float64)
+        ref = reference.attention(q, kc, ks, vc, vs, kv_len, None, False, None, compute_dtype=torch.float64, **fmts_of(kc, ks, vc, vs))
         assert rel_err(out, ref) < BF16_TOL, lens
 
 

@@ -32,6 +32,7 @@ from kvcompile import kernels  # noqa: E402
 from kvcompile.kernels import attention_launcher as attn_mod  # noqa: E402
 from kvcompile.kernels import dense as dense_mod  # noqa: E402
 from kvcompile.kernels import plan as plan_mod  # noqa: E402
+from utils import fmts_of, ids_of, rel_err  # noqa: E402
 
 OPS = torch.ops.kvcompile
 TOL = 1e-5  # fp32 dots (interpreter, or fp32 q on the GPU): measured <= 1e-6
@@ -49,11 +50,6 @@ KINDS = {
 }
 
 
-def rel_err(out, ref):
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 def quantize(x, kind, gen):
     """x [B, H, L, D] -> (codes, scales) of one kind (the int8 token format rounds half to even)."""
     code_dtype, gran, scale_dtype = KINDS[kind]
@@ -68,7 +64,7 @@ def quantize(x, kind, gen):
     return codes, s.to(scale_dtype)
 
 
-def make_cache(k_kind, v_kind, B, Hkv, L, D, seed, v_layout="head_dim"):
+def quantized_cache(k_kind, v_kind, B, Hkv, L, D, seed, v_layout="head_dim"):
     """(k codes, k scales, v codes, v scales) from random K (std 2) and V (std 1), on DEV."""
     gen = torch.Generator().manual_seed(seed)
     k = torch.randn(B, Hkv, L, D, generator=gen) * 2
@@ -99,9 +95,9 @@ def run(q, cache, kv_len, mask=None, causal=False, window=0, softcap=0.0, sinks=
         ref_cache=None):
     """Kernel vs the float64 reference; with ``off`` (a dict of arguments that switch the feature off),
     also assert the kernel's result without the feature is far from the reference with it."""
-    out = kernels.attention(q, *cache, kv_len, mask, causal, None, window, softcap, sinks)
+    out = kernels.attention(q, *cache, kv_len, mask, causal, None, window, softcap, sinks, **fmts_of(*cache))
     ref = reference.attention(q, *(ref_cache or cache), kv_len, mask, causal, None, window, softcap, sinks,
-                              compute_dtype=torch.float64)
+                              compute_dtype=torch.float64, **fmts_of(*ref_cache or cache))
     assert out.shape == q.shape and out.dtype == q.dtype
     assert not out.isnan().any(), "NaN in the kernel's output"
     err = rel_err(out, ref)
@@ -109,7 +105,7 @@ def run(q, cache, kv_len, mask=None, causal=False, window=0, softcap=0.0, sinks=
     if off is not None:
         args = {**dict(window=window, softcap=softcap, sinks=sinks), **off}
         out_off = kernels.attention(q, *(ref_cache or cache), kv_len, mask, causal, None, args["window"],
-                                    args["softcap"], args["sinks"])
+                                    args["softcap"], args["sinks"], **fmts_of(*ref_cache or cache))
         moved = rel_err(out_off, ref)
         assert moved > OFF_MIN, f"the result without {sorted(off)} is as close as {moved:.3g}: the test cannot tell"
     return out, ref
@@ -182,7 +178,7 @@ REF_CASES = [
 @pytest.mark.parametrize("Tq,kv_len,causal,mask,window,softcap,sinks", REF_CASES)
 def test_reference_matches_oracle(Tq, kv_len, causal, mask, window, softcap, sinks):
     B, Hkv, group, L, D = 2, 2, 2, 13, 32
-    cache = [t.cpu() for t in make_cache("fp8", "int8", B, Hkv, L, D, seed=Tq)]
+    cache = [t.cpu() for t in quantized_cache("fp8", "int8", B, Hkv, L, D, seed=Tq)]
     q = make_q(B, Hkv * group, Tq, D, seed=Tq).cpu()
     gen = torch.Generator().manual_seed(5)
     m = None
@@ -196,7 +192,7 @@ def test_reference_matches_oracle(Tq, kv_len, causal, mask, window, softcap, sin
     kvl = torch.tensor(kv_len[0]) if len(kv_len) == 1 else torch.tensor(kv_len)
     want = oracle(q, *cache, kvl, m, causal, None, window, softcap, sk)
     for dtype in (torch.float64, torch.float32):  # (the output comes in q's dtype)
-        got = reference.attention(q.to(dtype), *cache, kvl, m, causal, None, window, softcap, sk, compute_dtype=dtype)
+        got = reference.attention(q.to(dtype), *cache, kvl, m, causal, None, window, softcap, sk, compute_dtype=dtype, **fmts_of(*cache))
         tol = 1e-12 if dtype == torch.float64 else 2e-6  # fp32: O(16) sums of O(1) terms
         assert (got.double() - want).abs().max() < tol
     if mask == "bool":
@@ -231,19 +227,19 @@ def test_reference_cost_does_not_depend_on_max_cache_len(Tq, window, mask):
     reference runs the same ops on tensors of the same shapes, and no tensor spans more positions
     than are stored (with a window: than some query's window can see)."""
     B, Hkv, group, D, n = 2, 2, 2, 8, 20  # every other dim (D, group * Tq, B, H) stays below the bound
-    small = [t.cpu() for t in make_cache("fp8", "fp8", B, Hkv, 32, D, seed=1)]
+    small = [t.cpu() for t in quantized_cache("fp8", "fp8", B, Hkv, 32, D, seed=1)]
     big = [torch.zeros((B, Hkv, 4096) + t.shape[3:], dtype=t.dtype) for t in small]
     for s, b in zip(small, big):
         b[:, :, :32] = s
     q = make_q(B, Hkv * group, Tq, D, seed=1).cpu()
     kv_len = torch.tensor([n, n - 3])
-    reference.attention(q, *small, kv_len, None, True, None, window)  # lazily built tables (e4m3's): not per call
+    reference.attention(q, *small, kv_len, None, True, None, window, **fmts_of(*small))  # lazily built tables (e4m3's): not per call
     runs = []
     for cache in (small, big):
         L = cache[0].shape[2]
         m = (torch.arange(L) % 3 != 0).expand(B, 1, Tq, L) if mask else None
         with _Shapes() as rec:
-            out = reference.attention(q, *cache, kv_len, m, True, None, window)
+            out = reference.attention(q, *cache, kv_len, m, True, None, window, **fmts_of(*cache))
         runs.append((rec.seen, out))
     assert runs[0][0] == runs[1][0], "the reference's work depends on max_cache_len"
     assert torch.equal(runs[0][1], runs[1][1])
@@ -268,42 +264,42 @@ def test_op_schema_has_the_new_arguments_with_defaults():
 @pytest.mark.parametrize("k_kind,v_kind", [("fp8", "int8"), ("int8", "int8"), ("q8_0", "fp8-b32")])
 def test_opcheck_attention_features(k_kind, v_kind, fp8_safe_schema_check, monkeypatch):
     monkeypatch.setenv("KVCOMPILE_KERNELS", "reference")
-    cache = [t.cpu() for t in make_cache(k_kind, v_kind, 2, 2, 16, 64, seed=3)]
+    cache = [t.cpu() for t in quantized_cache(k_kind, v_kind, 2, 2, 16, 64, seed=3)]
     q = torch.randn(2, 4, 3, 64)
     sinks = torch.randn(4)
     for args in ((torch.tensor(9), None, True, None, 5, 0.0, None),
                  (torch.tensor([9, 6]), None, False, 0.3, 0, 2.0, sinks),
                  (torch.tensor(16), torch.rand(2, 1, 3, 16) > 0.3, True, None, 4, 3.0, sinks)):
-        torch.library.opcheck(OPS.attention.default, (q, *cache, *args))
+        torch.library.opcheck(OPS.attention.default, (q, *cache, *args), ids_of(*cache))
 
 
 def test_op_rejects_bad_window_softcap_sinks():
-    cache = [t.cpu() for t in make_cache("fp8", "fp8", 1, 2, 8, 64, seed=0)]
+    cache = [t.cpu() for t in quantized_cache("fp8", "fp8", 1, 2, 8, 64, seed=0)]
     q = torch.randn(1, 4, 1, 64)
     kvl = torch.tensor(8)
     with pytest.raises(ValueError, match="sliding_window must be >= 0"):
-        OPS.attention(q, *cache, kvl, None, False, None, -1)
+        OPS.attention(q, *cache, kvl, None, False, None, -1, **ids_of(*cache))
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="softcap must be a finite number >= 0"):
-            OPS.attention(q, *cache, kvl, None, False, None, 0, bad)
+            OPS.attention(q, *cache, kvl, None, False, None, 0, bad, **ids_of(*cache))
     for bad in (torch.zeros(3), torch.zeros(4, 1), torch.zeros(4, dtype=torch.int64)):
         with pytest.raises(ValueError, match=r"sinks must be a floating tensor \[Hq=4\]"):
-            OPS.attention(q, *cache, kvl, None, False, None, 0, 0.0, bad)
+            OPS.attention(q, *cache, kvl, None, False, None, 0, 0.0, bad, **ids_of(*cache))
     # and at trace time (the fake): the same message before any kernel runs
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
         fq, fc = mode.from_tensor(q), [mode.from_tensor(t) for t in cache]
         with pytest.raises(ValueError, match="sliding_window must be >= 0"):
-            OPS.attention(fq, *fc, mode.from_tensor(kvl), None, False, None, -4)
+            OPS.attention(fq, *fc, mode.from_tensor(kvl), None, False, None, -4, **ids_of(*fc))
 
 
 def test_op_features_dispatch_to_triton(monkeypatch):
     monkeypatch.setenv("KVCOMPILE_KERNELS", "triton")
-    cache = make_cache("fp8", "int8", 2, 2, 40, 64, seed=4, v_layout="keys")
+    cache = quantized_cache("fp8", "int8", 2, 2, 40, 64, seed=4, v_layout="keys")
     q = make_q(2, 4, 1, 64, seed=4)
     sinks = torch.randn(4, device=DEV)
     kvl = torch.tensor([40, 23], device=DEV)
-    out = OPS.attention(q, *cache, kvl, None, False, None, 13, 2.5, sinks)
-    ref = reference.attention(q, *cache, kvl, None, False, None, 13, 2.5, sinks, compute_dtype=torch.float64)
+    out = OPS.attention(q, *cache, kvl, None, False, None, 13, 2.5, sinks, **ids_of(*cache))
+    ref = reference.attention(q, *cache, kvl, None, False, None, 13, 2.5, sinks, compute_dtype=torch.float64, **fmts_of(*cache))
     assert rel_err(out, ref) < TOL
 
 
@@ -331,7 +327,7 @@ WINDOW_CASES = [
 @pytest.mark.parametrize("Tq,causal,mask,kv_len,window,v_layout", WINDOW_CASES)
 def test_window(Tq, causal, mask, kv_len, window, v_layout):
     B, Hkv, group, L, D = len(kv_len), 1 if Tq == 16 else 2, 4 if Tq == 16 else 2, 100, 64
-    cache = make_cache("fp8", "fp8", B, Hkv, L, D, seed=Tq + window, v_layout=v_layout)
+    cache = quantized_cache("fp8", "fp8", B, Hkv, L, D, seed=Tq + window, v_layout=v_layout)
     q = make_q(B, Hkv * group, Tq, D, seed=Tq)
     kvl = torch.tensor(kv_len, device=DEV) if B > 1 else torch.tensor(kv_len[0], device=DEV)
     m = None
@@ -350,11 +346,11 @@ def test_window_skips_tiles_below_it(Tq, causal):
     NaN. And the decode launch plans its splits for the window's span, not the cache's length."""
     B, Hkv, group, L, D, window = 2, 2, 2, 400, 64, 23
     kv_len = [400, 300]  # whole tiles lie below the window for the GPU's 128-key tiles too
-    cache = make_cache("fp8", "fp8", B, Hkv, L, D, seed=Tq)
+    cache = quantized_cache("fp8", "fp8", B, Hkv, L, D, seed=Tq)
     q = make_q(B, Hkv * group, Tq, D, seed=Tq)
     kvl = torch.tensor(kv_len, device=DEV)
     p = attn_mod.plan_of(attn_mod.call_of(q, *cache, is_causal=causal, decode=Tq <= attn_mod.DECODE_MAX_Q,
-                                          window=window))
+                                          window=window, **fmts_of(*cache)))
     block_n = p.tile.block_n
     if p.call.decode:  # splits cover the window's span (it ends a tile past query 0's first key), not the cache
         span = window + Tq - 1 + block_n - 1
@@ -376,7 +372,7 @@ def test_window_decode_splits_below_the_window_exit():
     below the second block's window. Its programs exit, and the merge must skip the split for those
     rows (an unwritten LSE would be garbage), while the first block's rows use it."""
     B, Hkv, group, L, D, window = 1, 1, 4, 120, 64, 20
-    cache = make_cache("fp8", "fp8", B, Hkv, L, D, seed=11)
+    cache = quantized_cache("fp8", "fp8", B, Hkv, L, D, seed=11)
     q = make_q(B, Hkv * group, 16, D, seed=11)
     kvl = torch.tensor(98, device=DEV)
     for _ in range(2):  # the partial outputs hold garbage from the first run on the second
@@ -390,9 +386,9 @@ def test_dense_path_window(case, monkeypatch):
     monkeypatch.setenv("KVCOMPILE_PREFILL", "dense")
     got = []
     real = dense_mod.dequantize_kv
-    monkeypatch.setattr(dense_mod, "dequantize_kv", lambda *a: (got.append(a[5]), real(*a))[1])
+    monkeypatch.setattr(dense_mod, "dequantize_kv", lambda *a, **kw: (got.append(a[5]), real(*a, **kw))[1])
     B, Hkv, group, L, D = 2, 2, 2, 60, 64
-    cache = make_cache("fp8", "fp8", B, Hkv, L, D, seed=5, v_layout="keys")
+    cache = quantized_cache("fp8", "fp8", B, Hkv, L, D, seed=5, v_layout="keys")
     q = make_q(B, Hkv * group, 20, D, seed=5)
     if case == "extend-window":
         kvl, window, m = torch.tensor(57, device=DEV), 13, None
@@ -448,7 +444,7 @@ def _mask(kind, B, Hq, Tq, L, seed):
 def test_softcap(Tq, causal, kv_len, Hkv, mask):
     """q scaled up (logits of std ~8) so both caps bend them: tanh is nowhere near linear."""
     B, group, L, D = len(kv_len), 2, 45, 64
-    cache = make_cache("fp8", "fp8", B, Hkv, L, D, seed=Tq, v_layout="keys")
+    cache = quantized_cache("fp8", "fp8", B, Hkv, L, D, seed=Tq, v_layout="keys")
     q = make_q(B, Hkv * group, Tq, D, seed=Tq, mult=4.0)
     m = _mask(mask, B, Hkv * group, Tq, L, seed=Tq)
     softcap = 2.0 if Tq % 2 else 13.0  # a hard cap and one that bends the largest logits only
@@ -461,7 +457,7 @@ def test_softcap(Tq, causal, kv_len, Hkv, mask):
 def test_sinks(Tq, causal, kv_len, Hkv, mask):
     """Sinks of std 3 around the logits' scale: they take a large share of the denominator."""
     B, group, L, D = len(kv_len), 2, 45, 64
-    cache = make_cache("fp8", "fp8", B, Hkv, L, D, seed=Tq + 1)
+    cache = quantized_cache("fp8", "fp8", B, Hkv, L, D, seed=Tq + 1)
     q = make_q(B, Hkv * group, Tq, D, seed=Tq + 1)
     sinks = (torch.randn(Hkv * group, generator=torch.Generator().manual_seed(7)) * 3 + 2).to(DEV)
     m = _mask(mask, B, Hkv * group, Tq, L, seed=Tq)
@@ -474,13 +470,13 @@ def test_sinks_split_and_unsplit_decode_agree():
     """The sink joins the denominator once per row: in the merge when the cache is split, in the
     epilogue when it is not. Both give the reference's answer."""
     B, Hkv, group, L, D = 2, 2, 4, 400, 64  # 400 keys: two splits of the GPU's 128-key tile too
-    cache = make_cache("int8", "int8", B, Hkv, L, D, seed=3, v_layout="keys")
+    cache = quantized_cache("int8", "int8", B, Hkv, L, D, seed=3, v_layout="keys")
     q = make_q(B, Hkv * group, 1, D, seed=3)
     sinks = torch.linspace(-2, 4, Hkv * group).to(DEV)
     kvl = torch.tensor([400, 190], device=DEV)
     for forced in (1, 2):
         with plan_mod.override(splits=forced):
-            assert attn_mod.plan_of(attn_mod.call_of(q, *cache, sinks=sinks)).splits == forced
+            assert attn_mod.plan_of(attn_mod.call_of(q, *cache, sinks=sinks, **fmts_of(*cache))).splits == forced
             run(q, cache, kvl, None, False, sinks=sinks, off=dict(sinks=None))
 
 
@@ -488,7 +484,7 @@ def test_sinks_split_and_unsplit_decode_agree():
 @pytest.mark.parametrize("Tq", [1, 20])
 def test_window_softcap_sinks_together(Tq, v_layout):
     B, Hkv, group, L, D = 2, 2, 2, 70, 64
-    cache = make_cache("fp8", "int8", B, Hkv, L, D, seed=Tq, v_layout=v_layout)
+    cache = quantized_cache("fp8", "int8", B, Hkv, L, D, seed=Tq, v_layout=v_layout)
     q = make_q(B, Hkv * group, Tq, D, seed=Tq, mult=3.0)
     sinks = torch.randn(Hkv * group, generator=torch.Generator().manual_seed(1)).to(DEV)
     kvl = torch.tensor([70, 47], device=DEV)
@@ -502,7 +498,7 @@ def test_features_fp16_dot_path(Tq, kinds, fp16_dots):
     """The GPU's fp16 dots (int8 magic conversion, P * s_v / max s_v for token scales), run by the
     interpreter: window, softcap and sinks together."""
     B, Hkv, group, L, D = 2, 2, 2, 45, 64
-    cache = make_cache(*kinds, B, Hkv, L, D, seed=2, v_layout="keys" if kinds[0] != "q8_0" else "head_dim")
+    cache = quantized_cache(*kinds, B, Hkv, L, D, seed=2, v_layout="keys" if kinds[0] != "q8_0" else "head_dim")
     q = make_q(B, Hkv * group, Tq, D, seed=2, mult=3.0)
     sinks = torch.randn(Hkv * group, generator=torch.Generator().manual_seed(2)).to(DEV)
     run(q, cache, torch.tensor([45, 30], device=DEV), None, Tq > 1, window=19, softcap=4.0, sinks=sinks,
@@ -527,7 +523,7 @@ CODE_IDS = [f"{PAIR_IDS[PAIRS.index(k)]}-v-{'d' if lay == 'head_dim' else 'keys'
 @pytest.mark.parametrize("Tq,causal", [(1, False), (24, True)], ids=["decode", "prefill"])
 def test_code_types(kinds, v_layout, Tq, causal):
     B, Hkv, group, L, D = 2, 2, 2, 40, 64
-    cache = make_cache(*kinds, B, Hkv, L, D, seed=Tq, v_layout=v_layout)
+    cache = quantized_cache(*kinds, B, Hkv, L, D, seed=Tq, v_layout=v_layout)
     q = make_q(B, Hkv * group, Tq, D, seed=Tq)
     run(q, cache, torch.tensor([37, 29], device=DEV), None, causal)
 
@@ -536,7 +532,7 @@ def test_code_types(kinds, v_layout, Tq, causal):
 @pytest.mark.parametrize("Tq", [1, 20])
 def test_code_types_fp16_dot_path(kinds, Tq, fp16_dots):
     B, Hkv, group, L, D = 2, 2, 2, 45, 64
-    cache = make_cache(*kinds, B, Hkv, L, D, seed=Tq, v_layout="keys")
+    cache = quantized_cache(*kinds, B, Hkv, L, D, seed=Tq, v_layout="keys")
     q = make_q(B, Hkv * group, Tq, D, seed=Tq)
     run(q, cache, torch.tensor([45, 30], device=DEV), None, Tq > 1, tol=FP16_TOL)
 
@@ -551,27 +547,27 @@ def test_int8_bias_is_exact(kinds, Tq, fp16_dots, monkeypatch):
     logit by ~1e-5, measured 2e-5 relative at most; 1e-4 bounds it, 50x under FP16_TOL (the fp16
     path's own error), so a wrong correction cannot pass."""
     B, Hkv, group, L, D = 2, 2, 2, 45, 64
-    cache = make_cache(*kinds, B, Hkv, L, D, seed=Tq, v_layout="keys")
+    cache = quantized_cache(*kinds, B, Hkv, L, D, seed=Tq, v_layout="keys")
     q = make_q(B, Hkv * group, Tq, D, seed=Tq, mult=2.0, dtype=torch.float32 if DEV == "cpu" else torch.float16)
     kv_len = torch.tensor([45, 30], device=DEV)
     seen, orig = [], attn_mod.plan_of
     monkeypatch.setattr(attn_mod, "plan_of", lambda call: seen.append(orig(call)) or seen[-1])
     with plan_mod.override(int8_bias=True, int8_mma=False):  # K widened (int8 MMAs score it unwidened)
-        biased = kernels.attention(q, *cache, kv_len, None, Tq > 1, None)
+        biased = kernels.attention(q, *cache, kv_len, None, Tq > 1, None, **fmts_of(*cache))
     assert (seen[-1].k_bias, seen[-1].v_bias) == (kinds[0] == "int8", kinds[1] == "int8")
     with plan_mod.override(int8_bias=False, int8_mma=False):
-        exact = kernels.attention(q, *cache, kv_len, None, Tq > 1, None)
+        exact = kernels.attention(q, *cache, kv_len, None, Tq > 1, None, **fmts_of(*cache))
     assert not (seen[-1].k_bias or seen[-1].v_bias)
     # GPU: fp16 outputs, where a value moved by 1e-5 may round one ulp (4.9e-4) the other way
     assert rel_err(biased, exact) < (1e-4 if DEV == "cpu" else 1e-3)
-    ref = reference.attention(q, *cache, kv_len, None, Tq > 1, None, compute_dtype=torch.float64)
+    ref = reference.attention(q, *cache, kv_len, None, Tq > 1, None, compute_dtype=torch.float64, **fmts_of(*cache))
     assert rel_err(biased, ref) < FP16_TOL
 
 
 def test_code_types_dense_path(monkeypatch):
     monkeypatch.setenv("KVCOMPILE_PREFILL", "dense")
     for kinds in (("fp8", "int8"), ("int8", "int8")):
-        cache = make_cache(*kinds, 2, 2, 40, 64, seed=1, v_layout="keys")
+        cache = quantized_cache(*kinds, 2, 2, 40, 64, seed=1, v_layout="keys")
         q = make_q(2, 4, 20, 64, seed=1)
         run(q, cache, torch.tensor([40, 29], device=DEV), None, True)
 
@@ -580,7 +576,7 @@ def test_int8_token_v_past_the_length_needs_no_clearing():
     """int8 has no NaN code: the most negative code fills V past kv_len (and the key-contiguous
     buffer's padding); p = 0 there, so the result is the reference's on the clean cache."""
     B, Hkv, group, L, D = 2, 2, 2, 40, 64
-    cache = make_cache("int8", "int8", B, Hkv, L, D, seed=6, v_layout="keys")
+    cache = quantized_cache("int8", "int8", B, Hkv, L, D, seed=6, v_layout="keys")
     kc, ks, vc, vs = cache
     clean = vc.clone()
     root = vc._base.transpose(2, 3)  # [B, H, L16, D]
@@ -609,20 +605,20 @@ def test_one_tile_splits(kinds, v_layout, Tq, mask, window, softcap, sinks):
     loops give (``preload`` off); with a window, softcap and sinks on, the answer without them told apart."""
     B, Hkv, group, D = 2, 2, 2, 64
     L = 70 if DEV == "cpu" else 300  # a few tiles of the interpreter's 16 keys or of the GPU's 128
-    cache = make_cache(*kinds, B, Hkv, L, D, seed=Tq + window, v_layout=v_layout)
+    cache = quantized_cache(*kinds, B, Hkv, L, D, seed=Tq + window, v_layout=v_layout)
     q = make_q(B, Hkv * group, Tq, D, seed=Tq + window, mult=3.0)
     m = _mask(mask, B, Hkv * group, Tq, L, seed=Tq)
     s = torch.randn(Hkv * group, generator=torch.Generator().manual_seed(2)).to(DEV) if sinks else None
     kvl = torch.tensor([L, L - 27], device=DEV)
     off = dict(window=0, softcap=0.0, sinks=None) if window else None  # the features on: each turned off
-    call = attn_mod.call_of(q, *cache, m, Tq > 1, window=window, softcap=softcap, sinks=s)
+    call = attn_mod.call_of(q, *cache, m, Tq > 1, window=window, softcap=softcap, sinks=s, **fmts_of(*cache))
     with plan_mod.override(splits=64):  # as many splits as tiles: one tile each
         p = attn_mod.plan_of(call)
         assert p.one_tile and p.splits > 1 and p.constexprs()["ONE_TILE"], p.describe()
         out, ref = run(q, cache, kvl, m, Tq > 1, window, softcap, s, off=off)
         with plan_mod.override(preload=False):
             assert not attn_mod.plan_of(call).one_tile
-            loops = kernels.attention(q, *cache, kvl, m, Tq > 1, None, window, softcap, s)
+            loops = kernels.attention(q, *cache, kvl, m, Tq > 1, None, window, softcap, s, **fmts_of(*cache))
     assert rel_err(loops, ref) < TOL and rel_err(out, loops) < TOL
 
 
@@ -637,7 +633,7 @@ GPU_KIND_IDS = ["fp8", "q8_0", "int8", "fp8K-int8V", "int8K-fp8V"]
 
 def _gpu_case(kinds, Tq, seed, B=3, L=5000):
     layout = "head_dim" if "q8_0" in kinds else "keys"  # as QuantizedCache lays V out
-    cache = make_cache(*kinds, B, 8, L, 128, seed=seed, v_layout=layout)
+    cache = quantized_cache(*kinds, B, 8, L, 128, seed=seed, v_layout=layout)
     q = make_q(B, 32, Tq, 128, seed=seed, dtype=torch.bfloat16, mult=2.0)
     return q, cache
 
@@ -662,13 +658,13 @@ def test_gpu_one_tile_decode(kinds, L, window):
     prologue (int8 K by int8 MMAs there). The reference's answer, through the loops too."""
     q, cache = _gpu_case(kinds, 1, seed=L + window, B=1, L=L)
     kvl = torch.tensor([L - 37], device=DEV)
-    call = attn_mod.call_of(q, *cache, window=window)
+    call = attn_mod.call_of(q, *cache, window=window, **fmts_of(*cache))
     p = attn_mod.plan_of(call)
     assert p.one_tile and p.k_mma == (kinds[0] == "int8"), p.describe()
     out, ref = run(q, cache, kvl, None, False, window=window, tol=BF16_TOL, off=dict(window=0) if window else None)
     with plan_mod.override(preload=False):
         assert not attn_mod.plan_of(call).one_tile
-        loops = kernels.attention(q, *cache, kvl, None, False, None, window)
+        loops = kernels.attention(q, *cache, kvl, None, False, None, window, **fmts_of(*cache))
     assert rel_err(loops, ref) < BF16_TOL
 
 
@@ -706,14 +702,14 @@ def test_gpu_window_decode_in_cuda_graph():
     q, cache = _gpu_case(("fp8", "fp8"), 1, seed=7, B=2, L=8192)
     kvl = torch.tensor([100, 200], device=DEV)
     sinks = torch.randn(32, device=DEV)
-    kernels.attention(q, *cache, kvl, None, False, None, 1000, 30.0, sinks)  # compile outside capture
+    kernels.attention(q, *cache, kvl, None, False, None, 1000, 30.0, sinks, **fmts_of(*cache))  # compile outside capture
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = kernels.attention(q, *cache, kvl, None, False, None, 1000, 30.0, sinks)
+        out = kernels.attention(q, *cache, kvl, None, False, None, 1000, 30.0, sinks, **fmts_of(*cache))
     for lens in ([100, 200], [8192, 1], [5000, 1001], [1000, 7777]):
         kvl.copy_(torch.tensor(lens))
         g.replay()
-        ref = reference.attention(q, *cache, kvl, None, False, None, 1000, 30.0, sinks, compute_dtype=torch.float64)
+        ref = reference.attention(q, *cache, kvl, None, False, None, 1000, 30.0, sinks, compute_dtype=torch.float64, **fmts_of(*cache))
         assert rel_err(out, ref) < BF16_TOL, lens
 
 
@@ -730,7 +726,7 @@ def test_int8_k_mma(kinds, Tq, D, fp16_dots, monkeypatch):
     the CPU; on the GPU a bf16 output's own rounding (2^-9) takes FP16_TOL. The high half alone (lo
     dropped) is measured 0.8-1.7e-2 away: both bounds tell it apart."""
     B, Hkv, group, L = 2, 2, 4, 45
-    cache = make_cache(*kinds, B, Hkv, L, D, seed=Tq + D, v_layout="keys")
+    cache = quantized_cache(*kinds, B, Hkv, L, D, seed=Tq + D, v_layout="keys")
     q_dtype = torch.float32 if DEV == "cpu" else torch.bfloat16  # GPU: a 16-bit q (fp32 q takes fp32 dots)
     q = make_q(B, Hkv * group, Tq, D, seed=Tq + D, mult=3.0, dtype=q_dtype)
     q = q * torch.tensor([1.0, 1 / 80, 0.5, 2.0] * Hkv, device=DEV, dtype=q.dtype).view(1, -1, 1, 1)
@@ -738,9 +734,9 @@ def test_int8_k_mma(kinds, Tq, D, fp16_dots, monkeypatch):
     seen, orig = [], attn_mod.plan_of
     monkeypatch.setattr(attn_mod, "plan_of", lambda call: seen.append(orig(call)) or seen[-1])
     with plan_mod.override(int8_mma=True):
-        out = kernels.attention(q, *cache, kv_len, None, Tq > 1, None)
+        out = kernels.attention(q, *cache, kv_len, None, Tq > 1, None, **fmts_of(*cache))
     assert seen[-1].k_mma and seen[-1].constexprs()["K_MMA"] and not seen[-1].k_bias, seen[-1].describe()
-    ref = reference.attention(q, *cache, kv_len, None, Tq > 1, None, compute_dtype=torch.float64)
+    ref = reference.attention(q, *cache, kv_len, None, Tq > 1, None, compute_dtype=torch.float64, **fmts_of(*cache))
     tol = FP16_TOL / 5 if DEV == "cpu" else FP16_TOL
     assert rel_err(out, ref) < tol
     small = slice(1, None, group)  # the heads 80x below the block's largest
@@ -754,7 +750,7 @@ def test_int8_k_mma_query_halves_at_their_extremes(fp16_dots):
     be off by more than the whole low half, which alone is measured 0.8-1.7e-2 away
     (``test_int8_k_mma``), far outside the tolerance (that test's, for the same reason)."""
     B, Hkv, group, L, D = 1, 2, 4, 40, 64
-    cache = make_cache("int8", "int8", B, Hkv, L, D, seed=11, v_layout="keys")
+    cache = quantized_cache("int8", "int8", B, Hkv, L, D, seed=11, v_layout="keys")
     amax = 3.0
     steps = torch.arange(D, dtype=torch.float64) - D // 2 + 0.5  # k + 1/2 steps of hi: ties of its rounding
     q = (amax / 127 * steps).repeat(B, Hkv * group, 1, 1)
@@ -765,9 +761,9 @@ def test_int8_k_mma_query_halves_at_their_extremes(fp16_dots):
     q = q.to(DEV, q_dtype)
     kv_len = torch.tensor([40], device=DEV)
     with plan_mod.override(int8_mma=True):
-        assert attn_mod.plan_of(attn_mod.call_of(q, *cache)).k_mma
-        out = kernels.attention(q, *cache, kv_len, None, False, None)
-    ref = reference.attention(q, *cache, kv_len, None, False, None, compute_dtype=torch.float64)
+        assert attn_mod.plan_of(attn_mod.call_of(q, *cache, **fmts_of(*cache))).k_mma
+        out = kernels.attention(q, *cache, kv_len, None, False, None, **fmts_of(*cache))
+    ref = reference.attention(q, *cache, kv_len, None, False, None, compute_dtype=torch.float64, **fmts_of(*cache))
     assert rel_err(out, ref) < (FP16_TOL / 5 if DEV == "cpu" else FP16_TOL)
 
 
@@ -776,12 +772,12 @@ def test_int8_k_mma_with_window_softcap_sinks(Tq, fp16_dots):
     """The scores of int8 MMAs through the masked window-edge, interior and tail loops, softcap and
     sinks: the reference's answer, and each feature's absence is told apart."""
     B, Hkv, group, L, D = 2, 2, 2, 70, 64
-    cache = make_cache("int8", "int8", B, Hkv, L, D, seed=Tq + 3, v_layout="keys")
+    cache = quantized_cache("int8", "int8", B, Hkv, L, D, seed=Tq + 3, v_layout="keys")
     q_dtype = torch.float32 if DEV == "cpu" else torch.bfloat16
     q = make_q(B, Hkv * group, Tq, D, seed=Tq + 3, mult=3.0, dtype=q_dtype)
     sinks = torch.randn(Hkv * group, generator=torch.Generator().manual_seed(3)).to(DEV)
     with plan_mod.override(int8_mma=True):
-        assert attn_mod.plan_of(attn_mod.call_of(q, *cache, window=27, softcap=5.0, sinks=sinks)).k_mma
+        assert attn_mod.plan_of(attn_mod.call_of(q, *cache, window=27, softcap=5.0, sinks=sinks, **fmts_of(*cache))).k_mma
         run(q, cache, torch.tensor([70, 47], device=DEV), None, Tq > 1, window=27, softcap=5.0, sinks=sinks,
             tol=FP16_TOL, off=dict(window=0, softcap=0.0, sinks=None))
 
@@ -791,13 +787,13 @@ def test_int8_k_mma_nonfinite_query(bad, fp16_dots):
     """A NaN or an infinity in q (no int8 holds either): that row's output is NaN, as the reference's
     is, never a silently finite answer; the other rows of its block keep theirs."""
     B, Hkv, group, L, D = 1, 1, 4, 40, 64
-    cache = make_cache("int8", "int8", B, Hkv, L, D, seed=5, v_layout="keys")
+    cache = quantized_cache("int8", "int8", B, Hkv, L, D, seed=5, v_layout="keys")
     q = make_q(B, Hkv * group, 1, D, seed=5, dtype=torch.float32 if DEV == "cpu" else torch.bfloat16)
     q[0, 1, 0, 3] = bad
     kv_len = torch.tensor([40], device=DEV)
     with plan_mod.override(int8_mma=True):
-        out = kernels.attention(q, *cache, kv_len, None, False, None)
-    ref = reference.attention(q, *cache, kv_len, None, False, None, compute_dtype=torch.float64)
+        out = kernels.attention(q, *cache, kv_len, None, False, None, **fmts_of(*cache))
+    ref = reference.attention(q, *cache, kv_len, None, False, None, compute_dtype=torch.float64, **fmts_of(*cache))
     assert ref[0, 1].isnan().all() and out[0, 1].isnan().all()
     rest = [0, 2, 3]
     assert rel_err(out[:, rest], ref[:, rest]) < FP16_TOL

@@ -36,6 +36,7 @@ from kvcompile import kernels  # noqa: E402
 from kvcompile.kernels import plan as plan_mod  # noqa: E402
 
 from test_kernels_features import BF16_TOL, OFF_MIN, TOL, quantize, rel_err  # noqa: E402
+from utils import fmt_of, fmts_of  # noqa: E402
 
 SIDES = {"k": (True, False), "v": (False, True), "kv": (True, True)}
 
@@ -77,7 +78,7 @@ def test_reference_attends_in_the_rotated_space(side):
     q = torch.randn(B, Hq, Tq, D, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(DEV)
     kv_len = torch.tensor([21, 12], device=DEV)
     got = reference.attention(q, *cache, kv_len, None, True, None, k_rotation=r_k, v_rotation=r_v,
-                              compute_dtype=torch.float64)
+                              compute_dtype=torch.float64, **fmts_of(*cache))
     kc, ks, vc, vs = cache
     k = kc.double() * ks.double()
     v = vc.double() * vs.double()
@@ -93,22 +94,22 @@ def test_reference_attends_in_the_rotated_space(side):
     s = s.masked_fill(~((pos <= q_pos) & (pos < kv_len.view(B, 1, 1, 1))), float("-inf"))
     want = torch.softmax(s, -1) @ v
     assert (got - want).abs().max() < 1e-12
-    plain = reference.attention(q, *cache, kv_len, None, True, None, compute_dtype=torch.float64)
+    plain = reference.attention(q, *cache, kv_len, None, True, None, compute_dtype=torch.float64, **fmts_of(*cache))
     assert rel_err(plain, want) > OFF_MIN
 
 
 def _check(q, cache, kv_len, R, side, causal, tol):
     r_k, r_v = rotations(side, R)
-    out = kernels.attention(q, *cache, kv_len, None, causal, None, 0, 0.0, None, r_k, r_v)
+    out = kernels.attention(q, *cache, kv_len, None, causal, None, 0, 0.0, None, r_k, r_v, **fmts_of(*cache))
     ref = reference.attention(q, *cache, kv_len, None, causal, None, k_rotation=r_k, v_rotation=r_v,
-                              compute_dtype=torch.float64)
+                              compute_dtype=torch.float64, **fmts_of(*cache))
     assert out.dtype == q.dtype and not out.isnan().any()
     err = rel_err(out, ref)
     assert err < tol, f"relative error {err:.3g} >= {tol}"
     rk_on, rv_on = SIDES[side]  # off: each rotation the case needs, dropped
     for off_k, off_v in ((None, r_v), (r_k, None)):
         if (off_k is None and rk_on) or (off_v is None and rv_on):
-            moved = rel_err(kernels.attention(q, *cache, kv_len, None, causal, None, 0, 0.0, None, off_k, off_v), ref)
+            moved = rel_err(kernels.attention(q, *cache, kv_len, None, causal, None, 0, 0.0, None, off_k, off_v, **fmts_of(*cache)), ref)
             assert moved > OFF_MIN, f"without a rotation the result is as close as {moved:.3g}"
 
 
@@ -129,7 +130,7 @@ def _plan(q, cache, R, side):
     from kvcompile.kernels import attention_launcher as launcher
 
     r_k, r_v = rotations(side, R)
-    return launcher.plan_of(launcher.call_of(q, *cache, k_rotation=r_k, v_rotation=r_v, decode=q.shape[2] <= 16))
+    return launcher.plan_of(launcher.call_of(q, *cache, k_rotation=r_k, v_rotation=r_v, decode=q.shape[2] <= 16, **fmts_of(*cache)))
 
 
 @pytest.mark.parametrize("side", list(SIDES))
@@ -208,16 +209,16 @@ def test_dequantize_kv_unrotates_against_float64(kind, D):
     B, Hkv, L, n = 2, 2, 37, 33
     cache, R = rotated_cache(B, Hkv, L, D, True, True, seed=15, kind=kind, sylvester=True)
     kc, ks, vc, vs = cache
-    assert unrotates_in_dequantize(R, ks)
+    assert unrotates_in_dequantize(R, fmt_of(kc, ks))
     kv_len = torch.tensor([33, 20], device=DEV)
-    k, v = dequantize_kv(kc, ks, vc, vs, kv_len, n, torch.float32, True, True)
+    k, v = dequantize_kv(kc, ks, vc, vs, kv_len, n, torch.float32, True, True, **fmts_of(kc, ks, vc, vs))
     for got, codes, scale in ((k, kc, ks), (v, vc, vs)):
         s = scale.double().view(1, -1, 1, 1) if scale.dim() == 1 else scale.double()
         want = (codes[:, :, :n].double() * (s if s.shape[2] == 1 else s[:, :, :n])) @ R.double().t()
         want[1, :, 20:] = 0
         err = ((got.double() - want).abs().max() / want.abs().max()).item()
         assert err < 1e-6, f"{kind} D={D}: relative error {err:.3g}"
-    k_rot, _ = dequantize_kv(kc, ks, vc, vs, kv_len, n, torch.float32)
+    k_rot, _ = dequantize_kv(kc, ks, vc, vs, kv_len, n, torch.float32, **fmts_of(kc, ks, vc, vs))
     assert ((k_rot.double() - k.double()).abs().max() / k.abs().max()).item() > 0.1
 
 

@@ -13,7 +13,7 @@ import torch
 
 import kvcompile  # noqa: F401  (registers the ops)
 from kvcompile import formats, get_format, native, reference, rotation
-from utils import assert_close, bits_equal
+from utils import assert_close, bits_equal, fmts_of, ids_of
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no C compiler here: {native.status()}")
 
@@ -39,19 +39,19 @@ def make(kv_dtype, granularity, B, Hkv, L, D, n, v_keys=False, k_rot=None, v_rot
         vs = torch.zeros_like(ks)
     k = torch.randn(B, Hkv, n, D, generator=gen) * 2
     v = torch.randn(B, Hkv, n, D, generator=gen)
-    torch.ops.kvcompile.store_kv(kc, ks, vc, vs, k, v, torch.tensor(0), None, k_rot, v_rot)
+    torch.ops.kvcompile.store_kv(kc, ks, vc, vs, k, v, torch.tensor(0), None, k_rot, v_rot, **ids_of(kc, ks, vc, vs))
     return kc, ks, vc, vs
 
 
 def both(q, cache, kv_len, mask=None, causal=True, window=0, softcap=0.0, sinks=None, k_rot=None, v_rot=None):
     """(the op's result on the CPU, the float64 reference), after checking the C path ran."""
     D = q.shape[3]
-    direct = native.attention(q, *cache, kv_len, mask, causal, D**-0.5, window, softcap, sinks, k_rot, v_rot)
+    direct = native.attention(q, *cache, kv_len, mask, causal, D**-0.5, window, softcap, sinks, k_rot, v_rot, **fmts_of(*cache))
     assert direct is not None, "the C path declined a case it covers"
-    got = torch.ops.kvcompile.attention(q, *cache, kv_len, mask, causal, None, window, softcap, sinks, k_rot, v_rot)
+    got = torch.ops.kvcompile.attention(q, *cache, kv_len, mask, causal, None, window, softcap, sinks, k_rot, v_rot, **ids_of(*cache))
     assert torch.equal(got, direct)  # the op runs the C path by default on the CPU
     want = reference.attention(q, *cache, kv_len, mask, causal, None, window, softcap, sinks, k_rot, v_rot,
-                               compute_dtype=torch.float64)
+                               compute_dtype=torch.float64, **fmts_of(*cache))
     return got, want
 
 
@@ -68,7 +68,7 @@ def test_decode_matches_float64_reference(kv_dtype, granularity, rotated, v_keys
     got, want = both(q, cache, torch.tensor([37, 20]), k_rot=R, v_rot=R)
     assert_close(got, want, atol=ATOL, rtol=RTOL)
     if rotated:  # the rotation is undone: reading the rotated codes as plain ones gives another result
-        plain = reference.attention(q, *cache, torch.tensor([37, 20]), None, True, None, compute_dtype=torch.float64)
+        plain = reference.attention(q, *cache, torch.tensor([37, 20]), None, True, None, compute_dtype=torch.float64, **fmts_of(*cache))
         assert (plain - want).abs().max() > 100 * ATOL
 
 
@@ -118,16 +118,16 @@ def test_declines_what_it_does_not_cover():
     cache = make("int8", "token", 1, 2, 32, 64, 20)
     q = torch.randn(1, 4, 1, 64)
     n = torch.tensor(20)
-    assert native.attention(q, *cache, n, None, True, 0.125, 0, 0.0, None, None, None) is not None
-    assert native.attention(q.bfloat16(), *cache, n, None, True, 0.125, 0, 0.0, None, None, None) is None
+    assert native.attention(q, *cache, n, None, True, 0.125, 0, 0.0, None, None, None, **fmts_of(*cache)) is not None
+    assert native.attention(q.bfloat16(), *cache, n, None, True, 0.125, 0, 0.0, None, None, None, **fmts_of(*cache)) is None
     additive = torch.zeros(1, 1, 1, 32)
-    assert native.attention(q, *cache, n, additive, True, 0.125, 0, 0.0, None, None, None) is None
+    assert native.attention(q, *cache, n, additive, True, 0.125, 0, 0.0, None, None, None, **fmts_of(*cache)) is None
     short = torch.ones(1, 1, 1, 19, dtype=torch.bool)  # fewer key columns than stored keys: not read past
-    assert native.attention(q, *cache, n, short, True, 0.125, 0, 0.0, None, None, None) is None
-    assert native.attention(q, *cache, n.int(), None, True, 0.125, 0, 0.0, None, None, None) is None
-    assert native.attention(q, *cache, torch.tensor([20, 20]), None, True, 0.125, 0, 0.0, None, None, None) is None
+    assert native.attention(q, *cache, n, short, True, 0.125, 0, 0.0, None, None, None, **fmts_of(*cache)) is None
+    assert native.attention(q, *cache, n.int(), None, True, 0.125, 0, 0.0, None, None, None, **fmts_of(*cache)) is None
+    assert native.attention(q, *cache, torch.tensor([20, 20]), None, True, 0.125, 0, 0.0, None, None, None, **fmts_of(*cache)) is None
     big = torch.randn(1, 4, native.MAX_WORK // (2 * 4 * 64 * 20) + 1, 64)
-    assert native.attention(big, *cache, n, None, True, 0.125, 0, 0.0, None, None, None) is None
+    assert native.attention(big, *cache, n, None, True, 0.125, 0, 0.0, None, None, None, **fmts_of(*cache)) is None
 
 
 def test_decode_runs_in_c_at_any_length():
@@ -140,7 +140,7 @@ def test_decode_runs_in_c_at_any_length():
     got, want = both(q, cache, torch.tensor(n))
     assert_close(got, want, atol=ATOL, rtol=RTOL)
     more = torch.randn(1, 4, native.MAX_QUERIES + 1, 64)
-    assert native.attention(more, *cache, torch.tensor(n), None, True, 0.125, 0, 0.0, None, None, None) is None
+    assert native.attention(more, *cache, torch.tensor(n), None, True, 0.125, 0, 0.0, None, None, None, **fmts_of(*cache)) is None
 
 
 def test_nan_scale_propagates():
@@ -148,9 +148,9 @@ def test_nan_scale_propagates():
     cache = make("int8", "token", 1, 1, 16, 64, 8)
     cache[1][0, 0, 5, 0] = float("nan")
     q = torch.randn(1, 2, 1, 64)
-    got = torch.ops.kvcompile.attention(q, *cache, torch.tensor(8), None, True, None)
+    got = torch.ops.kvcompile.attention(q, *cache, torch.tensor(8), None, True, None, **ids_of(*cache))
     assert torch.isnan(got).all()
-    assert torch.isfinite(torch.ops.kvcompile.attention(q, *cache, torch.tensor(5), None, True, None)).all()
+    assert torch.isfinite(torch.ops.kvcompile.attention(q, *cache, torch.tensor(5), None, True, None, **ids_of(*cache))).all()
 
 
 def test_kernel_choice(monkeypatch):
@@ -165,10 +165,10 @@ def test_kernel_choice(monkeypatch):
     cache = make("fp8_e4m3", "token", 1, 2, 32, 64, 20)
     q = torch.randn(1, 4, 1, 64)
     monkeypatch.setenv("KVCOMPILE_KERNELS", "reference")
-    ref = torch.ops.kvcompile.attention(q, *cache, torch.tensor(20), None, True, None)
-    assert torch.equal(ref, reference.attention(q, *cache, torch.tensor(20), None, True, None))
+    ref = torch.ops.kvcompile.attention(q, *cache, torch.tensor(20), None, True, None, **ids_of(*cache))
+    assert torch.equal(ref, reference.attention(q, *cache, torch.tensor(20), None, True, None, **fmts_of(*cache)))
     monkeypatch.setenv("KVCOMPILE_KERNELS", "native")
-    assert_close(torch.ops.kvcompile.attention(q, *cache, torch.tensor(20), None, True, None), ref, atol=ATOL, rtol=RTOL)
+    assert_close(torch.ops.kvcompile.attention(q, *cache, torch.tensor(20), None, True, None, **ids_of(*cache)), ref, atol=ATOL, rtol=RTOL)
 
 
 def test_every_e4m3_code_reads_exactly():
@@ -183,7 +183,7 @@ def test_every_e4m3_code_reads_exactly():
     ones = torch.ones(1, 1, n, 1)
     mask = torch.eye(n, dtype=torch.bool).view(1, 1, n, n)  # query t sees key t alone: weight 1
     q = torch.randn(1, 1, n, D)
-    out = native.attention(q, kc, ones, vc, ones, torch.tensor(n), mask, False, 1.0, 0, 0.0, None, None, None)
+    out = native.attention(q, kc, ones, vc, ones, torch.tensor(n), mask, False, 1.0, 0, 0.0, None, None, None, **fmts_of(kc, ones, vc, ones))
     assert torch.equal(out[0, 0], codes.float().view(n, 1).expand(n, D))
 
 
@@ -230,8 +230,8 @@ def test_store_matches_reference_bit_for_bit(k_dtype, v_dtype, granularity, offs
         caches.append((kc, torch.zeros(kf.scale_shape(B, H, L, D), dtype=kf.scale_dtype), vc,
                        torch.zeros(vf.scale_shape(B, H, L, D), dtype=vf.scale_dtype)))
     k, v = special_values(B, H, T, D, 1), special_values(B, H, T, D, 2).transpose(1, 2).contiguous().transpose(1, 2)
-    assert native.store_kv(*caches[0], k, v, 9, off, None, None)
-    reference.store_kv(*caches[1], k, v, torch.tensor(9), off)
+    assert native.store_kv(*caches[0], k, v, 9, off, None, None, **fmts_of(*caches[0]))
+    reference.store_kv(*caches[1], k, v, torch.tensor(9), off, **fmts_of(*caches[1]))
     for got, want in zip(caches[0], caches[1]):
         assert bits_equal(got, want)
     written = caches[0][0][:, :, 9:16]
@@ -254,13 +254,13 @@ def test_rotated_store_within_one_code_step(D):
     off = torch.randn(H, D, generator=gen) * 0.1
     caches = [tuple(torch.zeros(B, H, L, D, dtype=torch.int8) if i % 2 == 0 else torch.zeros(B, H, L, 1)
                     for i in range(4)) for _ in range(2)]
-    assert native.store_kv(*caches[0], k, v, 3, off, R, R)
-    reference.store_kv(*caches[1], k, v, torch.tensor(3), off, R, R)
+    assert native.store_kv(*caches[0], k, v, 3, off, R, R, **fmts_of(*caches[0]))
+    reference.store_kv(*caches[1], k, v, torch.tensor(3), off, R, R, **fmts_of(*caches[1]))
     for i in (0, 2):
         assert (caches[0][i].int() - caches[1][i].int()).abs().max() <= 1
         torch.testing.assert_close(caches[0][i + 1], caches[1][i + 1], rtol=4e-7 * D ** 0.5, atol=0)
     unrotated = torch.zeros(B, H, L, D, dtype=torch.int8), torch.zeros(B, H, L, 1)
-    assert native.store_kv(*unrotated, *unrotated, k, v, 3, off, None, None)
+    assert native.store_kv(*unrotated, *unrotated, k, v, 3, off, None, None, **fmts_of(*unrotated, *unrotated))
     assert (caches[0][0].int() - unrotated[0].int()).abs().max() > 1  # the rotation happened
 
 
@@ -269,10 +269,10 @@ def test_store_declines_other_formats():
     B, H, L, D = 1, 2, 8, 64
     k = torch.randn(B, H, 1, D)
     static = torch.zeros(B, H, L, D, dtype=torch.float8_e4m3fn), torch.ones(H)
-    assert not native.store_kv(*static, *static, k, k, 0, None, None, None)
+    assert not native.store_kv(*static, *static, k, k, 0, None, None, None, **fmts_of(*static, *static))
     tok = torch.zeros(B, H, L, D, dtype=torch.int8), torch.zeros(B, H, L, 1)
-    assert not native.store_kv(*tok, *tok, k.bfloat16(), k.bfloat16(), 0, None, None, None)
-    assert native.store_kv(*tok, *tok, k, k, 0, None, None, None)
+    assert not native.store_kv(*tok, *tok, k.bfloat16(), k.bfloat16(), 0, None, None, None, **fmts_of(*tok, *tok))
+    assert native.store_kv(*tok, *tok, k, k, 0, None, None, None, **fmts_of(*tok, *tok))
 
 
 def test_store_op_runs_the_c_path_and_checks_bounds(monkeypatch):
@@ -281,11 +281,11 @@ def test_store_op_runs_the_c_path_and_checks_bounds(monkeypatch):
     tok = torch.zeros(B, H, L, D, dtype=torch.int8), torch.zeros(B, H, L, 1)
     calls = []
     real = native.store_kv
-    monkeypatch.setattr(native, "store_kv", lambda *a: calls.append(1) or real(*a))
-    torch.ops.kvcompile.store_kv(*tok, *tok, k, k, torch.tensor(5), None)
+    monkeypatch.setattr(native, "store_kv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    torch.ops.kvcompile.store_kv(*tok, *tok, k, k, torch.tensor(5), None, **ids_of(*tok, *tok))
     assert calls and (tok[0][:, :, 5:8] != 0).any()
     with pytest.raises(RuntimeError, match=r"positions 6\.\.8 do not fit max_cache_len=8; .* max_cache_len>=9"):
-        torch.ops.kvcompile.store_kv(*tok, *tok, k, k, torch.tensor(6), None)
+        torch.ops.kvcompile.store_kv(*tok, *tok, k, k, torch.tensor(6), None, **ids_of(*tok, *tok))
 
 
 def test_e4m3_rounding_at_every_step():
@@ -301,7 +301,7 @@ def test_e4m3_rounding_at_every_step():
     x = torch.cat([ys, torch.full((ys.shape[0], 1), 448.0)], dim=1).view(1, 1, -1, D)  # amax 448: s = 1
     T = x.shape[2]
     got = torch.zeros(1, 1, T, D, dtype=torch.float8_e4m3fn), torch.zeros(1, 1, T, 1)
-    assert native.store_kv(*got, *got, x, x, 0, None, None, None)
+    assert native.store_kv(*got, *got, x, x, 0, None, None, None, **fmts_of(*got, *got))
     assert (got[1] == 1).all()
     assert bits_equal(got[0], x.to(torch.float8_e4m3fn))
 
@@ -316,8 +316,8 @@ def test_q8_0_scales_round_to_float16_as_torch_does():
     got, want = [(torch.zeros(1, 1, T, D, dtype=torch.int8), torch.zeros(fmt.scale_shape(1, 1, T, D), dtype=torch.float16))
                  for _ in range(2)]
     for i in range(0, T, 128):  # below MAX_WORK per call
-        assert native.store_kv(*got, *got, x[:, :, i:i + 128], x[:, :, i:i + 128], i, None, None, None)
-    reference.store_kv(*want, *want, x, x, torch.tensor(0), None)
+        assert native.store_kv(*got, *got, x[:, :, i:i + 128], x[:, :, i:i + 128], i, None, None, None, **fmts_of(*got, *got))
+    reference.store_kv(*want, *want, x, x, torch.tensor(0), None, **fmts_of(*want, *want))
     assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1])
     s = got[1].float()
     assert (s == 0).any() and ((s > 0) & (s < 2**-14)).any() and torch.isinf(s).any()  # every range was reached
@@ -338,7 +338,7 @@ def test_attention_reads_only_the_stored_keys():
     assert torch.isfinite(got).all() and torch.equal(got, want)
     hidden = big[1].clone()
     big[1][:, :, 12] = float("nan")  # the control: a NaN in a stored key does reach the output
-    assert torch.isnan(native.attention(q, *big, kv_len, None, True, 0.125, 0, 0.0, None, None, None)).any()
+    assert torch.isnan(native.attention(q, *big, kv_len, None, True, 0.125, 0, 0.0, None, None, None, **fmts_of(*big))).any()
     big[1].copy_(hidden)
 
 
@@ -381,12 +381,12 @@ def test_store_reads_start_from_the_tensor():
     k = torch.randn(B, H, 2, D)
     for start in (torch.tensor(3), 3):
         tok = torch.zeros(B, H, L, D, dtype=torch.int8), torch.zeros(B, H, L, 1)
-        assert native.store_kv(*tok, *tok, k, k, start, None, None, None)
+        assert native.store_kv(*tok, *tok, k, k, start, None, None, None, **fmts_of(*tok, *tok))
         written = (tok[1][0, 0, :, 0] != 0).nonzero().flatten().tolist()
         assert written == [3, 4]
     for start in (7, -1):
-        assert not native.store_kv(*tok, *tok, k, k, torch.tensor(start), None, None, None)
+        assert not native.store_kv(*tok, *tok, k, k, torch.tensor(start), None, None, None, **fmts_of(*tok, *tok))
     with pytest.raises(RuntimeError, match=r"positions 7\.\.8 do not fit max_cache_len=8"):
-        torch.ops.kvcompile.store_kv(*tok, *tok, k, k, torch.tensor(7), None)
+        torch.ops.kvcompile.store_kv(*tok, *tok, k, k, torch.tensor(7), None, **ids_of(*tok, *tok))
     bad_offset = torch.randn(H + 1, D)  # not [H, D]: declined (the reference names the shape)
-    assert not native.store_kv(*tok, *tok, k, k, 0, bad_offset, None, None)
+    assert not native.store_kv(*tok, *tok, k, k, 0, bad_offset, None, None, **fmts_of(*tok, *tok))

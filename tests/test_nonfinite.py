@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import kvcompile  # noqa: F401  (registers the ops)
 from kvcompile import formats, native, reference, rotation, tiles
 from kvcompile.cache_layer import v_codes_buffer
+from utils import fmt_of, fmts_of, rel_err  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON = DEV == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
@@ -84,11 +85,11 @@ def store(path: str, kv_dtype: str, gran: str, k: torch.Tensor, v: torch.Tensor,
     cache = (kc, ks, vc, vs)
     args = (k.to(dev), v.to(dev), torch.tensor(0, device=dev), None, k_rot, None)
     if path.startswith("native") and not fmt.is_static:
-        assert native.store_kv(*cache, *args), "the C store declined"
+        assert native.store_kv(*cache, *args, **fmts_of(*cache)), "the C store declined"
     elif path.startswith("triton"):
-        kernels.store_kv(*cache, *args)
+        kernels.store_kv(*cache, *args, **fmts_of(*cache))
     else:
-        reference.store_kv(*cache, *args)
+        reference.store_kv(*cache, *args, **fmts_of(*cache))
     return cache
 
 
@@ -106,18 +107,18 @@ def e4m3_by_bits(cache, monkeypatch):
 
 def attend(path: str, q, cache, kv_len, mask, k_rot, monkeypatch):
     if path == "reference":
-        return reference.attention(q, *cache, kv_len, mask, True, None, k_rotation=k_rot)
+        return reference.attention(q, *cache, kv_len, mask, True, None, k_rotation=k_rot, **fmts_of(*cache))
     if path.startswith("native"):
-        out = native.attention(q, *cache, kv_len, mask, True, D**-0.5, 0, 0.0, None, k_rot, None)
+        out = native.attention(q, *cache, kv_len, mask, True, D**-0.5, 0, 0.0, None, k_rot, None, **fmts_of(*cache))
         assert out is not None, "the C path declined"
         return out
     with e4m3_by_bits(cache, monkeypatch):
         if path == "triton-dense":
-            return dense_mod.attention(q, *cache, kv_len, mask, True, D**-0.5, k_rotation=k_rot)
+            return dense_mod.attention(q, *cache, kv_len, mask, True, D**-0.5, k_rotation=k_rot, **fmts_of(*cache))
         if path == "triton-decode":  # two splits: the merge kernel combines them
             with plan_mod.override(splits=2):
-                return kernels.attention(q, *cache, kv_len, mask, True, None, k_rotation=k_rot)
-        return kernels.attention(q, *cache, kv_len, mask, True, None, k_rotation=k_rot)
+                return kernels.attention(q, *cache, kv_len, mask, True, None, k_rotation=k_rot, **fmts_of(*cache))
+        return kernels.attention(q, *cache, kv_len, mask, True, None, k_rotation=k_rot, **fmts_of(*cache))
 
 
 def bf16_rows(q, k, v) -> torch.Tensor:
@@ -151,11 +152,6 @@ def sdpa_masked_rows(q, k, v) -> torch.Tensor:
     return ~torch.isfinite(o).all(-1)
 
 
-def rel_err(out, ref):
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 def skip_unavailable(path: str) -> None:
     if path.startswith("native") and not native.available():
         pytest.skip(f"no C compiler here: {native.status()}")
@@ -187,7 +183,7 @@ def test_nonfinite_rows_as_bf16(path, case, fmt, monkeypatch):
     assert exact[0].any() and not want[1].any()  # the case is what it says
     assert torch.equal(got, want), f"non-finite rows {got.nonzero().tolist()}, bf16: {want.nonzero().tolist()}"
     ref = reference.attention(q, *cache, kv_len, None, True, None, k_rotation=k_rot,
-                              compute_dtype=torch.float64).cpu()
+                              compute_dtype=torch.float64, **fmts_of(*cache)).cpu()
     assert torch.equal(~torch.isfinite(ref).all(-1), exact)  # the float64 oracle follows the policy exactly
     fin = ~want
     assert rel_err(out[fin], ref[fin]) < TOL
@@ -221,8 +217,8 @@ def test_inf_in_one_query_row_leaves_the_others(fp16_dots):
     q[0, 1, 0, 3] = float("inf")
     q = q.to(DEV) if DEV == "cpu" else q.to(DEV, torch.bfloat16)
     kv_len = torch.tensor(LENS, device=DEV)
-    out = kernels.attention(q, *cache, kv_len, None, True, None).cpu()
-    ref = reference.attention(q, *cache, kv_len, None, True, None, compute_dtype=torch.float64).cpu()
+    out = kernels.attention(q, *cache, kv_len, None, True, None, **fmts_of(*cache)).cpu()
+    ref = reference.attention(q, *cache, kv_len, None, True, None, compute_dtype=torch.float64, **fmts_of(*cache)).cpu()
     assert not torch.isfinite(out[0, 1]).all() and not torch.isfinite(ref[0, 1]).all()
     # fp16 dots round q and P to fp16: measured 3e-4 here (interpreter), asserted 1e-3; the flushed rows
     # attended uniformly, off by ~1 (their output is the mean of V instead of its weighted sum)
@@ -248,10 +244,10 @@ def test_gpu_e4m3_markers_in_masked_tiles(gran):
     k = torch.randn(1, 2, n, Dg, device="cuda")
     v = torch.randn(1, 2, n, Dg, device="cuda")
     v[0, 0, 290, 7] = float("inf")
-    kernels.store_kv(kc, ks, vc, vs, k, v, torch.tensor(0, device="cuda"), None)
+    kernels.store_kv(kc, ks, vc, vs, k, v, torch.tensor(0, device="cuda"), None, **fmts_of(kc, ks, vc, vs))
     assert vc.view(torch.uint8)[0, 0, 290, 7].item() & 0x7F == 0x7F  # the NaN code, not 448
     q = torch.randn(1, 8, 1, Dg, device="cuda", dtype=torch.bfloat16)
-    out = kernels.attention(q, kc, ks, vc, vs, torch.tensor(n, device="cuda"), None, True, None)
+    out = kernels.attention(q, kc, ks, vc, vs, torch.tensor(n, device="cuda"), None, True, None, **fmts_of(kc, ks, vc, vs))
     assert out[0, :4].isnan().any(-1).all() and torch.isfinite(out[0, 4:]).all()  # kv head 0's rows only
 
 
@@ -314,12 +310,12 @@ def test_dequantize_reads_markers_back(path, fmt, monkeypatch):
     cache = store("reference" if path == "reference" else "triton", kv_dtype, gran, k, v, k_rot)
     kv_len = torch.tensor(LENS, device=on)
     if path == "reference":
-        back = [reference.dequantize(c, s, None, kv_len, torch.float32, r) for c, s, r in
+        back = [reference.dequantize(c, s, None, kv_len, torch.float32, r, fmt=fmt_of(c, s)) for c, s, r in
                 ((cache[0], cache[1], k_rot), (cache[2], cache[3], None))]
     else:
         if DEV == "cpu":  # the interpreter's fp8 type reads NaN codes as +-480
             monkeypatch.setattr(tiles, "has_native_fp8", lambda cc: False)
-        back = [kernels.dequantize(c, s, None, kv_len, torch.float32, r) for c, s, r in
+        back = [kernels.dequantize(c, s, None, kv_len, torch.float32, r, fmt=fmt_of(c, s)) for c, s, r in
                 ((cache[0], cache[1], k_rot), (cache[2], cache[3], None))]
     for x, (pos, col) in zip(back, ((BAD, 5), (0, 5))):
         bad = ~torch.isfinite(x.cpu())

@@ -11,38 +11,18 @@ import pytest
 import torch
 
 import kvcompile  # noqa: F401  (registers the ops)
-from kvcompile import formats, get_format
-from utils import assert_close, bits_equal, decode_codes_f64
+from kvcompile import formats
+from utils import FORMATS, FORMAT_IDS, as_format, assert_close, bits_equal, decode_codes_f64, id_of, ids, ids_of, make_cache
 
 OPS = torch.ops.kvcompile
 
-# (kv_dtype, granularity) of every format the ops serve
-FORMATS = [("fp8_e4m3", "token"), ("fp8_e4m3", "block32"), ("fp8_e4m3", "static"), ("q8_0", "block32")]
-FORMAT_IDS = ["fp8", "fp8-block32", "fp8-static", "q8_0"]
-
-
-def make_cache(kv_dtype, granularity, B=2, H=2, L=16, D=64, seed=0):
-    """Empty codes/scales for one layer, as QuantizedLayer allocates them."""
-    fmt = get_format(kv_dtype, granularity)
-    kc = torch.zeros(B, H, L, D, dtype=fmt.code_dtype)
-    vc = torch.zeros_like(kc)
-    if fmt.is_static:
-        gen = torch.Generator().manual_seed(seed)
-        ks = torch.rand(H, generator=gen) * 0.01 + 0.005  # covers |x| up to ~2.2..6.7 before saturating
-        vs = torch.rand(H, generator=gen) * 0.01 + 0.005
-    else:
-        ks = torch.zeros(fmt.scale_shape(B, H, L, D), dtype=fmt.scale_dtype)
-        vs = torch.zeros_like(ks)
-    return kc, ks, vc, vs
-
-
-def fill(kc, ks, vc, vs, n, seed=1, offset=None):
-    """Store n random tokens at position 0 through the op; returns the K/V written."""
+def fill(fmt, kc, ks, vc, vs, n, seed=1, offset=None):
+    """Store n random tokens at position 0 through the op (codes in ``fmt``); returns the K/V written."""
     gen = torch.Generator().manual_seed(seed)
     B, H, _, D = kc.shape
     k = torch.randn(B, H, n, D, generator=gen)
     v = torch.randn(B, H, n, D, generator=gen)
-    OPS.store_kv(kc, ks, vc, vs, k, v, torch.tensor(0), offset)
+    OPS.store_kv(kc, ks, vc, vs, k, v, torch.tensor(0), offset, **ids(fmt))
     return k, v
 
 
@@ -91,25 +71,25 @@ def attention_oracle(q, kc, ks, vc, vs, kv_len, mask, is_causal, scale):
 
 
 @pytest.mark.parametrize("with_offset", [False, True], ids=["", "offset"])
-@pytest.mark.parametrize("kv_dtype,granularity", FORMATS, ids=FORMAT_IDS)
-def test_opcheck_store_and_dequantize(kv_dtype, granularity, with_offset, fp8_safe_schema_check):
-    kc, ks, vc, vs = make_cache(kv_dtype, granularity)
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_opcheck_store_and_dequantize(fmt, with_offset, fp8_safe_schema_check):
+    kc, ks, vc, vs = make_cache(fmt)
     B, H, L, D = kc.shape
     gen = torch.Generator().manual_seed(2)
     k, v = torch.randn(B, H, 5, D, generator=gen), torch.randn(B, H, 5, D, generator=gen)
     offset = torch.randn(H, D, generator=gen) * 0.1 if with_offset else None
-    torch.library.opcheck(OPS.store_kv.default, (kc, ks, vc, vs, k, v, torch.tensor(3), offset))
-    OPS.store_kv(kc, ks, vc, vs, k, v, torch.tensor(3), offset)
+    torch.library.opcheck(OPS.store_kv.default, (kc, ks, vc, vs, k, v, torch.tensor(3), offset), ids(fmt))
+    OPS.store_kv(kc, ks, vc, vs, k, v, torch.tensor(3), offset, **ids(fmt))
     for kv_len in (torch.tensor(8), torch.tensor([8, 5])):
         for dtype in (torch.float32, torch.bfloat16):
-            torch.library.opcheck(OPS.dequantize.default, (kc, ks, offset, kv_len, dtype))
+            torch.library.opcheck(OPS.dequantize.default, (kc, ks, offset, kv_len, dtype), {"format": fmt.id})
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
-@pytest.mark.parametrize("kv_dtype,granularity", FORMATS, ids=FORMAT_IDS)
-def test_opcheck_attention(kv_dtype, granularity, mask_kind, fp8_safe_schema_check):
-    kc, ks, vc, vs = make_cache(kv_dtype, granularity)
-    fill(kc, ks, vc, vs, 9)
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_opcheck_attention(fmt, mask_kind, fp8_safe_schema_check):
+    kc, ks, vc, vs = make_cache(fmt)
+    fill(fmt, kc, ks, vc, vs, 9)
     B, _, L, D = kc.shape
     q = torch.randn(B, 4, 3, D)
     mask = None
@@ -118,24 +98,25 @@ def test_opcheck_attention(kv_dtype, granularity, mask_kind, fp8_safe_schema_che
     elif mask_kind == "additive":
         mask = torch.randn(B, 1, 3, L)
     for kv_len, causal, scale in ((torch.tensor(9), True, None), (torch.tensor([9, 6]), False, 0.3)):
-        torch.library.opcheck(OPS.attention.default, (q, kc, ks, vc, vs, kv_len, mask, causal, scale))
+        torch.library.opcheck(OPS.attention.default, (q, kc, ks, vc, vs, kv_len, mask, causal, scale), ids(fmt))
 
 
 def test_ops_run_with_grad_enabled_and_refuse_a_backward():
     """A model run without torch.no_grad() (eager logits) works: the output of attention / dequantize
     tracks the inputs that require grad, and a backward through it raises with the fix instead of
     returning wrong gradients. Under no_grad nothing is tracked."""
-    kc, ks, vc, vs = make_cache("int8", "token")
-    fill(kc, ks, vc, vs, 9)
+    fmt = as_format("int8", "token")
+    kc, ks, vc, vs = make_cache(fmt)
+    fill(fmt, kc, ks, vc, vs, 9)
     q = torch.randn(2, 4, 1, 64, requires_grad=True)
-    out = OPS.attention(q, kc, ks, vc, vs, torch.tensor(9), None, False, None)
+    out = OPS.attention(q, kc, ks, vc, vs, torch.tensor(9), None, False, None, **ids(fmt))
     with torch.no_grad():
-        ref = OPS.attention(q, kc, ks, vc, vs, torch.tensor(9), None, False, None)
+        ref = OPS.attention(q, kc, ks, vc, vs, torch.tensor(9), None, False, None, **ids(fmt))
     assert out.requires_grad and not ref.requires_grad and torch.equal(out.detach(), ref)
     with pytest.raises(RuntimeError, match="no backward.*torch.no_grad"):
         out.sum().backward()
     offset = torch.randn(2, 64, requires_grad=True)
-    deq = OPS.dequantize(kc, ks, offset, torch.tensor(9), torch.float32)
+    deq = OPS.dequantize(kc, ks, offset, torch.tensor(9), torch.float32, format=fmt.id)
     with pytest.raises(RuntimeError, match="kvcompile::dequantize has no backward"):
         deq.sum().backward()
 
@@ -146,9 +127,9 @@ def test_ops_run_with_grad_enabled_and_refuse_a_backward():
 
 
 @pytest.mark.parametrize("with_offset", [False, True], ids=["", "offset"])
-@pytest.mark.parametrize("kv_dtype,granularity", FORMATS, ids=FORMAT_IDS)
-def test_store_kv_writes_only_its_positions(kv_dtype, granularity, with_offset):
-    kc, ks, vc, vs = make_cache(kv_dtype, granularity)
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_store_kv_writes_only_its_positions(fmt, with_offset):
+    kc, ks, vc, vs = make_cache(fmt)
     B, H, L, D = kc.shape
     gen = torch.Generator().manual_seed(3)
     # poison: random bytes in the codes (NaN codes included), random scales
@@ -161,7 +142,7 @@ def test_store_kv_writes_only_its_positions(kv_dtype, granularity, with_offset):
     start, T = 5, 3
     k, v = torch.randn(B, H, T, D, generator=gen), torch.randn(B, H, T, D, generator=gen)
     offset = torch.randn(H, D, generator=gen) if with_offset else None
-    OPS.store_kv(kc, ks, vc, vs, k, v, torch.tensor(start), offset)
+    OPS.store_kv(kc, ks, vc, vs, k, v, torch.tensor(start), offset, **ids(fmt))
 
     outside = torch.ones(L, dtype=torch.bool)
     outside[start:start + T] = False
@@ -174,50 +155,52 @@ def test_store_kv_writes_only_its_positions(kv_dtype, granularity, with_offset):
     k_in = k - offset.view(1, H, 1, D) if with_offset else k
     for x, codes, scale in ((k_in, kc, ks), (v, vc, vs)):
         if scale.dim() == 1:
-            want_c, _ = formats.quantize(x, codes.dtype, scale=scale)
+            want_c, _ = formats.quantize(x, codes.dtype, scale=scale, kv_dtype=fmt.kv_dtype)
         else:
-            want_c, want_s = formats.quantize(x, codes.dtype, groups=scale.shape[-1])
+            want_c, want_s = formats.quantize(x, codes.dtype, groups=scale.shape[-1], kv_dtype=fmt.kv_dtype)
             assert bits_equal(scale[:, :, start:start + T], want_s.to(scale.dtype))
         assert bits_equal(codes[:, :, start:start + T], want_c)
 
 
 def test_store_kv_past_the_end_raises():
-    kc, ks, vc, vs = make_cache("fp8_e4m3", "token", L=8)
+    fmt = as_format("fp8_e4m3", "token")
+    kc, ks, vc, vs = make_cache(fmt, L=8)
     k = torch.randn(2, 2, 3, 64)
     with pytest.raises(RuntimeError, match="max_cache_len"):
-        OPS.store_kv(kc, ks, vc, vs, k, k, torch.tensor(6), None)
-    OPS.store_kv(kc, ks, vc, vs, k, k, torch.tensor(5), None)  # exactly up to the end is fine
+        OPS.store_kv(kc, ks, vc, vs, k, k, torch.tensor(6), None, **ids(fmt))
+    OPS.store_kv(kc, ks, vc, vs, k, k, torch.tensor(5), None, **ids(fmt))  # exactly up to the end is fine
 
 
 def test_store_kv_rejects_misshaped_inputs():
-    kc, ks, vc, vs = make_cache("q8_0", "block32")
+    fmt = as_format("q8_0", "block32")
+    kc, ks, vc, vs = make_cache(fmt)
     with pytest.raises(ValueError, match="do not fit"):
-        OPS.store_kv(kc, ks, vc, vs, torch.randn(2, 3, 1, 64), torch.randn(2, 3, 1, 64), torch.tensor(0), None)
+        OPS.store_kv(kc, ks, vc, vs, torch.randn(2, 3, 1, 64), torch.randn(2, 3, 1, 64), torch.tensor(0), None, **ids(fmt))
     with pytest.raises(ValueError, match="scale"):
-        OPS.store_kv(kc, torch.zeros(2, 2, 16, 3, dtype=ks.dtype), vc, vs, torch.randn(2, 2, 1, 64), torch.randn(2, 2, 1, 64), torch.tensor(0), None)
-    with pytest.raises(TypeError, match="float8_e4m3fn or int8"):
-        OPS.dequantize(kc.float(), ks, None, torch.tensor(1), torch.float32)
+        OPS.store_kv(kc, torch.zeros(2, 2, 16, 3, dtype=ks.dtype), vc, vs, torch.randn(2, 2, 1, 64), torch.randn(2, 2, 1, 64), torch.tensor(0), None, **ids(fmt))
+    with pytest.raises(TypeError, match="codes in q8_0 must be torch.int8"):
+        OPS.dequantize(kc.float(), ks, None, torch.tensor(1), torch.float32, format=fmt.id)
 
 
-@pytest.mark.parametrize("kv_dtype,granularity", FORMATS, ids=FORMAT_IDS)
-def test_dequantize_values_and_zeros_past_kv_len(kv_dtype, granularity):
-    kc, ks, vc, vs = make_cache(kv_dtype, granularity)
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_dequantize_values_and_zeros_past_kv_len(fmt):
+    kc, ks, vc, vs = make_cache(fmt)
     B, H, L, D = kc.shape
     offset = torch.randn(H, D) * 0.5
-    k, _ = fill(kc, ks, vc, vs, 12, offset=offset)
+    k, _ = fill(fmt, kc, ks, vc, vs, 12, offset=offset)
     want = deq_oracle(kc, ks).float()
     # scalar kv_len: every batch row keeps 7 positions
-    out = OPS.dequantize(kc, ks, None, torch.tensor(7), torch.float32)
+    out = OPS.dequantize(kc, ks, None, torch.tensor(7), torch.float32, format=fmt.id)
     assert_close(out[:, :, :7], want[:, :, :7], atol=0, rtol=0)
     assert (out[:, :, 7:] == 0).all()
     # per-batch kv_len, offset added back (the value that was stored), bf16 out
-    out = OPS.dequantize(kc, ks, offset, torch.tensor([12, 3]), torch.bfloat16)
+    out = OPS.dequantize(kc, ks, offset, torch.tensor([12, 3]), torch.bfloat16, format=fmt.id)
     assert out.dtype == torch.bfloat16
     assert (out[0, :, 12:] == 0).all() and (out[1, :, 3:] == 0).all()
     with_off = want + offset.view(1, H, 1, D)
     assert_close(out[0, :, :12], with_off[0, :, :12].bfloat16(), atol=0, rtol=0)
     assert_close(out[1, :, :3], with_off[1, :, :3].bfloat16(), atol=0, rtol=0)
-    if granularity != "static":  # and the stored values are close to what was written
+    if not fmt.is_static:  # and the stored values are close to what was written
         rel = (out[0, :, :12].float() - k[0]).norm() / k[0].norm()
         assert rel < 0.05, rel  # measured ~0.02 fp8 (+bf16 output rounding), ~0.006 q8_0
 
@@ -246,11 +229,11 @@ CASES = [
 
 
 @pytest.mark.parametrize("Hq,Hkv,Tq,kv_len,causal,mask_kind,scale", CASES)
-@pytest.mark.parametrize("kv_dtype,granularity", FORMATS, ids=FORMAT_IDS)
-def test_attention_matches_float64_oracle(kv_dtype, granularity, Hq, Hkv, Tq, kv_len, causal, mask_kind, scale):
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_attention_matches_float64_oracle(fmt, Hq, Hkv, Tq, kv_len, causal, mask_kind, scale):
     B, L, D = 2, 16, 64
-    kc, ks, vc, vs = make_cache(kv_dtype, granularity, B=B, H=Hkv, L=L, D=D)
-    fill(kc, ks, vc, vs, L, seed=Hq * 7 + Tq)
+    kc, ks, vc, vs = make_cache(fmt, B=B, H=Hkv, L=L, D=D)
+    fill(fmt, kc, ks, vc, vs, L, seed=Hq * 7 + Tq)
     gen = torch.Generator().manual_seed(11)
     q = torch.randn(B, Hq, Tq, D, generator=gen)
     kv_len = torch.tensor(kv_len[0]) if len(kv_len) == 1 else torch.tensor(kv_len)
@@ -261,15 +244,16 @@ def test_attention_matches_float64_oracle(kv_dtype, granularity, Hq, Hkv, Tq, kv
     elif mask_kind == "additive":
         mask = torch.randn(B, 1, Tq, L, generator=gen) * 2
         mask[..., 1::3] = -math.inf
-    out = OPS.attention(q, kc, ks, vc, vs, kv_len, mask, causal, scale)
+    out = OPS.attention(q, kc, ks, vc, vs, kv_len, mask, causal, scale, **ids(fmt))
     want = attention_oracle(q, kc, ks, vc, vs, kv_len, mask, causal, scale)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert_close(out, want, atol=ATTN_ATOL, rtol=ATTN_RTOL)
 
 
 def test_attention_fully_masked_rows_are_zeros():
-    kc, ks, vc, vs = make_cache("fp8_e4m3", "token")
-    fill(kc, ks, vc, vs, 16)
+    fmt = as_format("fp8_e4m3", "token")
+    kc, ks, vc, vs = make_cache(fmt)
+    fill(fmt, kc, ks, vc, vs, 16)
     B, _, L, D = kc.shape
     q = torch.randn(B, 4, 3, D)
     bool_mask = torch.ones(B, 4, 3, L, dtype=torch.bool)
@@ -277,23 +261,24 @@ def test_attention_fully_masked_rows_are_zeros():
     add_mask = torch.zeros(B, 1, 3, L)
     add_mask[1, 0, 0] = -math.inf
     for mask in (bool_mask, add_mask):
-        out = OPS.attention(q, kc, ks, vc, vs, torch.tensor(16), mask, False, None)
+        out = OPS.attention(q, kc, ks, vc, vs, torch.tensor(16), mask, False, None, **ids(fmt))
         assert torch.isfinite(out).all()
         want = attention_oracle(q, kc, ks, vc, vs, torch.tensor(16), mask, False, None)
         assert_close(out, want, atol=ATTN_ATOL, rtol=ATTN_RTOL)
-    assert (OPS.attention(q, kc, ks, vc, vs, torch.tensor(16), bool_mask, False, None)[0, 1, 2] == 0).all()
-    assert (OPS.attention(q, kc, ks, vc, vs, torch.tensor(16), add_mask, False, None)[1, :, 0] == 0).all()
+    assert (OPS.attention(q, kc, ks, vc, vs, torch.tensor(16), bool_mask, False, None, **ids(fmt))[0, 1, 2] == 0).all()
+    assert (OPS.attention(q, kc, ks, vc, vs, torch.tensor(16), add_mask, False, None, **ids(fmt))[1, :, 0] == 0).all()
     # an empty sequence (kv_len 0) attends to nothing either
-    out = OPS.attention(q, kc, ks, vc, vs, torch.tensor([0, 16]), None, False, None)
+    out = OPS.attention(q, kc, ks, vc, vs, torch.tensor([0, 16]), None, False, None, **ids(fmt))
     assert (out[0] == 0).all() and (out[1] != 0).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_attention_low_precision_queries(dtype):
-    kc, ks, vc, vs = make_cache("q8_0", "block32")
-    fill(kc, ks, vc, vs, 10)
+    fmt = as_format("q8_0", "block32")
+    kc, ks, vc, vs = make_cache(fmt)
+    fill(fmt, kc, ks, vc, vs, 10)
     q = torch.randn(2, 4, 2, 64).to(dtype)
-    out = OPS.attention(q, kc, ks, vc, vs, torch.tensor(10), None, True, None)
+    out = OPS.attention(q, kc, ks, vc, vs, torch.tensor(10), None, True, None, **ids(fmt))
     assert out.dtype == dtype
     want = attention_oracle(q, kc, ks, vc, vs, torch.tensor(10), None, True, None)
     # the output is the fp32 result rounded once to `dtype`: at most half an ulp (2^-8 relative
@@ -304,11 +289,12 @@ def test_attention_low_precision_queries(dtype):
 
 
 def test_attention_rejects_bad_shapes():
-    kc, ks, vc, vs = make_cache("fp8_e4m3", "token")
+    fmt = as_format("fp8_e4m3", "token")
+    kc, ks, vc, vs = make_cache(fmt)
     with pytest.raises(ValueError, match="multiple"):
-        OPS.attention(torch.randn(2, 3, 1, 64), kc, ks, vc, vs, torch.tensor(1), None, True, None)
+        OPS.attention(torch.randn(2, 3, 1, 64), kc, ks, vc, vs, torch.tensor(1), None, True, None, **ids(fmt))
     with pytest.raises(ValueError, match="does not fit"):
-        OPS.attention(torch.randn(2, 4, 1, 32), kc, ks, vc, vs, torch.tensor(1), None, True, None)
+        OPS.attention(torch.randn(2, 4, 1, 32), kc, ks, vc, vs, torch.tensor(1), None, True, None, **ids(fmt))
 
 
 def test_kernel_backend_env(monkeypatch):
@@ -326,3 +312,18 @@ def test_kernel_backend_env(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         kernel_backend(torch.device("cpu"))
+
+
+def test_ops_refuse_a_call_without_format_ids():
+    """The format travels as an id; an op called without one names the fix instead of guessing
+    (the ops' implementations, whatever a test elsewhere registered for the ops themselves)."""
+    from kvcompile import ops
+
+    kc, ks, vc, vs = make_cache(FORMATS[0])
+    q = torch.randn(2, 2, 1, 64)
+    with pytest.raises(ValueError, match="pass k_format=KVFormat.id"):
+        ops._attention(q, kc, ks, vc, vs, torch.tensor(1), None, False, None)
+    with pytest.raises(ValueError, match="pass v_format=KVFormat.id"):
+        ops._store_kv(kc, ks, vc, vs, q, q, torch.tensor(0), None, k_format=FORMATS[0].id)
+    with pytest.raises(ValueError, match="pass format=KVFormat.id"):
+        ops._dequantize(kc, ks, None, torch.tensor(1), torch.float32)

@@ -26,10 +26,11 @@ from pass_models import (
     PassOnly,
     fresh_dynamo,
     greedy,
-    make_cache,
+    model_cache,
     make_model,
     prompt,
 )
+from utils import id_of
 
 ATOL = RTOL = 2e-5
 
@@ -45,11 +46,11 @@ def test_hf_attention_is_rewritten(family, attn):
     model, kv_dtype = make_model(family, attn)
     layers = model.config.num_hidden_layers
     ids, mask = prompt(padded)
-    expected = greedy(model.forward, model, make_cache(model, kv_dtype, padded=padded), ids, mask, steps=3)
+    expected = greedy(model.forward, model, model_cache(model, kv_dtype, padded=padded), ids, mask, steps=3)
 
     backend = PassOnly(kv_dtype)
     compiled = torch.compile(model.forward, backend=backend, fullgraph=True)
-    got = greedy(compiled, model, make_cache(model, kv_dtype, padded=padded), ids, mask, steps=3)
+    got = greedy(compiled, model, model_cache(model, kv_dtype, padded=padded), ids, mask, steps=3)
 
     assert len(backend.graphs) >= 2, "expected a prefill and a decode graph"
     anchor = "sdpa" if attn == "sdpa" else "softmax"
@@ -70,10 +71,10 @@ def _pass_only_matches_eager(family: str, padded: bool) -> "PassOnly":
     fresh_dynamo()
     model, kv_dtype = make_model(family, "sdpa")
     ids, mask = prompt(padded)
-    expected = greedy(model.forward, model, make_cache(model, kv_dtype, padded=padded), ids, mask, steps=2)
+    expected = greedy(model.forward, model, model_cache(model, kv_dtype, padded=padded), ids, mask, steps=2)
     backend = PassOnly(kv_dtype)
     got = greedy(torch.compile(model.forward, backend=backend, fullgraph=True), model,
-                 make_cache(model, kv_dtype, padded=padded), ids, mask, steps=2)
+                 model_cache(model, kv_dtype, padded=padded), ids, mask, steps=2)
     for e, g in zip(expected, got):
         torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
     return backend
@@ -360,8 +361,8 @@ class _NoLengthProof(torch.nn.Module):
     """Reads a kvcompile cache whose length comes from outside: nothing proves kv_len >= Tq."""
 
     def forward(self, q, k_codes, k_scale, v_codes, v_scale, kv_len):
-        k = torch.ops.kvcompile.dequantize(k_codes, k_scale, None, kv_len, q.dtype)
-        v = torch.ops.kvcompile.dequantize(v_codes, v_scale, None, kv_len, q.dtype)
+        k = torch.ops.kvcompile.dequantize(k_codes, k_scale, None, kv_len, q.dtype, format=id_of(k_codes, k_scale))
+        v = torch.ops.kvcompile.dequantize(v_codes, v_scale, None, kv_len, q.dtype, format=id_of(v_codes, v_scale))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
@@ -384,8 +385,8 @@ class _VFirst(torch.nn.Module):
     """Dequantizes V before K (the cache's update does K first): the site's roles come from the attention."""
 
     def forward(self, q, k_codes, k_scale, v_codes, v_scale, kv_len, mask):
-        v = torch.ops.kvcompile.dequantize(v_codes, v_scale, None, kv_len, q.dtype)
-        k = torch.ops.kvcompile.dequantize(k_codes, k_scale, None, kv_len, q.dtype)
+        v = torch.ops.kvcompile.dequantize(v_codes, v_scale, None, kv_len, q.dtype, format=id_of(v_codes, v_scale))
+        k = torch.ops.kvcompile.dequantize(k_codes, k_scale, None, kv_len, q.dtype, format=id_of(k_codes, k_scale))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
@@ -577,13 +578,13 @@ def test_dynamic_true(family):
         model, kv_dtype = make_model(family, "sdpa")
     padded = True
     ids, mask = prompt(padded)
-    expected = greedy(model.forward, model, make_cache(model, kv_dtype, padded=padded), ids, mask, steps=2)
+    expected = greedy(model.forward, model, model_cache(model, kv_dtype, padded=padded), ids, mask, steps=2)
     for specialize in (False, True):
         fresh_dynamo()
         backend = PassOnly(kv_dtype)
         with torch._dynamo.config.patch(specialize_float=specialize):
             got = greedy(torch.compile(model.forward, backend=backend, dynamic=True), model,
-                         make_cache(model, kv_dtype, padded=padded), ids, mask, steps=2)
+                         model_cache(model, kv_dtype, padded=padded), ids, mask, steps=2)
         for e, g in zip(expected, got):
             torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
         for _, after, report in backend.graphs:

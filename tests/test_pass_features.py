@@ -172,7 +172,7 @@ def _rotated_graph(r_k, r_v):
         rot = nodes.get(f"r_{name}")
         dq[name] = graph.call_function(DEQUANTIZE, (nodes[f"{name}_codes"], nodes[f"{name}_scale"], None,
                                                     nodes["kv_len"], torch.float32),
-                                       {"rotation": rot, "sliding_window": 0})
+                                       {"rotation": rot, "sliding_window": 0, "format": formats.get_format("fp8_e4m3").id})
         dq[name].meta["val"] = truth[name]
     expected = F.scaled_dot_product_attention(q, truth["k"], truth["v"], attn_mask=inputs["mask"])
     out = graph.call_function(F.scaled_dot_product_attention, (nodes["q"], dq["k"], dq["v"]),
@@ -206,7 +206,7 @@ def test_rotation_is_applied_around_the_op(rotated):
     plain, plain_args, _ = _rotated_graph(r_k, r_v)
     for n in plain.nodes:
         if n.target is DEQUANTIZE:
-            n.kwargs = {"rotation": None, "sliding_window": 0}
+            n.kwargs = {**n.kwargs, "rotation": None}
     KVAttentionPass("fp8_e4m3").apply(plain)
     unrotated = fx.GraphModule(torch.nn.Module(), plain)(*plain_args)
     assert (unrotated - expected).abs().max() > 100 * ATOL

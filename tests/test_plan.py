@@ -22,6 +22,7 @@ from kvcompile import rotation, tiles  # noqa: E402
 from kvcompile.kernels import _attention_kernel as kmod  # noqa: E402
 from kvcompile.kernels import attention_launcher as launcher  # noqa: E402
 from kvcompile.kernels import plan as P  # noqa: E402
+from utils import fmts_of  # noqa: E402
 
 
 def _call(**kw) -> P.Call:
@@ -159,10 +160,10 @@ def test_launcher_reads_the_call_off_its_tensors():
     kc = torch.zeros(2, 2, L, D, dtype=torch.int8)
     ks = torch.ones(2, 2, L, 1)
     R = rotation.shared(D, "cpu")
-    c = launcher.call_of(q, kc, ks, kc, ks, k_rotation=R, v_rotation=R.clone())
+    c = launcher.call_of(q, kc, ks, kc, ks, k_rotation=R, v_rotation=R.clone(), **fmts_of(kc, ks, kc, ks))
     assert (c.k_rot, c.v_rot) == (P.ROT_SYLVESTER, P.ROT_MATRIX)
     assert (c.B, c.Hq, c.Hkv, c.Tq, c.L, c.D, c.scale_kind) == (2, 4, 2, 1, L, D, P.SCALE_TOKEN)
-    assert launcher.call_of(q, kc, ks, kc, ks, window=L).window == 0  # a window of L keys hides none
+    assert launcher.call_of(q, kc, ks, kc, ks, window=L, **fmts_of(kc, ks, kc, ks)).window == 0  # a window of L keys hides none
 
 
 def test_no_module_flag_changes_a_kernel():

@@ -32,6 +32,7 @@ from kvcompile import ops, reference, rotation
 from kvcompile.cache import v_codes_buffer
 
 from models import tiny_config
+from utils import fmts_of, id_of, ids_of  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-5
@@ -125,16 +126,16 @@ def test_ring_attention_equals_a_linear_cache_with_the_window(backend, kind, rot
         k = (torch.randn(B, HKV, T, D, generator=gen) * 2).to(DEV)
         v = torch.randn(B, HKV, T, D, generator=gen).to(DEV)
         q = (torch.randn(B, HQ, T, D, generator=gen) * 2).to(DEV)
-        ops.store_kv(*lin, k, v, n_len, None, R, None)
+        ops.store_kv(*lin, k, v, n_len, None, R, None, **ids_of(*lin))
         n_len += T
         m = _chunk_mask(amask, c, T) if T > 1 else amask
-        out = ops.attention_ring(q, *ring, n_len, k, v, None, None, m, T > 1, None, softcap, sinks, R, None)
+        out = ops.attention_ring(q, *ring, n_len, k, v, None, None, m, T > 1, None, softcap, sinks, R, None, **ids_of(*ring))
         ref = reference.attention(q, *lin, n_len, m, T > 1, None, W, softcap, sinks, R, None,
-                                  compute_dtype=torch.float64)
+                                  compute_dtype=torch.float64, **fmts_of(*lin))
         err = _rel(out, ref)
         assert err < TOL, f"update of {T} at {c}: relative error {err:.3g}"
         full = reference.attention(q, *lin, n_len, m, T > 1, None, 0, softcap, sinks, R, None,
-                                   compute_dtype=torch.float64)
+                                   compute_dtype=torch.float64, **fmts_of(*lin))
         moved = max(moved, _rel(full, ref))
         c += T
         # the ring holds the last W positions in slot p % W, bit for bit; K rotated, as the store rotates
@@ -185,13 +186,13 @@ def test_ring_decode_stores_its_token_in_the_attention_kernel(kind, rotate, offs
         k = (torch.randn(B, HKV, 1, d, generator=gen) * 2).to(DEV)
         v = torch.randn(B, HKV, 1, d, generator=gen).to(DEV)
         q = (torch.randn(B, HQ, 1, d, generator=gen) * 2).to(DEV)
-        ops.store_kv(*lin, k, v, n_len, off, R, Rv)
+        ops.store_kv(*lin, k, v, n_len, off, R, Rv, **ids_of(*lin))
         n_len += 1
-        call = attention_launcher.call_of(q, *fused[:4], k_rotation=R, v_rotation=Rv, new_token=(k, v, off))
+        call = attention_launcher.call_of(q, *fused[:4], k_rotation=R, v_rotation=Rv, new_token=(k, v, off), **fmts_of(*fused[:4]))
         assert attention_launcher.plan_of(call).store == "kernel"
-        out = ops.attention_ring(q, *fused, n_len, k, v, off, None, None, False, None, 0.0, None, R, Rv)
+        out = ops.attention_ring(q, *fused, n_len, k, v, off, None, None, False, None, 0.0, None, R, Rv, **ids_of(*fused))
         with plan.override(store="launch"):
-            want = ops.attention_ring(q, *launched, n_len, k, v, off, None, None, False, None, 0.0, None, R, Rv)
+            want = ops.attention_ring(q, *launched, n_len, k, v, off, None, None, False, None, 0.0, None, R, Rv, **ids_of(*launched))
         if R is None:
             assert torch.equal(out, want), f"step {step}"
             for a, b_ in zip(fused, launched):
@@ -202,7 +203,7 @@ def test_ring_decode_stores_its_token_in_the_attention_kernel(kind, rotate, offs
             for i, (a, b_) in enumerate(zip(fused, launched)):
                 diff = (a.double() - b_.double()).abs().max().item()
                 assert diff <= (1 if i % 2 == 0 else 1e-6 * b_.abs().max().item()), f"ring after step {step}: {i}"
-        ref = reference.attention(q, *lin, n_len, None, False, None, W, 0.0, None, R, Rv, compute_dtype=torch.float64)
+        ref = reference.attention(q, *lin, n_len, None, False, None, W, 0.0, None, R, Rv, compute_dtype=torch.float64, **fmts_of(*lin))
         assert _rel(out, ref) < TOL, f"step {step}"
 
 
@@ -216,15 +217,15 @@ def test_ring_decode_with_a_key_bound(backend, monkeypatch):
     for T in (9, 1):
         k = torch.randn(B, HKV, T, D, generator=gen).to(DEV)
         v = torch.randn(B, HKV, T, D, generator=gen).to(DEV)
-        ops.store_kv(*lin, k, v, n_len, None)
+        ops.store_kv(*lin, k, v, n_len, None, **ids_of(*lin))
         n_len += T
         q = torch.randn(B, HQ, T, D, generator=gen).to(DEV)
         bound = n_len - 1
-        out = ops.attention_ring(q, *ring, n_len, k, v, None, bound, None, T > 1, None)
+        out = ops.attention_ring(q, *ring, n_len, k, v, None, bound, None, T > 1, None, **ids_of(*ring))
     # decode at position 9 over keys < 9: the ring holds 4..9, so keys 4..8 (window W - 1 from 8)
-    ref = reference.attention(q, *lin, bound, None, False, None, W - 1, compute_dtype=torch.float64)
+    ref = reference.attention(q, *lin, bound, None, False, None, W - 1, compute_dtype=torch.float64, **fmts_of(*lin))
     assert _rel(out, ref) < TOL
-    unbounded = reference.attention(q, *lin, n_len, None, False, None, W, compute_dtype=torch.float64)
+    unbounded = reference.attention(q, *lin, n_len, None, False, None, W, compute_dtype=torch.float64, **fmts_of(*lin))
     assert _rel(unbounded, ref) > OFF_MIN
 
 
@@ -241,14 +242,14 @@ def test_attention_key_bound_above_the_cache_reads_every_key(backend, kind, monk
     buf = _buffers(kind, n)
     k = torch.randn(B, HKV, n, D, generator=gen).to(DEV)
     v = torch.randn(B, HKV, n, D, generator=gen).to(DEV)
-    ops.store_kv(*buf, k, v, torch.zeros((), dtype=torch.long, device=DEV), None)
+    ops.store_kv(*buf, k, v, torch.zeros((), dtype=torch.long, device=DEV), None, **ids_of(*buf))
     q = torch.randn(B, HQ, 1, D, generator=gen).to(DEV)
-    full = ops.attention(q, *buf, torch.full((B,), n, device=DEV), None, False, None)
-    over = ops.attention(q, *buf, torch.tensor([n + 1, 10 * n], device=DEV), None, False, None)
+    full = ops.attention(q, *buf, torch.full((B,), n, device=DEV), None, False, None, **ids_of(*buf))
+    over = ops.attention(q, *buf, torch.tensor([n + 1, 10 * n], device=DEV), None, False, None, **ids_of(*buf))
     assert torch.equal(over, full)
-    ref = reference.attention(q, *buf, torch.tensor(n, device=DEV), None, False, None, compute_dtype=torch.float64)
+    ref = reference.attention(q, *buf, torch.tensor(n, device=DEV), None, False, None, compute_dtype=torch.float64, **fmts_of(*buf))
     assert _rel(full, ref) < TOL
-    short = ops.attention(q, *buf, torch.full((B,), n - 7, device=DEV), None, False, None)
+    short = ops.attention(q, *buf, torch.full((B,), n - 7, device=DEV), None, False, None, **ids_of(*buf))
     assert _rel(short, full) > OFF_MIN
 
 
@@ -261,11 +262,11 @@ def test_dequantize_ring_is_the_window_of_a_linear_cache(kind):
     for T in SCHEDULE:
         k = torch.randn(B, HKV, T, D, generator=gen).to(DEV)
         v = torch.randn(B, HKV, T, D, generator=gen).to(DEV)
-        got = ops.dequantize_ring(ring[0], ring[1], None, n_len, torch.float32, None, W, k, L)
-        ops.store_kv(*ring, k, v, n_len, None, ring=True)
-        ops.store_kv(*lin, k, v, n_len, None)
+        got = ops.dequantize_ring(ring[0], ring[1], None, n_len, torch.float32, None, W, k, L, format=id_of(ring[0], ring[1]))
+        ops.store_kv(*ring, k, v, n_len, None, ring=True, **ids_of(*ring))
+        ops.store_kv(*lin, k, v, n_len, None, **ids_of(*lin))
         n_len += T
-        want = ops.dequantize(lin[0], lin[1], None, n_len, torch.float32)
+        want = ops.dequantize(lin[0], lin[1], None, n_len, torch.float32, format=id_of(lin[0], lin[1]))
         lo = max(0, c - W + 1)  # the oldest key the chunk's first query sees
         assert torch.equal(got[:, :, lo:c + T], want[:, :, lo:c + T]), f"update of {T} at {c}"
         assert not got[:, :, :lo].any() and not got[:, :, c + T:].any()
@@ -276,7 +277,7 @@ def test_ring_op_refuses_a_window_that_is_not_the_ring():
     ring = _buffers("fp8_e4m3", W)
     x = torch.randn(B, HKV, 1, D, device=DEV)
     with pytest.raises(ValueError, match="ring of 6 slots"):
-        ops.dequantize_ring(ring[0], ring[1], None, torch.tensor(0, device=DEV), torch.float32, None, W + 1, x, L)
+        ops.dequantize_ring(ring[0], ring[1], None, torch.tensor(0, device=DEV), torch.float32, None, W + 1, x, L, format=id_of(ring[0], ring[1]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,24 +344,24 @@ def test_gpu_ring_decode_in_cuda_graph(kind):
     ring, lin = buffers(w), buffers(prompt + 8)
     n_len = torch.zeros((), dtype=torch.long, device=DEV)
     k, v, q = (torch.randn(b, h, prompt, d, generator=gen).to(DEV) for h in (hkv, hkv, hq))
-    ops.store_kv(*lin, k, v, n_len, None, R, None)
+    ops.store_kv(*lin, k, v, n_len, None, R, None, **ids_of(*lin))
     n_len += prompt
-    ops.attention_ring(q, *ring, n_len, k, v, None, None, None, True, None, 0.0, None, R, None)
+    ops.attention_ring(q, *ring, n_len, k, v, None, None, None, True, None, 0.0, None, R, None, **ids_of(*ring))
     k1, v1, q1 = (torch.zeros(b, h, 1, d, device=DEV) for h in (hkv, hkv, hq))
     n_len += 1
-    ops.attention_ring(q1, *ring, n_len, k1, v1, None, None, None, False, None, 0.0, None, R, None)  # warm up
+    ops.attention_ring(q1, *ring, n_len, k1, v1, None, None, None, False, None, 0.0, None, R, None, **ids_of(*ring))  # warm up
     n_len -= 1
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = ops.attention_ring(q1, *ring, n_len, k1, v1, None, None, None, False, None, 0.0, None, R, None)
+        out = ops.attention_ring(q1, *ring, n_len, k1, v1, None, None, None, False, None, 0.0, None, R, None, **ids_of(*ring))
     for _ in range(8):
         for t, h in ((k1, hkv), (v1, hkv), (q1, hq)):
             t.copy_(torch.randn(b, h, 1, d, generator=gen))
-        ops.store_kv(*lin, k1, v1, n_len, None, R, None)
+        ops.store_kv(*lin, k1, v1, n_len, None, R, None, **ids_of(*lin))
         n_len += 1
         g.replay()
         ref = reference.attention(q1, *lin, n_len, None, False, None, w, 0.0, None, R, None,
-                                  compute_dtype=torch.float64)
+                                  compute_dtype=torch.float64, **fmts_of(*lin))
         assert _rel(out, ref) < TOL, int(n_len)
 
 

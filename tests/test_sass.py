@@ -17,10 +17,11 @@ triton = pytest.importorskip("triton")
 
 from kvcompile import tiles  # noqa: E402
 from kvcompile.kernels import aot  # noqa: E402
+from utils import FORMATS  # noqa: E402
 
 H200 = (9, 0)
 TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2])
-CASES = [("fp8_e4m3", "token"), ("fp8_e4m3", "static"), ("fp8_e4m3", "block32"), ("q8_0", "block32")]
+CASES = [(f.kv_dtype, f.granularity) for f in FORMATS]  # the registry's matrix, the default format first
 # V key-contiguous (QuantizedCache's layout for token and static scales): read like K, no transpose
 KEYS_CASES = [("fp8_e4m3", "token", "v-keys"), ("fp8_e4m3", "static", "v-keys")]
 

@@ -7,7 +7,12 @@ or ``from utils import ...`` with tests/ on sys.path, as pytest's rootdir-insert
   scale-free way to say "this quantized tensor is close enough";
 * :data:`TOLERANCES` / :func:`tol` — per-dtype default (atol, rtol) for comparing a result
   computed in that dtype against a float64/float32 oracle;
-* :func:`max_rel_err` — max |a - b| / max |b|, for logits-style comparisons.
+* :func:`max_rel_err` — max |a - b| / max |b|, for logits-style comparisons;
+  :func:`rel_err` — ||a - b|| / ||b|| (Frobenius), for attention outputs;
+* :data:`FORMATS` — the registry's format matrix (the default first); :func:`make_cache` — one
+  layer's empty codes and scales in a format; :func:`ids` / :func:`fmts` — the format arguments of
+  a direct op call (``k_format=`` / ``v_format=`` ids) or launcher call (``k_fmt=`` / ``v_fmt=``):
+  kvcompile never reads a format off the tensors.
 
 Guideline: a tolerance is a measured number with a margin, stated next to the assert with
 the reason; do not widen one to make a test pass.
@@ -21,7 +26,8 @@ import torch
 
 __all__ = [
     "TOLERANCES", "tol", "assert_close", "sqnr", "assert_sqnr", "max_rel_err", "bits_equal",
-    "e4m3_code_values", "decode_codes_f64",
+    "e4m3_code_values", "decode_codes_f64", "rel_err", "FORMATS", "FORMAT_IDS", "as_format", "ids", "fmts",
+    "make_cache",
 ]
 
 # (atol, rtol) for a result computed in `dtype` against a higher-precision oracle, for values of
@@ -134,6 +140,12 @@ def max_rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((a - e).abs().max() / e.abs().max().clamp_min(1e-30)).item()
 
 
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` (Frobenius, float64)."""
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
 def e4m3_code_values() -> torch.Tensor:
     """float64 value of each of the 256 float8_e4m3fn codes, decoded from the bits by hand
     (independent of torch's fp8 support): sign | 4-bit exponent (bias 7) | 3-bit mantissa;
@@ -157,3 +169,85 @@ def decode_codes_f64(codes: torch.Tensor) -> torch.Tensor:
     if codes.dtype == torch.float8_e4m3fn:
         return e4m3_code_values()[codes.cpu().view(torch.uint8).long()]
     return codes.cpu().to(torch.float64)
+
+
+# every registered format at every granularity it admits, the default format first: the format
+# matrix tests parametrize over (a new spec in kvcompile/formats/ joins it)
+def _format_matrix() -> list:
+    from kvcompile import formats
+
+    every = [formats.get_format(s.name, g) for s in formats.specs() for g in s.granularities]
+    return sorted(every, key=lambda f: f.kv_dtype != formats.DEFAULT_KV_DTYPE)
+
+
+FORMATS = _format_matrix()
+FORMAT_IDS = [f.name for f in FORMATS]
+
+
+def as_format(f, granularity: str | None = None):
+    """A :class:`kvcompile.formats.KVFormat` from one, a ``kv_dtype`` name (at ``granularity``, default
+    the spec's) or a ``(kv_dtype, granularity)`` pair."""
+    from kvcompile import formats
+
+    if isinstance(f, formats.KVFormat):
+        return f
+    if isinstance(f, tuple):
+        return formats.get_format(*f)
+    return formats.get_format(f, granularity)
+
+
+def ids(k_fmt, v_fmt=None) -> dict:
+    """``k_format`` / ``v_format`` of a direct op call: the formats' ids (V: K's when not given)."""
+    k = as_format(k_fmt)
+    return {"k_format": k.id, "v_format": as_format(v_fmt if v_fmt is not None else k).id}
+
+
+def fmts(k_fmt, v_fmt=None) -> dict:
+    """``k_fmt`` / ``v_fmt`` of a direct launcher / reference / C-path call (V: K's when not given)."""
+    k = as_format(k_fmt)
+    return {"k_fmt": k, "v_fmt": as_format(v_fmt if v_fmt is not None else k)}
+
+
+def make_cache(k_fmt, v_fmt=None, B: int = 2, H: int = 2, L: int = 16, D: int = 64, *, gen=None, seed: int = 0,
+               device="cpu", static_scale=(0.005, 0.01)):
+    """One layer's empty ``(k codes, k scales, v codes, v scales)`` ``[B, H, L, D]`` in formats
+    ``k_fmt`` / ``v_fmt`` (V: K's when not given), as QuantizedLayer allocates them: zeros, except a
+    static format's ``[H]`` scales, ``lo + rand * width`` for ``static_scale = (lo, width)`` drawn
+    from ``gen`` (default: a generator seeded with ``seed``), K's first."""
+    k_fmt = as_format(k_fmt)
+    v_fmt = as_format(v_fmt) if v_fmt is not None else k_fmt
+    gen = gen if gen is not None else torch.Generator().manual_seed(seed)
+    out = []
+    for f in (k_fmt, v_fmt):
+        out.append(torch.zeros(B, H, L, D, dtype=f.code_dtype, device=device))
+        if f.is_static:
+            out.append((torch.rand(H, generator=gen) * static_scale[1] + static_scale[0]).to(device))
+        else:
+            out.append(torch.zeros(f.scale_shape(B, H, L, D), dtype=f.scale_dtype, device=device))
+    return tuple(out)
+
+
+def tensors_format(codes: torch.Tensor, scale: torch.Tensor):
+    """The :class:`KVFormat` of hand-built ``(codes, scale)`` (:func:`kvcompile.formats.of_tensors`, the
+    public helper for inspecting tensors; kvcompile itself never asks)."""
+    from kvcompile import formats
+
+    return formats.of_tensors(codes, scale)
+
+
+def fmts_of(k_codes, k_scale, v_codes, v_scale) -> dict:
+    """:func:`fmts` of hand-built tensors (:func:`tensors_format`)."""
+    return fmts(tensors_format(k_codes, k_scale), tensors_format(v_codes, v_scale))
+
+
+def ids_of(k_codes, k_scale, v_codes, v_scale) -> dict:
+    """:func:`ids` of hand-built tensors (:func:`tensors_format`)."""
+    return ids(tensors_format(k_codes, k_scale), tensors_format(v_codes, v_scale))
+
+
+def fmt_of(codes, scale):
+    return tensors_format(codes, scale)
+
+
+def id_of(codes, scale) -> int:
+    return tensors_format(codes, scale).id

@@ -22,8 +22,8 @@ from .store import dequantize as _dequantize
 from .store import store_kv
 
 
-def dequantize(codes, scale, offset, kv_len, dtype, rotation=None):
-    return _dequantize(codes, scale, offset, kv_len, dtype, rotation=rotation)
+def dequantize(codes, scale, offset, kv_len, dtype, rotation=None, *, fmt):
+    return _dequantize(codes, scale, offset, kv_len, dtype, rotation=rotation, fmt=fmt)
 
 
 __all__ = ["store_kv", "dequantize", "attention"]

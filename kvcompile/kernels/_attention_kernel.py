@@ -245,6 +245,7 @@ def _attention_kernel(
     STORE_HW_E4M3: tl.constexpr,  # ... e4m3 encoded by the sm_89+ convert (_store_kernel.py)
     STORE_K_HADAMARD: tl.constexpr,  # ... K rotated by H_D / sqrt(D) before quantizing
     STORE_V_HADAMARD: tl.constexpr,  # ... V likewise
+    STORE_K_CODE: tl.constexpr, STORE_V_CODE: tl.constexpr,  # ... K's, V's format (FormatSpec.id)
     ONE_TILE: tl.constexpr,      # each split is one tile (split_len <= BLOCK_N): its reads go before q's prologue
     HOLD_TILE: tl.constexpr,     # ... and its staging for the dots after it (GPU: _held)
     BLOCK_M: tl.constexpr,
@@ -290,7 +291,7 @@ def _attention_kernel(
                         VS, stride_vsb, stride_vsh, stride_vsn, stride_vsg,
                         OFF, stride_offh, stride_offd, b, hk, slot, D, rot_scale,
                         STORE_OFFSET, SCALE_KIND == SCALE_STATIC, SCALE_KIND == SCALE_BLOCK, STORE_HW_E4M3,
-                        STORE_K_HADAMARD, STORE_V_HADAMARD, ROT_EXACT, ROT_CHUNK, GROUP_SIZE, BLOCK_D)
+                        STORE_K_HADAMARD, STORE_V_HADAMARD, ROT_EXACT, ROT_CHUNK, GROUP_SIZE, BLOCK_D, STORE_K_CODE, STORE_V_CODE)
             tl.debug_barrier()
 
     # ---- rows of this program: (query index, query head) pairs of kv head hk ----

@@ -4,12 +4,13 @@ import triton
 import triton.language as tl
 
 from ._codes import FP8_MAX, Q8_MAX, codes_to_float, e4m3_encode, e4m3_encode_hw, to_store_dtype
+from ..formats import fp8_e4m3, int8, q8_0
 from ._rotation import hadamard_rows
 
-# CODE constexpr of _quantize_rows: which format a side (K or V) is written in
-CODE_FP8 = tl.constexpr(0)  # fp8_e4m3 (any granularity)
-CODE_Q8_0 = tl.constexpr(1)  # GGUF q8_0: d = amax / 127, roundf(x * (1/d)), fp16 d
-CODE_INT8 = tl.constexpr(2)  # int8: s = amax / 127 (fp32), round-half-even(x / s)
+# CODE constexpr of _quantize_rows: which format a side (K or V) is written in, by its FormatSpec.id
+CODE_FP8 = tl.constexpr(fp8_e4m3.SPEC.id)  # any granularity
+CODE_Q8_0 = tl.constexpr(q8_0.SPEC.id)  # GGUF q8_0: d = amax / 127, roundf(x * (1/d)), fp16 d
+CODE_INT8 = tl.constexpr(int8.SPEC.id)  # s = amax / 127 (fp32), round-half-even(x / s)
 
 
 @triton.jit
@@ -140,15 +141,13 @@ def store_token(
     ROT_CHUNK: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    K_CODE: tl.constexpr,  # K's format (CODE_*: its FormatSpec.id); V's may differ when both share one granularity
+    V_CODE: tl.constexpr,
 ):
     """One token (row 0 of K / V ``[B, H, 1, D]``) of kv head ``h`` into ``slot``, K and V, as
     ``_store_kv_kernel`` stores it, from inside another kernel (the attention kernel's ``STORE_NEW``):
-    each side's format read off its codes (e4m3 as uint8 bits), a rotated side's 16-row product
-    quantized as the token's row alone (``ONE_ROW``)."""
-    # each side's CODE, read off its codes at compile time (a @triton.jit helper's return value is not a
-    # constexpr under Triton 3.6: both branches of `if CODE ...` would be compiled, and their codes' types differ)
-    K_CODE: tl.constexpr = CODE_FP8 if KC.dtype.element_ty == tl.uint8 else (CODE_Q8_0 if BLOCK_SCALES else CODE_INT8)
-    V_CODE: tl.constexpr = CODE_FP8 if VC.dtype.element_ty == tl.uint8 else (CODE_Q8_0 if BLOCK_SCALES else CODE_INT8)
+    each side in its format (``K_CODE`` / ``V_CODE``, e4m3 codes as uint8 bits), a rotated side's 16-row
+    product quantized as the token's row alone (``ONE_ROW``)."""
     GROUPS_P2: tl.constexpr = BLOCK_D // GROUP_SIZE if BLOCK_SCALES else 1
     STORE_GROUP: tl.constexpr = GROUP_SIZE if BLOCK_SCALES else BLOCK_D
     _quantize_rows(K, stride_kb, stride_kh, stride_kt, stride_kd, KC, stride_kcb, stride_kch, stride_kct, stride_kcd,

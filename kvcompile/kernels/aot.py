@@ -151,9 +151,7 @@ def compile_attention(
     if mask not in masks:
         raise ValueError(f"kvcompile.kernels.aot: mask must be one of {list(masks)}, got {mask!r}")
     mask_kind, mask_ptr = masks[mask]
-    # the launcher reads the scale kind off the scale tensors' shapes: give it shape-only ones
-    scales = torch.empty(fmt.scale_shape(1, 1, 1, head_dim), dtype=fmt.scale_dtype, device="meta")
-    kind, group_size = plan_mod.scale_layout(scales, scales, head_dim)
+    kind, group_size = plan_mod.scale_layout(fmt, fmt, head_dim)
     k_rot = plan_mod.ROT_SYLVESTER if rotated in (True, "k") else plan_mod.ROT_NONE
     v_rot = plan_mod.ROT_SYLVESTER if rotated in (True, "v") else plan_mod.ROT_NONE
     # a Llama-3-8B-like call at batch 8 over a long cache (decode splits; enough programs for the
@@ -161,7 +159,7 @@ def compile_attention(
     call = plan_mod.Call(
         cc=tuple(cc), sms=132, interpret=False, B=8, Hq=8 * group, Hkv=8, Tq=q_len, L=32768, D=head_dim,
         q_dtype=torch.bfloat16, k_code=code_types[k_codes], v_code=code_types[v_codes], scale_kind=kind,
-        group_size=group_size, scale_bytes=plan_mod.scale_bytes(scales), mask_kind=mask_kind,
+        group_size=group_size, scale_bytes=plan_mod.scale_bytes(fmt, head_dim), mask_kind=mask_kind,
         is_causal=q_len > 1 if causal is None else causal, window=1024 if window else 0, softcap=softcap,
         sinks=sinks, k_rot=k_rot, v_rot=v_rot, v_keys=v_keys, decode=decode)
     fields = dict(plan_fields or {})
@@ -229,7 +227,7 @@ def compile_store(
     groups_p2 = next_pow2(groups)
     group_size = next_pow2(head_dim) if groups == 1 else head_dim // groups
     block_t = max(1, min(next_pow2(tokens), 4096 // (groups_p2 * group_size)))
-    code = {"fp8_e4m3": 0, "q8_0": 1, "int8": 2}[fmt.kv_dtype]  # store._code: the CODE constexpr
+    code = fmt.spec.id  # the store kernel's CODE constexpr
     consts = dict(HAS_OFFSET=False, K_CODE=code, V_CODE=code, STATIC_SCALE=static,
                   HW_E4M3=not int8 and tiles.has_native_fp8(cc),  # store.hw_e4m3 for a GPU of this arch
                   GROUPS_P2=groups_p2, GROUP_SIZE=group_size, BLOCK_T=block_t,

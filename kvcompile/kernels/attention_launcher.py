@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import rotation, tiles
+from .. import formats, rotation, tiles
 from . import dense, plan as plan_mod
 from ._attention_kernel import _attention_kernel
 from ._merge_kernel import _merge_kernel
@@ -76,22 +76,24 @@ def _rot_kind(r: Optional[Tensor]) -> int:
 
 
 def call_of(q, k_q, k_scale, v_q, v_scale, attn_mask=None, is_causal=False, decode=True, window=0, softcap=0.0,
-            sinks=None, k_rotation=None, v_rotation=None, new_token=None) -> plan_mod.Call:
-    """The :class:`plan.Call` of a call with these tensors (``window`` > 0 only when it hides keys)."""
+            sinks=None, k_rotation=None, v_rotation=None, new_token=None, *, k_fmt, v_fmt) -> plan_mod.Call:
+    """The :class:`plan.Call` of a call with these tensors in formats ``k_fmt`` / ``v_fmt``
+    (``window`` > 0 only when it hides keys)."""
     B, Hq, Tq, D = q.shape
     Hkv, L = k_q.shape[1], k_q.shape[2]
     dev = q.device
-    kind, group_size = scale_layout(k_scale, v_scale, D)
+    kind, group_size = scale_layout(k_fmt, v_fmt, D)
     return plan_mod.Call(
         cc=tuple(device_cc(dev)), sms=sm_count(dev), interpret=interpreting(), B=B, Hq=Hq, Hkv=Hkv, Tq=Tq, L=L, D=D,
-        q_dtype=q.dtype, k_code=k_q.dtype, v_code=v_q.dtype, scale_kind=kind, group_size=group_size,
+        q_dtype=q.dtype, k_code=k_fmt.code_dtype, v_code=v_fmt.code_dtype, scale_kind=kind, group_size=group_size,
         # e.g. fp8/block32 K (fp32 scales) with q8_0 V (fp16)
-        scale_bytes=max(scale_bytes(k_scale), scale_bytes(v_scale)),
+        scale_bytes=max(scale_bytes(k_fmt, D), scale_bytes(v_fmt, D)),
         mask_kind=MASK_NONE if attn_mask is None else (MASK_BOOL if attn_mask.dtype == torch.bool else MASK_ADD),
         is_causal=bool(is_causal), window=int(window) if 0 < window < L else 0, softcap=softcap > 0,
         sinks=sinks is not None, k_rot=_rot_kind(k_rotation), v_rot=_rot_kind(v_rotation),
         v_keys=v_keys_contiguous(v_q), decode=decode,
         store=new_token is not None, store_offset=new_token is not None and new_token[2] is not None,
+        k_kind=k_fmt.spec.id, v_kind=v_fmt.spec.id,
     )
 
 
@@ -100,24 +102,24 @@ plan_of = plan_mod.plan_of
 
 
 def _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, decode: bool, window=0,
-           softcap=0.0, sinks=None, k_rotation=None, v_rotation=None, new_token=None) -> Tensor:
+           softcap=0.0, sinks=None, k_rotation=None, v_rotation=None, new_token=None, *, k_fmt, v_fmt) -> Tensor:
     """The fused kernels: plan, then run (with a smaller tile when Triton refuses the planned one)."""
     from triton.runtime.errors import OutOfResources
 
     call = call_of(q, k_q, k_scale, v_q, v_scale, attn_mask, is_causal, decode, window, softcap, sinks,
-                   k_rotation, v_rotation, new_token)
+                   k_rotation, v_rotation, new_token, k_fmt=k_fmt, v_fmt=v_fmt)
     while True:
         p = plan_of(call)
         try:
             return _run(p, q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, sm_scale, softcap, sinks,
-                        k_rotation, v_rotation, new_token)
+                        k_rotation, v_rotation, new_token, fmts=(k_fmt, v_fmt))
         except OutOfResources:
             if not plan_mod.shrink(call, p.tile):  # the plan's smaller tile, if one is left
                 raise
 
 
 def _run(p: plan_mod.LaunchPlan, q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, sm_scale, softcap, sinks,
-         k_rotation, v_rotation, new_token=None) -> Tensor:
+         k_rotation, v_rotation, new_token=None, fmts=None) -> Tensor:
     """One launch of the attention kernel as planned (+ the merge when split, + the rotations and the
     token's store the plan puts in launches of their own)."""
     c = p.call
@@ -125,7 +127,7 @@ def _run(p: plan_mod.LaunchPlan, q, k_q, k_scale, v_q, v_scale, kv_len, attn_mas
     dev = q.device
     if p.store == "launch":
         store_kv(k_q, k_scale, v_q, v_scale, *new_token[:2], kv_len, new_token[2], k_rotation, v_rotation, shift=-1,
-                 ring=c.L)
+                 ring=c.L, k_fmt=fmts[0], v_fmt=fmts[1])
     if p.store == "kernel":
         k_new, v_new, k_offset = new_token
         kw, vw = as_bits(k_q), as_bits(v_q)
@@ -196,9 +198,10 @@ def attention(
     attn_mask: Optional[Tensor], is_causal: bool, scale: Optional[float],
     sliding_window: int = 0, softcap: float = 0.0, sinks: Optional[Tensor] = None,
     k_rotation: Optional[Tensor] = None, v_rotation: Optional[Tensor] = None,
-    new_token: Optional[tuple[Tensor, Tensor, Optional[Tensor]]] = None,
+    new_token: Optional[tuple[Tensor, Tensor, Optional[Tensor]]] = None, *, k_fmt, v_fmt,
 ) -> Tensor:
-    """``kvcompile::attention`` on the Triton kernels (arguments and shapes: :func:`kvcompile.dispatch.attention`).
+    """``kvcompile::attention`` on the Triton kernels (arguments and shapes: :func:`kvcompile.dispatch.attention`;
+    ``k_fmt`` / ``v_fmt``: the caches' :class:`kvcompile.formats.KVFormat`).
 
     ``new_token`` ``(k, v, k_offset)``, k and v ``[B, Hkv, 1, D]``, with one query: store that token
     first, at position ``kv_len - 1`` (a 0-d tensor) in slot ``(kv_len - 1) % L`` (a sliding layer's
@@ -218,10 +221,10 @@ def attention(
         return torch.zeros_like(q)
     sm_scale = D**-0.5 if scale is None else float(scale)
     L = k_q.shape[2]
-    dense_ok = plan_mod.dense_ok(softcap > 0, sinks is not None, k_q.dtype, v_q.dtype, device_cc(q.device))
+    dense_ok = plan_mod.dense_ok(softcap > 0, sinks is not None, k_fmt.code_dtype, v_fmt.code_dtype, device_cc(q.device))
     path = prefill_path(q, window_hides=0 < sliding_window < L, dense_ok=dense_ok)
     if path == "dense":
         return dense.attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale,
-                               sliding_window, k_rotation, v_rotation)
+                               sliding_window, k_rotation, v_rotation, k_fmt=k_fmt, v_fmt=v_fmt)
     return _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, path == "decode",
-                  sliding_window, softcap, sinks, k_rotation, v_rotation, new_token)
+                  sliding_window, softcap, sinks, k_rotation, v_rotation, new_token, k_fmt=k_fmt, v_fmt=v_fmt)

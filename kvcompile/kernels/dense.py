@@ -36,10 +36,11 @@ def _sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa):
 
 
 def attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, window: int = 0,
-              k_rotation: Optional[Tensor] = None, v_rotation: Optional[Tensor] = None) -> Tensor:
-    """Dequantize the live prefix once, then SDPA; rotations as the module docstring says."""
+              k_rotation: Optional[Tensor] = None, v_rotation: Optional[Tensor] = None, *, k_fmt, v_fmt) -> Tensor:
+    """Dequantize the live prefix once (K in ``k_fmt``, V in ``v_fmt``), then SDPA; rotations as the
+    module docstring says."""
     out, v_rotation = _dense_sdpa(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, window,
-                                  k_rotation, v_rotation)
+                                  k_rotation, v_rotation, (k_fmt, v_fmt))
     if v_rotation is not None:  # SDPA's output is in V's rotated space
         out = rotate_rows(out, v_rotation, transpose=True, dtype=out.dtype)
     return out
@@ -104,7 +105,7 @@ def _sync(kvl: Tensor, one_length: bool, facts: list[Tensor]) -> tuple[int, int,
 
 
 def _dense_sdpa(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, window: int = 0,
-                k_rotation=None, v_rotation=None) -> tuple[Tensor, Optional[Tensor]]:
+                k_rotation=None, v_rotation=None, fmts=()) -> tuple[Tensor, Optional[Tensor]]:
     """SDPA's output, and V's rotation when the output is still in V's rotated space (else None)."""
     B, Hq, Tq, D = q.shape
     Hkv, L = k_q.shape[1], k_q.shape[2]
@@ -123,8 +124,9 @@ def _dense_sdpa(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_
     # Rotate the side with fewer rows: the dequantized keys (Hkv * (n - start)) or q and the output
     # (Hq * Tq). The dequantize itself rotates back a side stored by the Sylvester matrix, at no cost
     # beyond its own pass: when it can take every rotated side, the keys' side costs nothing.
-    k_in = unrotates_in_dequantize(k_rotation, k_scale)
-    v_in = unrotates_in_dequantize(v_rotation, v_scale)
+    k_fmt, v_fmt = fmts
+    k_in = unrotates_in_dequantize(k_rotation, k_fmt)
+    v_in = unrotates_in_dequantize(v_rotation, v_fmt)
     folded = (k_rotation is None or k_in) and (v_rotation is None or v_in)
     kv_side = folded or Hkv * (n - start) < Hq * Tq
     k_in, v_in = kv_side and k_in, kv_side and v_in
@@ -132,11 +134,11 @@ def _dense_sdpa(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_
     try:
         # K and V in one launch; K centering offsets are left out: softmax does not see them.
         if start:
-            k, v = dequantize_kv(k_q[:, :, start:], k_scale if k_scale.dim() == 1 else k_scale[:, :, start:],
-                                 v_q[:, :, start:], v_scale if v_scale.dim() == 1 else v_scale[:, :, start:],
-                                 kvl - start, n - start, ws_dtype, k_in, v_in)
+            k, v = dequantize_kv(k_q[:, :, start:], k_scale if k_fmt.is_static else k_scale[:, :, start:],
+                                 v_q[:, :, start:], v_scale if v_fmt.is_static else v_scale[:, :, start:],
+                                 kvl - start, n - start, ws_dtype, k_in, v_in, k_fmt=k_fmt, v_fmt=v_fmt)
         else:
-            k, v = dequantize_kv(k_q, k_scale, v_q, v_scale, kv_len, n, ws_dtype, k_in, v_in)
+            k, v = dequantize_kv(k_q, k_scale, v_q, v_scale, kv_len, n, ws_dtype, k_in, v_in, k_fmt=k_fmt, v_fmt=v_fmt)
         if kv_side and (k_rotation is not None or v_rotation is not None):
             k, v = _unrotate(k, v, None if k_in else k_rotation, None if v_in else v_rotation)
             v_rotation = None

@@ -82,6 +82,8 @@ class Call:
     # (kv_len - 1) % L: a sliding layer's ring), K centered by an offset when store_offset
     store: bool = False
     store_offset: bool = False
+    k_kind: int = 0  # the stored token's K and V formats (FormatSpec.id: the store's CODE)
+    v_kind: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +212,7 @@ class LaunchPlan:
             Q_HADAMARD=self.q_rotation == "kernel", ROT_CHUNK=ROT_CHUNK,
             ROT_EXACT=c.interpret or self.dot_dtype == torch.float32,
             STORE_NEW=fused, STORE_OFFSET=fused and c.store_offset,
+            STORE_K_CODE=c.k_kind if fused else 0, STORE_V_CODE=c.v_kind if fused else 0,
             STORE_HW_E4M3=fused and not c.interpret and tiles.has_native_fp8(c.cc)
             and torch.float8_e4m3fn in (c.k_code, c.v_code),
             STORE_K_HADAMARD=fused and c.k_rot == ROT_SYLVESTER, STORE_V_HADAMARD=fused and c.v_rot == ROT_SYLVESTER,

@@ -21,32 +21,24 @@ def _as_bits(codes: Tensor) -> Tensor:
     return codes.view(torch.uint8) if codes.dtype == torch.float8_e4m3fn else codes
 
 
-def _scale_layout(scale: Tensor, head_dim: int) -> tuple[bool, int, int]:
-    """(static, groups padded to a power of two, values per group) of a scale tensor."""
-    if scale.dim() == 1:
-        return True, 1, next_pow2(head_dim)
-    groups = scale.shape[-1]
-    if groups == 1:
-        return False, 1, next_pow2(head_dim)
-    size = head_dim // groups
+def _scale_layout(fmt: formats.KVFormat, head_dim: int) -> tuple[bool, int, int]:
+    """(static, groups padded to a power of two, values per group) of a format's scales."""
+    if fmt.groups(head_dim) <= 1:  # static (0 groups) or one scale per token
+        return fmt.is_static, 1, next_pow2(head_dim)
+    size = fmt.group_size(head_dim)
     if size & (size - 1):
         raise ValueError(
-            f"kvcompile: scale groups of {size} values (head_dim={head_dim}, {groups} groups) are not supported "
+            f"kvcompile: scale groups of {size} values (head_dim={head_dim}) are not supported "
             "by the Triton store kernel; use granularity 'token' or 'block32'"
         )
-    return False, next_pow2(groups), size
-
-
-def _code(cache: Tensor, scale: Tensor) -> int:
-    """The store kernel's CODE constexpr for one side: its format, read off codes and scale."""
-    name = formats.format_of(cache, scale) if scale.dim() == 4 else "fp8_e4m3"  # static: fp8 only
-    return {"fp8_e4m3": 0, "q8_0": 1, "int8": 2}[name]
+    return False, next_pow2(head_dim // size), size
 
 
 def store_kv(
     k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor,
     k: Tensor, v: Tensor, start: Tensor, k_offset: Optional[Tensor],
     k_rotation: Optional[Tensor] = None, v_rotation: Optional[Tensor] = None, *, shift: int = 0, ring: int = 0,
+    k_fmt: formats.KVFormat, v_fmt: formats.KVFormat,
 ) -> None:
     """Quantize-on-store of K and V in one launch, at positions ``start + shift + arange(T)``; ``ring`` W > 0:
     one token (T == 1) at slot ``(start + shift) % W`` of a sliding layer's ring (:mod:`kvcompile.ring`), the
@@ -62,12 +54,11 @@ def store_kv(
         return
     if ring and T != 1:
         raise ValueError(f"kvcompile.store_kv (triton): a ring slot takes one token, got {T}")
-    if k_scale.dim() != v_scale.dim() or (k_scale.dim() == 4 and k_scale.shape[-1] != v_scale.shape[-1]):
+    if k_fmt.granularity != v_fmt.granularity:
         raise ValueError(
-            "kvcompile.store_kv (triton): K and V scales must share one granularity, got "
-            f"{tuple(k_scale.shape)} and {tuple(v_scale.shape)}"
+            f"kvcompile.store_kv (triton): K and V scales must share one granularity, got {k_fmt.name} and {v_fmt.name}"
         )
-    static, groups_p2, group_size = _scale_layout(k_scale, D)
+    static, groups_p2, group_size = _scale_layout(k_fmt, D)
     # kvcompile.rotation's shared Sylvester matrix over token scales, 16 tokens or more: rotated in the
     # store kernel (_in_kernel)
     k_had = k_rotation is not None and _in_kernel(k_rotation, static, groups_p2, T)
@@ -80,11 +71,11 @@ def store_kv(
         k = rotate_rows(k, k_rot)
     elif v_rot is not None:
         v = rotate_rows(v, v_rot)
-    k_code, v_code = _code(k_cache, k_scale), _code(v_cache, v_scale)
-    any_fp8 = 0 in (k_code, v_code)
+    k_code, v_code = k_fmt.spec.id, v_fmt.spec.id
+    any_fp8 = torch.float8_e4m3fn in (k_fmt.code_dtype, v_fmt.code_dtype)
     kc, vc = _as_bits(k_cache), _as_bits(v_cache)
-    ks = k_scale if k_scale.dim() == 4 else k_scale.view(1, -1, 1, 1)
-    vs = v_scale if v_scale.dim() == 4 else v_scale.view(1, -1, 1, 1)
+    ks = k_scale.view(1, -1, 1, 1) if static else k_scale
+    vs = v_scale.view(1, -1, 1, 1) if static else v_scale
     off = k_offset if k_offset is not None else k_scale  # dummy pointer when there is no offset
     off_strides = (k_offset.stride(0), k_offset.stride(1)) if k_offset is not None else (0, 0)
     # ~4K values per program: enough bytes in flight, registers stay small
@@ -131,14 +122,14 @@ def triton_cdiv(a: int, b: int) -> int:
 
 def dequantize(codes: Tensor, scale: Tensor, offset: Optional[Tensor], kv_len: Tensor, dtype: torch.dtype,
                out: Optional[Tensor] = None, fp8_bits: Optional[bool] = None,
-               rotation: Optional[Tensor] = None) -> Tensor:
-    """codes [B, H, L, D] -> values in ``dtype`` (``out`` may be a preallocated workspace).
+               rotation: Optional[Tensor] = None, *, fmt: formats.KVFormat) -> Tensor:
+    """codes [B, H, L, D] in format ``fmt`` -> values in ``dtype`` (``out`` may be a preallocated workspace).
 
     With ``rotation`` R ([D, D] float32): ``(codes * scale + offset) @ R^T``; the kernel writes the
     float32 values (zeros at positions >= kv_len), one float32 torch matmul un-rotates them (exactly
     what the reference does), then the cast to ``dtype``."""
     if rotation is not None:
-        x = dequantize(codes, scale, offset, kv_len, torch.float32, fp8_bits=fp8_bits)
+        x = dequantize(codes, scale, offset, kv_len, torch.float32, fp8_bits=fp8_bits, fmt=fmt)
         x = torch.matmul(x, rotation.t()).to(dtype)
         if out is None:
             return x
@@ -149,11 +140,11 @@ def dequantize(codes: Tensor, scale: Tensor, offset: Optional[Tensor], kv_len: T
     if L == 0:
         return out
     if fp8_bits is None:
-        fp8_bits = codes.dtype == torch.float8_e4m3fn and not tiles.has_native_fp8(device_cc(codes.device))
+        fp8_bits = _by_bits(fmt, codes.device)
     c = codes.view(torch.uint8) if fp8_bits else codes
-    static = scale.dim() == 1
+    static = fmt.is_static
     s = scale.view(1, -1, 1, 1) if static else scale
-    groups = 1 if static else scale.shape[-1]
+    groups = max(1, fmt.groups(D))
     off = offset if offset is not None else scale
     off_strides = (offset.stride(0), offset.stride(1)) if offset is not None else (0, 0)
     kvl, kvl_stride = kv_len_arg(kv_len, B, codes.device)
@@ -169,23 +160,29 @@ def dequantize(codes: Tensor, scale: Tensor, offset: Optional[Tensor], kv_len: T
     return out
 
 
-def _unrotation_fits(head_dim: int, scale: Tensor) -> bool:
+def _by_bits(fmt: formats.KVFormat, device: torch.device) -> bool:
+    """Whether e4m3 codes of format ``fmt`` are widened from their bits (no native fp8 convert)."""
+    return fmt.code_dtype == torch.float8_e4m3fn and not tiles.has_native_fp8(device_cc(device))
+
+
+def _unrotation_fits(head_dim: int, fmt: formats.KVFormat) -> bool:
     """The dequantize's un-rotation takes this side: a power-of-two head_dim the 16-wide dots take, one
     scale per row (token or static: it factors out of the product with the exact codes)."""
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and (scale.dim() == 1 or scale.shape[-1] == 1)
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and fmt.groups(head_dim) <= 1
 
 
-def unrotates_in_dequantize(rotation_matrix: Optional[Tensor], scale: Tensor) -> bool:
-    """Whether :func:`dequantize_kv` can rotate a side back itself: the shared Sylvester matrix (its
-    entries generated, never read) and a side :func:`_unrotation_fits`."""
+def unrotates_in_dequantize(rotation_matrix: Optional[Tensor], fmt: formats.KVFormat) -> bool:
+    """Whether :func:`dequantize_kv` can rotate a side of format ``fmt`` back itself: the shared
+    Sylvester matrix (its entries generated, never read) and a side :func:`_unrotation_fits`."""
     return (rotation_matrix is not None and rotation.is_shared_sylvester(rotation_matrix)
-            and _unrotation_fits(rotation_matrix.shape[0], scale))
+            and _unrotation_fits(rotation_matrix.shape[0], fmt))
 
 
 def dequantize_kv(k_codes: Tensor, k_scale: Tensor, v_codes: Tensor, v_scale: Tensor, kv_len: Tensor, n: int,
-                  dtype: torch.dtype, k_unrotate: bool = False, v_unrotate: bool = False) -> tuple[Tensor, Tensor]:
+                  dtype: torch.dtype, k_unrotate: bool = False, v_unrotate: bool = False, *, k_fmt: formats.KVFormat,
+                  v_fmt: formats.KVFormat) -> tuple[Tensor, Tensor]:
     """The first ``n`` positions of K and V codes ``[B, H, L, D]`` (each in its own layout) -> two
-    contiguous ``[B, H, n, D]`` tensors in ``dtype``, in one launch; zeros at positions >= kv_len[b].
+    contiguous ``[B, H, n, D]`` tensors in ``dtype``, in one launch (K in ``k_fmt``, V in ``v_fmt``); zeros at positions >= kv_len[b].
     K's centering offset is not added (the dense prefill's workspace: softmax does not see it). A side
     stored rotated stays rotated, unless ``k_unrotate`` / ``v_unrotate`` (the side is rotated by the
     shared Sylvester matrix, :func:`unrotates_in_dequantize`): then its values come out rotated back,
@@ -195,19 +192,17 @@ def dequantize_kv(k_codes: Tensor, k_scale: Tensor, v_codes: Tensor, v_scale: Te
     if not 0 <= n <= L or v_codes.shape != k_codes.shape:
         raise ValueError(f"kvcompile.dequantize_kv: n={n} for codes {tuple(k_codes.shape)} / {tuple(v_codes.shape)}")
     unrotate = k_unrotate or v_unrotate
-    if unrotate and not _unrotation_fits(D, k_scale):
-        raise ValueError(f"kvcompile.dequantize_kv: no un-rotation in the dequantize for head_dim {D} and scales "
-                         f"{tuple(k_scale.shape)} (a power of two >= 16 and one scale per token or head)")
+    if unrotate and not _unrotation_fits(D, k_fmt):
+        raise ValueError(f"kvcompile.dequantize_kv: no un-rotation in the dequantize for head_dim {D} and "
+                         f"{k_fmt.name} (a power of two >= 16 and one scale per token or head)")
     k = torch.empty((B, H, n, D), dtype=dtype, device=k_codes.device)
     v = torch.empty_like(k)
     if n == 0:
         return k, v
-    native = tiles.has_native_fp8(device_cc(k_codes.device))
-    k_bits = k_codes.dtype == torch.float8_e4m3fn and not native
-    v_bits = v_codes.dtype == torch.float8_e4m3fn and not native
+    k_bits, v_bits = _by_bits(k_fmt, k_codes.device), _by_bits(v_fmt, v_codes.device)
     kc = k_codes.view(torch.uint8) if k_bits else k_codes
     vc = v_codes.view(torch.uint8) if v_bits else v_codes
-    static = k_scale.dim() == 1
+    static = k_fmt.is_static
     ks, vs = (k_scale.view(1, -1, 1, 1), v_scale.view(1, -1, 1, 1)) if static else (k_scale, v_scale)
     kvl, kvl_stride = kv_len_arg(kv_len, B, k_codes.device)
     block_d = next_pow2(D)
@@ -216,7 +211,7 @@ def dequantize_kv(k_codes: Tensor, k_scale: Tensor, v_codes: Tensor, v_scale: Te
         block_l = max(block_l, 16)
     _dequantize_kv_kernel[(triton_cdiv(n, block_l), B * H, 2)](
         kc, *kc.stride(), ks, *ks.stride(), vc, *vc.stride(), vs, *vs.stride(), kvl, kvl_stride,
-        k, *k.stride(), v, *v.stride(), H, n, D, 1 if static else k_scale.shape[-1], rot_scale(D),
+        k, *k.stride(), v, *v.stride(), H, n, D, max(1, k_fmt.groups(D)), rot_scale(D),
         STATIC_SCALE=static, K_FP8_BITS=k_bits, V_FP8_BITS=v_bits, BLOCK_L=block_l, BLOCK_D=block_d,
         K_UNROTATE=k_unrotate, V_UNROTATE=v_unrotate, EXACT=interpreting(), RC=min(ROT_CHUNK, block_d),
         num_warps=4, **_EXACT,

@@ -47,6 +47,9 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from .. import formats
+from ..formats.spec import GRANULARITY_IDS
+
 __all__ = ["attention", "store_kv", "available", "status", "MAX_WORK", "MAX_QUERIES"]
 
 _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attend.c")
@@ -84,6 +87,14 @@ def _compiler() -> Optional[str]:
 _FLAGS = (["-O3", "-march=native", "-fopenmp-simd"], ["-O3", "-fopenmp-simd"], ["-O2"])
 
 
+def defines() -> list[str]:
+    """The ids attend.c knows the formats by, from the registry (one numbering: kvcompile.formats.spec):
+    ``-DKVC_CODE_<NAME>=<FormatSpec.id>`` per format and ``-DKVC_SCALE_<GRANULARITY>=<id>``; attend.c
+    refuses to build without them."""
+    codes = [f"-DKVC_CODE_{s.name.upper()}={s.id}" for s in formats.specs()]
+    return codes + [f"-DKVC_SCALE_{g.upper()}={i}" for g, i in GRANULARITY_IDS.items()]
+
+
 class _Side(ctypes.Structure):
     """attend.c's side_t: one side (K or V) of a layer's cache."""
 
@@ -106,7 +117,9 @@ def _build() -> tuple:
         raise RuntimeError("no C compiler found (set CC, or install gcc or clang)")
     with open(_SRC, "rb") as f:
         src = f.read()
-    key = hashlib.sha256(src + cc.encode() + _cpu_key().encode() + platform.machine().encode()).hexdigest()[:16]
+    ids = defines()
+    key = hashlib.sha256(src + cc.encode() + _cpu_key().encode() + platform.machine().encode()
+                         + " ".join(ids).encode()).hexdigest()[:16]
     root = os.environ.get("KVCOMPILE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "kvcompile")
     path = os.path.join(root, f"attend-{key}.so")
@@ -116,7 +129,7 @@ def _build() -> tuple:
         for flags in _FLAGS:  # -march=native or -fopenmp-simd may be unknown to this compiler
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
             os.close(fd)
-            cmd = [cc, *flags, "-std=c11", "-shared", "-fPIC", _SRC, "-o", tmp, "-lm"]
+            cmd = [cc, *flags, *ids, "-std=c11", "-shared", "-fPIC", _SRC, "-o", tmp, "-lm"]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode == 0:
                 os.replace(tmp, path)  # atomic: another process may be building the same file
@@ -178,7 +191,7 @@ class _Plan:
     """A layer's :class:`_Cache` and what the C calls can do with it. Valid while the same tensor
     objects (weak references: a plan keeps no cache alive) hold the same memory."""
 
-    __slots__ = ("refs", "ptrs", "cache", "addr", "B", "H", "D", "attend", "store", "__weakref__")
+    __slots__ = ("refs", "ptrs", "cache", "addr", "B", "H", "D", "attend", "store", "fmts", "__weakref__")
 
     def matches(self, tensors: tuple) -> bool:
         refs = self.refs
@@ -191,23 +204,21 @@ class _Plan:
 _plans: dict[int, _Plan] = {}  # id(k codes) -> its plan; an entry leaves with its k codes
 
 
-def _side(codes: Tensor, scale: Tensor, D: int) -> tuple[_Side, bool, bool]:
-    """(the side's struct, whether the attention reads it, whether the store writes it)."""
-    q8_0 = codes.dtype == torch.int8 and scale.dtype == torch.float16
-    kind = 1 if codes.dtype == torch.float8_e4m3fn else (2 if q8_0 else 0)
-    if scale.dim() == 1:  # static: one scale per kv head, read not written
-        scale_kind, ss, group = 2, (0, scale.stride(0), 0, 0), D
-    else:
-        scale_kind, ss, group = (0 if scale.shape[-1] == 1 else 1), scale.stride(), D // scale.shape[-1]
-    side = _Side(codes.data_ptr(), *codes.stride(), scale.data_ptr(), *ss, kind, scale_kind,
-                 int(scale.dtype == torch.float16), group)
-    readable = scale.dtype in (torch.float32, torch.float16) and (codes.stride(3) == 1 or codes.stride(2) == 1)
-    writable = scale_kind != 2 and scale.dtype == (torch.float16 if kind == 2 else torch.float32)
-    return side, readable, writable
+def _side(codes: Tensor, scale: Tensor, D: int, fmt: formats.KVFormat) -> tuple[_Side, bool, bool]:
+    """(the side's struct, whether the attention reads it, whether the store writes it) of codes in ``fmt``:
+    its code kind is ``fmt.spec.id``, its scale kind ``fmt.scale_mode`` (attend.c's ids: :func:`defines`)."""
+    # static: one scale per kv head, read not written
+    ss = (0, scale.stride(0), 0, 0) if fmt.is_static else scale.stride()
+    side = _Side(codes.data_ptr(), *codes.stride(), scale.data_ptr(), *ss, fmt.spec.id, fmt.scale_mode,
+                 int(scale.dtype == torch.float16), fmt.group_size(D))
+    fits = codes.dtype == fmt.code_dtype and (scale.dtype == torch.float32 if fmt.is_static else
+                                              scale.dtype == fmt.scale_dtype and scale.shape[3] == fmt.groups(D))
+    readable = fits and (codes.stride(3) == 1 or codes.stride(2) == 1)
+    return side, readable, fits and not fmt.is_static
 
 
 def _new_plan(k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Tensor, k_rotation: Optional[Tensor],
-              v_rotation: Optional[Tensor]) -> _Plan:
+              v_rotation: Optional[Tensor], k_fmt: formats.KVFormat, v_fmt: formats.KVFormat) -> _Plan:
     plan = _Plan()
     plan.attend = plan.store = False
     rots = [r for r in (k_rotation, v_rotation) if r is not None]
@@ -220,8 +231,8 @@ def _new_plan(k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Tensor, k_rota
                       and s.shape[3] > 0 and D % s.shape[3] == 0 for s in (k_scale, v_scale)))
     if usable:
         plan.B, plan.H, plan.D = B, H, D
-        ks, k_read, k_write = _side(k_q, k_scale, D)
-        vs, v_read, v_write = _side(v_q, v_scale, D)
+        ks, k_read, k_write = _side(k_q, k_scale, D, k_fmt)
+        vs, v_read, v_write = _side(v_q, v_scale, D, v_fmt)
         plan.cache = _Cache(ks, vs, None if k_rotation is None else k_rotation.data_ptr(),
                             None if v_rotation is None else v_rotation.data_ptr(), B, H, L, D)
         plan.addr = ctypes.addressof(plan.cache)
@@ -238,15 +249,17 @@ def _new_plan(k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Tensor, k_rota
     return plan
 
 
-def _plan(tensors: tuple) -> Optional[_Plan]:
-    """The plan of (k codes, k scale, v codes, v scale, k rotation, v rotation), built on a miss;
-    None where the library does not load."""
+def _plan(tensors: tuple, k_fmt: formats.KVFormat, v_fmt: formats.KVFormat) -> Optional[_Plan]:
+    """The plan of (k codes, k scale, v codes, v scale, k rotation, v rotation) in formats ``k_fmt`` /
+    ``v_fmt``, built on a miss; None where the library does not load."""
     plan = _plans.get(id(tensors[0]))
-    if plan is not None and plan.matches(tensors):
+    if plan is not None and plan.matches(tensors) and plan.fmts == (k_fmt, v_fmt):
         return plan
     if _load() is None:
         return None
-    return _new_plan(*tensors)
+    plan = _new_plan(*tensors, k_fmt, v_fmt)
+    plan.fmts = (k_fmt, v_fmt)
+    return plan
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,10 +283,11 @@ def _mask_strides(mask: Tensor, B: int, Hq: int, Tq: int) -> Optional[tuple[int,
 
 def attention(q: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Tensor, kv_len: Tensor,
               attn_mask: Optional[Tensor], is_causal: bool, sm_scale: float, sliding_window: int, softcap: float,
-              sinks: Optional[Tensor], k_rotation: Optional[Tensor], v_rotation: Optional[Tensor]) -> Optional[Tensor]:
+              sinks: Optional[Tensor], k_rotation: Optional[Tensor], v_rotation: Optional[Tensor],
+              k_fmt: formats.KVFormat, v_fmt: formats.KVFormat) -> Optional[Tensor]:
     """``kvcompile::attention``'s result, reading only the stored keys (``kv_len``, int64 [] or [B]),
     or None where this path does not apply (see the module docstring)."""
-    plan = _plan((k_q, k_scale, v_q, v_scale, k_rotation, v_rotation))
+    plan = _plan((k_q, k_scale, v_q, v_scale, k_rotation, v_rotation), k_fmt, v_fmt)
     if plan is None or not plan.attend:
         return None
     if q.dim() != 4:
@@ -302,12 +316,12 @@ def attention(q: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Ten
 
 def store_kv(k_cache: Tensor, k_scale: Tensor, v_cache: Tensor, v_scale: Tensor, k: Tensor, v: Tensor,
              start: Union[Tensor, int], k_offset: Optional[Tensor], k_rotation: Optional[Tensor],
-             v_rotation: Optional[Tensor]) -> bool:
+             v_rotation: Optional[Tensor], k_fmt: formats.KVFormat, v_fmt: formats.KVFormat) -> bool:
     """Quantize and write ``k, v`` at positions ``start + t`` as the reference does, in one C call;
     True when written. False (nothing written) where this path does not apply: other than float32
     inputs with unit stride along head_dim, static scales, above :data:`MAX_WORK`, or a start
     outside ``[0, max_cache_len - T]`` (the caller raises)."""
-    plan = _plan((k_cache, k_scale, v_cache, v_scale, k_rotation, v_rotation))
+    plan = _plan((k_cache, k_scale, v_cache, v_scale, k_rotation, v_rotation), k_fmt, v_fmt)
     if plan is None or not plan.store:
         return False
     if k.dim() != 4:

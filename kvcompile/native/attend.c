@@ -29,8 +29,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { CODE_INT8 = 0, CODE_E4M3 = 1, CODE_Q8_0 = 2 }; /* Q8_0: the store's; attention reads it as INT8 */
-enum { SCALE_TOKEN = 0, SCALE_BLOCK32 = 1, SCALE_STATIC = 2 };
+/* The ids are kvcompile.formats' (FormatSpec.id, the granularity ids), passed by kvcompile/native as -D flags:
+ * one numbering for Python, Triton and C. */
+#if !defined(KVC_CODE_INT8) || !defined(KVC_CODE_FP8_E4M3) || !defined(KVC_CODE_Q8_0) || !defined(KVC_SCALE_TOKEN) \
+    || !defined(KVC_SCALE_BLOCK32) || !defined(KVC_SCALE_STATIC)
+#error "attend.c is built by kvcompile/native, which passes the formats' ids (-DKVC_CODE_* / -DKVC_SCALE_*)"
+#endif
+enum { CODE_INT8 = KVC_CODE_INT8, CODE_E4M3 = KVC_CODE_FP8_E4M3, CODE_Q8_0 = KVC_CODE_Q8_0 }; /* attention reads
+                                                                                             Q8_0 as INT8 */
+enum { SCALE_TOKEN = KVC_SCALE_TOKEN, SCALE_BLOCK32 = KVC_SCALE_BLOCK32, SCALE_STATIC = KVC_SCALE_STATIC };
 
 static inline uint32_t f32_bits(float f) {
     uint32_t u;
@@ -282,7 +289,7 @@ int kvc_attend(const cache_t *c, int B, int Hq, int Tq, const float *q, int64_t 
 
 /* ------------------------------------------------------------------------------------------------
  * The store: quantize-on-store of new tokens, kvcompile.formats.quantize's rounding bit for bit
- * ("int8": s = amax / 127, code = round-half-even(x / s) in [-127, 127]; "fp8_e4m3" per token:
+ * (int8: s = amax / 127, code = round-half-even(x / s) in [-127, 127]; fp8_e4m3 per token:
  * s = amax / 448, code = e4m3(clamp(x / s, -448, 448)) rounded to nearest even), the non-finite
  * policy included: amax over the finite values; a NaN or +-Inf (no format holds an Inf) makes its
  * group's scale NaN, and its code e4m3's NaN code in fp8 (int8: 0 for a NaN, +-127 for +-Inf).

@@ -91,25 +91,13 @@ class PassReport:
         return {"found": self.found, "rewritten": self.rewritten, "skipped": list(self.skipped), "kv_dtype": self.kv_dtype}
 
 
-def format_of(codes: torch.Tensor, scale: torch.Tensor) -> str:
-    """The kv_dtype of stored codes + scales (``formats.format_of`` where it exists)."""
-    named = getattr(formats, "format_of", None)
-    if named is not None:
-        return named(codes, scale)
-    if codes.dtype == torch.float8_e4m3fn:
-        return "fp8_e4m3"
-    if codes.dtype == torch.int8:
-        return "q8_0" if scale.dtype == torch.float16 else "int8"
-    return str(codes.dtype)
-
-
-def _format_of_node(node: fx.Node) -> Optional[str]:
-    """The kv_dtype of the codes a dequantize node reads (None where the graph does not say)."""
-    source = spellings.read_dequantize(node)
-    codes, scale = val(source.codes), val(source.scale)
-    if not isinstance(codes, torch.Tensor) or not isinstance(scale, torch.Tensor):
+def _node_format(node: fx.Node) -> Optional[str]:
+    """The kv_dtype of the codes a dequantize node reads: its ``format`` argument (the cache's
+    ``KVFormat.id``); None where the graph does not say (a constant int)."""
+    fid = spellings.read_dequantize(node).format
+    if not isinstance(fid, int) or isinstance(fid, bool) or fid == -1:
         return None
-    return format_of(codes, scale)
+    return formats.from_id(fid).kv_dtype
 
 
 def _format_args(k_dtype: str, v_dtype: str) -> str:
@@ -117,17 +105,7 @@ def _format_args(k_dtype: str, v_dtype: str) -> str:
     return f"kv_dtype={k_dtype!r}" if k_dtype == v_dtype else f"k_dtype={k_dtype!r}, v_dtype={v_dtype!r}"
 
 
-def resolve_kv_dtypes(kv_dtype: Optional[str], k_dtype: Optional[str], v_dtype: Optional[str]) -> tuple[str, str]:
-    """``(k_dtype, v_dtype)`` as the cache resolves them (``formats.resolve_kv_dtypes`` where it exists):
-    ``kv_dtype`` sets both, ``k_dtype`` / ``v_dtype`` override, the default format fills the rest."""
-    resolve = getattr(formats, "resolve_kv_dtypes", None)
-    if resolve is not None:
-        return resolve(kv_dtype, k_dtype, v_dtype)
-    base = kv_dtype if kv_dtype is not None else getattr(formats, "DEFAULT_KV_DTYPE", "fp8_e4m3")
-    for what, name in (("kv_dtype", base), ("k_dtype", k_dtype), ("v_dtype", v_dtype)):
-        if name is not None and name not in formats.KV_DTYPES:
-            raise ValueError(f"unknown {what} {name!r}; kvcompile accepts one of {list(formats.KV_DTYPES)}")
-    return k_dtype or base, v_dtype or base
+resolve_kv_dtypes = formats.resolve_kv_dtypes  # as the cache resolves them
 
 
 class KVAttentionPass(CustomGraphPass):
@@ -253,7 +231,7 @@ class KVAttentionPass(CustomGraphPass):
         (a site skipped for another reason still reports a wrong backend). A cache whose K and V formats
         differ from each other is named side by side where a site pairs them (:meth:`_check_pair`); if no
         site got that far, after every site (returned: the formats found)."""
-        found = {f for f in map(_format_of_node, dequants) if f is not None}
+        found = {f for f in map(_node_format, dequants) if f is not None}
         if found <= {self.k_dtype, self.v_dtype}:
             return None
         if len(found) == 1:  # K and V alike
@@ -262,7 +240,7 @@ class KVAttentionPass(CustomGraphPass):
         return found
 
     def _check_pair(self, k: fx.Node, v: fx.Node) -> None:
-        kf, vf = _format_of_node(k), _format_of_node(v)
+        kf, vf = _node_format(k), _node_format(v)
         if None not in (kf, vf) and (kf, vf) != (self.k_dtype, self.v_dtype):
             raise self._mismatch(kf, vf)
 

@@ -349,12 +349,13 @@ def emit(call: AttentionCall, k: KVChain, v: KVChain, p: dict) -> fx.Node:
                 q, k.source.codes, k.source.scale, v.source.codes, v.source.scale, cache_len,
                 arg(store, 4, "k"), arg(store, 5, "v"), arg(store, 7, "k_offset"),
                 None if kv_len is cache_len else kv_len, mask, p["is_causal"], call.scale, float(call.softcap),
-                call.sinks, k.source.rotation, v.source.rotation,
+                call.sinks, k.source.rotation, v.source.rotation, k.source.format, v.source.format,
             ))
         else:
             out = graph.call_function(ATTENTION, (
                 q, k.source.codes, k.source.scale, v.source.codes, v.source.scale, kv_len, mask, p["is_causal"],
                 call.scale, p["window"], float(call.softcap), call.sinks, k.source.rotation, v.source.rotation,
+                k.source.format, v.source.format,
             ))
         if tile > 1:
             out = _reorder_heads(graph, out, (-1, tile))

@@ -67,6 +67,7 @@ class Source:
     rotation: Any
     sliding_window: Any
     ring: bool = False  # ``dequantize_ring``: kv_len is the length before ``new``; the result spans ``length``
+    format: int = -1  # the codes' KVFormat.id (kvcompile.formats), as the cache passed it
 
 
 def read_dequantize(node: fx.Node) -> Source:
@@ -80,6 +81,7 @@ def read_dequantize(node: fx.Node) -> Source:
         rotation=arg(node, 5, "rotation"),
         sliding_window=arg(node, 6, "sliding_window", 0),
         ring=node.target in DEQUANTIZE_RING,
+        format=arg(node, 9 if node.target in DEQUANTIZE_RING else 7, "format", -1),
     )
 
 
