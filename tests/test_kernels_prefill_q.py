@@ -25,7 +25,8 @@ pytest.importorskip("triton")
 from kvcompile import kernels  # noqa: E402
 from kvcompile.kernels import attention_launcher as attn_mod  # noqa: E402
 from kvcompile.kernels import plan as plan_mod  # noqa: E402
-from test_kernels_features import FP16_TOL, make_cache, make_q, rel_err  # noqa: E402
+from test_kernels_features import FP16_TOL, make_q, quantized_cache as make_cache  # noqa: E402
+from utils import fmts_of, rel_err  # noqa: E402
 
 # (1): the fp16 path's P and V rounding, measured 1.9e-4 on the CPU (K_MMA's exact q: 2.2e-4,
 # test_kernels_features.test_int8_k_mma), so FP16_TOL / 5 as there; the GPU's bf16 output: FP16_TOL
@@ -70,7 +71,7 @@ def _run(q, cache, kv_len, causal, **fields):
     try:
         with plan_mod.override(dot_dtype=torch.float16) if DEV == "cpu" else _nothing():
             with plan_mod.override(**fields):
-                out = kernels.attention(q, *cache, kv_len, None, causal, None)
+                out = kernels.attention(q, *cache, kv_len, None, causal, None, **fmts_of(*cache))
     finally:
         attn_mod.plan_of = orig
     return out, seen[-1]
@@ -98,8 +99,8 @@ def test_q_int8_rows(causal, seed):
     out, p = _run(q, cache, kv_len, causal, q_quant=True)
     assert p.q_int8 and not p.k_mma and p.constexprs()["Q_INT8"], p.describe()
     same = reference.attention(_round_q(q, False).to(q.dtype), *cache, kv_len, None, causal, None,
-                               compute_dtype=torch.float64)
-    exact = reference.attention(q, *cache, kv_len, None, causal, None, compute_dtype=torch.float64)
+                               compute_dtype=torch.float64, **fmts_of(*cache))
+    exact = reference.attention(q, *cache, kv_len, None, causal, None, compute_dtype=torch.float64, **fmts_of(*cache))
     err_same, err_exact = rel_err(out, same), rel_err(out, exact)
     assert err_same < SAME_Q_TOL, err_same
     # (2): per row, within q's rounding bound (+ the fp16 path's own error)
@@ -110,7 +111,7 @@ def test_q_int8_rows(causal, seed):
     assert err_exact > 5 * err_same, (err_exact, err_same)
     off, p_off = _run(q, cache, kv_len, causal, q_quant=False)
     assert not p_off.q_int8 and rel_err(off, exact) < SAME_Q_TOL
-    other = reference.attention(q, *cache, kv_len, None, not causal, None, compute_dtype=torch.float64)
+    other = reference.attention(q, *cache, kv_len, None, not causal, None, compute_dtype=torch.float64, **fmts_of(*cache))
     assert rel_err(out, other) > 20 * err_exact
 
 
@@ -120,8 +121,8 @@ def test_q_and_p_e4m3(p_fp8):
     out, p = _run(q, cache, kv_len, True, q_quant=True, p_fp8=p_fp8)
     assert p.q_fp8 and p.pv_fp8 == p_fp8 and p.constexprs()["P_FP8"] == p_fp8, p.describe()
     same = reference.attention(_round_q(q, True).to(q.dtype), *cache, kv_len, None, True, None,
-                               compute_dtype=torch.float64)
-    exact = reference.attention(q, *cache, kv_len, None, True, None, compute_dtype=torch.float64)
+                               compute_dtype=torch.float64, **fmts_of(*cache))
+    exact = reference.attention(q, *cache, kv_len, None, True, None, compute_dtype=torch.float64, **fmts_of(*cache))
     err_same = rel_err(out, same)
     assert not out.isnan().any()
     if p_fp8:
@@ -144,7 +145,7 @@ def test_e4m3_p_ignores_nan_codes_past_the_length():
     out, p = _run(q, cache, kv_len, True, q_quant=True, p_fp8=True)
     assert p.pv_fp8 and not out.isnan().any()
     ref = reference.attention(_round_q(q, True).to(q.dtype), kc, ks, clean, vs, kv_len, None, True, None,
-                              compute_dtype=torch.float64)
+                              compute_dtype=torch.float64, **fmts_of(kc, ks, clean, vs))
     assert rel_err(out, ref) < P_FP8_TOL
 
 
@@ -164,10 +165,10 @@ def test_plan_applies_the_modes_only_where_valid():
     call = attn_mod.call_of
     q, cache, _ = _case(("int8", "int8"), 3, Tq=20)
     with plan_mod.override(q_quant=True, p_fp8=True, dot_dtype=torch.float16):
-        p = attn_mod.plan_of(call(q, *cache, decode=False))
+        p = attn_mod.plan_of(call(q, *cache, decode=False, **fmts_of(*cache)))
         assert p.q_int8 and not p.q_fp8 and not p.pv_fp8  # int8 V: P stays fp16 (widened V, exact)
     with plan_mod.override(q_quant=True, p_fp8=True, dot_dtype=torch.float32):
-        p = attn_mod.plan_of(call(q, *cache, decode=False))
+        p = attn_mod.plan_of(call(q, *cache, decode=False, **fmts_of(*cache)))
         assert not (p.q_int8 or p.q_fp8 or p.pv_fp8)  # fp32 dots (fp32 q): exact, never quantized
 
 
@@ -187,7 +188,7 @@ def test_gpu_quantized_prefill(kinds, fields, monkeypatch):
     out, p = _run(q, cache, kv_len, True, **fields)
     assert (p.q_int8 or p.q_fp8) and p.pv_fp8 == bool(fields.get("p_fp8")) and not p.call.decode, p.describe()
     same = reference.attention(_round_q(q, kinds[0] == "fp8").to(torch.float32), *cache, kv_len, None, True, None,
-                               compute_dtype=torch.float64)
+                               compute_dtype=torch.float64, **fmts_of(*cache))
     tol = P_FP8_TOL if fields.get("p_fp8") else FP16_TOL
     assert rel_err(out, same) < tol
 
@@ -195,14 +196,14 @@ def test_gpu_quantized_prefill(kinds, fields, monkeypatch):
 def test_prefill_q_knob(monkeypatch):
     """KVCOMPILE_PREFILL_Q opts the fused prefill into the modes (default exact); decode never reads it."""
     q, cache, _ = _case(("fp8", "fp8"), 3, Tq=20)
-    call = attn_mod.call_of(q, *cache, decode=False)
+    call = attn_mod.call_of(q, *cache, decode=False, **fmts_of(*cache))
     with plan_mod.override(dot_dtype=torch.float16):
         assert not (plan_mod.plan(call).q_fp8 or plan_mod.plan(call).pv_fp8)
         monkeypatch.setenv("KVCOMPILE_PREFILL_Q", "int8")
         assert plan_mod.plan(call).q_fp8 and not plan_mod.plan(call).pv_fp8
         monkeypatch.setenv("KVCOMPILE_PREFILL_Q", "fp8")
         assert plan_mod.plan(call).q_fp8 and plan_mod.plan(call).pv_fp8
-        assert not plan_mod.plan(attn_mod.call_of(q[:, :, :1], *cache)).q_fp8  # decode: exact
+        assert not plan_mod.plan(attn_mod.call_of(q[:, :, :1], *cache, **fmts_of(*cache))).q_fp8  # decode: exact
         monkeypatch.setenv("KVCOMPILE_PREFILL_Q", "bogus")
         with pytest.raises(ValueError):
             plan_mod.plan(call)
