@@ -164,10 +164,11 @@ def _has_field(cls, name: str) -> bool:
 DRAWN = {"DogeAttention": ("A",)}
 
 
-def tiny_model(family_or_config, attn: str = "sdpa", *, seed: int = 0, dtype: torch.dtype | None = None,
+def tiny_model(family_or_config, attn: str | None = "sdpa", *, seed: int = 0, dtype: torch.dtype | None = None,
                device: str | torch.device | None = None, **overrides):
     """A random causal LM (eval mode) from :func:`tiny_config` (or from a config given as is), its
-    weights drawn after ``torch.manual_seed(seed)``; ``attn`` is the attention implementation."""
+    weights drawn after ``torch.manual_seed(seed)``; ``attn`` is the attention implementation (None:
+    transformers' default for the model). The tests' one factory of tiny models."""
     if isinstance(family_or_config, str):
         cfg = tiny_config(family_or_config, **overrides)
     else:
@@ -175,7 +176,8 @@ def tiny_model(family_or_config, attn: str = "sdpa", *, seed: int = 0, dtype: to
             raise TypeError("tiny_model: overrides apply to a family name, not to a ready config")
         cfg = family_or_config
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
+    kw = {} if attn is None else {"attn_implementation": attn}
+    model = transformers.AutoModelForCausalLM.from_config(cfg, **kw)
     with torch.no_grad():
         for module in model.modules():
             for name in DRAWN.get(type(module).__name__, ()):

@@ -196,7 +196,7 @@ def test_unrewritten_site_warns(caplog):
     cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.5,
                                    max_position_embeddings=64)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").train()
+    model = tiny_model(cfg).train()
     ids, mask = prompt(False)
     backend = kvcompile.backend("fp8_e4m3")
     with caplog.at_level(logging.INFO, logger="kvcompile"):

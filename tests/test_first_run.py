@@ -18,12 +18,13 @@ from contextlib import redirect_stdout
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig
 
 import kvcompile
 from kvcompile import QuantizedCache
 from kvcompile.cache import CacheSizeWarning
 from kvcompile.calibration import shipped_calibrations
+from models import tiny_model as factory_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,10 +45,7 @@ _MODEL = {}
 
 def tiny_model():
     if not _MODEL:
-        torch.manual_seed(0)
-        cfg = config()
-        cfg._attn_implementation = "sdpa"
-        _MODEL["m"] = LlamaForCausalLM(cfg).eval()
+        _MODEL["m"] = factory_model(config(), "sdpa")
     return _MODEL["m"]
 
 

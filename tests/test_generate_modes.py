@@ -19,10 +19,11 @@ import inspect
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig
 
 import kvcompile
 from kvcompile.cache import QuantizedLayer
+from models import tiny_model
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
@@ -33,10 +34,7 @@ LEN = 40  # max_cache_len: 10 prompt tokens + 12 new, with room for assisted dec
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(**TINY)
-    cfg._attn_implementation = "sdpa"
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_model(LlamaConfig(**TINY), "sdpa")
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import torch
 import transformers
 
 import kvcompile
+from models import tiny_model
 from pass_models import _COMMON, VOCAB, PassOnly, fresh_dynamo
 
 ATOL = RTOL = 2e-5
@@ -36,8 +37,7 @@ def _model(family: str, attn: str = "sdpa"):
     cls, kw, kv_dtype, cache_kw = NO_MASK_FAMILIES[family]
     cfg = getattr(transformers, cls)(**_COMMON, **kw)
     cfg.eos_token_id = cfg.bos_token_id = cfg.pad_token_id = None
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval(), kv_dtype, cache_kw
+    return tiny_model(cfg, attn), kv_dtype, cache_kw
 
 
 def _cache(model, kv_dtype, batch=2, lazy=True):

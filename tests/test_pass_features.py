@@ -24,6 +24,7 @@ import transformers
 import kvcompile
 from kvcompile import formats
 from kvcompile.passes import KVAttentionPass
+from models import tiny_model
 from pass_models import _COMMON, ATTENTION, DEQUANTIZE, PassOnly, attention_oracle, fresh_dynamo
 
 ATOL = RTOL = 2e-5
@@ -86,8 +87,7 @@ def test_gemma2_softcap_is_passed_to_the_op():
     cfg = transformers.Gemma2Config(**_COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                     sliding_window=64, attn_logit_softcapping=2.0, query_pre_attn_scalar=32,
                                     initializer_range=0.2)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    model = tiny_model(cfg, "eager")
     expected, got, without, backend = _feature_run(model, "fp8_e4m3", "softcap")
     _assert_rewritten_and_close(backend, 2, "eager+softcap", expected, got, without)
     for graph, calls in enumerate(backend.calls):  # the prefill graph, then decode's
@@ -102,8 +102,7 @@ def test_gemma2_softcap_is_passed_to_the_op():
 def _sinks_run(cfg, kv_dtype: str) -> None:
     """An eager model of ``cfg`` with its sinks drawn wide, through the pass: every layer's op gets
     ``sinks=<the layer's sinks parameter>`` (a [Hq] graph input), no softcap, the layer's scale."""
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    model = tiny_model(cfg, "eager")
     for layer in model.model.layers:
         torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
     expected, got, without, backend = _feature_run(model, kv_dtype, "sinks")
@@ -219,7 +218,7 @@ def test_a_layer_read_by_later_layers_gets_one_op_per_reader_unless_it_is_a_ring
     layer 2 and its reader get one op each; with ring=False every reader gets its own op. Both match eager over the same kind of cache."""
     from unittest import mock
 
-    from models import cache_kwarg, tiny_config, tiny_model
+    from models import cache_kwarg, tiny_config
 
     if not kvcompile.hf._has_no_kv_layers():
         pytest.skip("transformers without DummyLayer refuses K/V shared across layers")
@@ -258,7 +257,7 @@ def test_heads_folded_into_the_batch_become_one_op():
     Each layer becomes one op whose scale is baddbmm's alpha (not 1: head_dim 32) and whose query is the
     unfolded [B, H, Tq, D] one; the logits through the op's float64 contract equal the model's own eager
     attention over the same cache."""
-    from models import cache_kwarg, tiny_model
+    from models import cache_kwarg
 
     fresh_dynamo()
     model = tiny_model("gpt_neox_japanese", "eager")
@@ -299,7 +298,6 @@ def test_tiled_kv_heads_become_one_op_over_grouped_queries(attn, monkeypatch):
     left in their tiled order (the permutations made identities), query heads meet the wrong kv heads and
     the logits move far past the tolerance."""
     from kvcompile.passes import rewrite
-    from models import tiny_model
 
     model = tiny_model("jetmoe", attn)
     cfg = model.config
@@ -335,7 +333,6 @@ def test_alibi_as_baddbmm_input_joins_the_additive_mask(monkeypatch):
     attention over the same cache, with a left-padded mask spanning the cache (as generate() passes it).
     Control: without the ALiBi term in the mask the logits move far past the tolerance."""
     from kvcompile.passes import rewrite
-    from models import tiny_model
 
     model = tiny_model("bloom", "eager", num_hidden_layers=2)
     ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
