@@ -294,16 +294,7 @@ def _plan(call: Call, tile: Optional[tiles.Tile]) -> LaunchPlan:
     native_fp8 = tiles.has_native_fp8(c.cc)
     k_fp8_bits = c.k_code == torch.float8_e4m3fn and not c.interpret and not native_fp8
     v_fp8_bits = c.v_code == torch.float8_e4m3fn and not c.interpret and not native_fp8
-    if c.interpret:  # numpy underneath: no bf16 dot (tests run fp16 dots through override(dot_dtype=...))
-        dot_dtype = torch.float32
-    elif c.q_dtype == torch.float32:
-        dot_dtype = torch.float32
-    else:
-        # fp16 dots for 16-bit q: e4m3 -> fp16 is one convert per two values and int8 -> fp16 a
-        # magic-number add, and decode is bound by those instructions (bench_kv.py, H200, 9dfbe0c: dots
-        # in bf16 took fp8 B=8 L=32k 267.8 instead of 201.5 us, q8_0 1061.9 instead of 301.2). A q
-        # block beyond fp16's range is scaled by a power of two inside the kernel.
-        dot_dtype = torch.float16
+    dot_dtype = _dot_dtype(c)
     gpu16 = not c.interpret and dot_dtype == torch.float16
     # V widened by pinned PTX before its transpose (GPU, fp16 PV dot, codes the PTX decodes: int8 or
     # native e4m3; never for key-contiguous V, which needs no transpose). bench_kv.py, H200, 88147e6:
@@ -365,6 +356,30 @@ def _plan(call: Call, tile: Optional[tiles.Tile]) -> LaunchPlan:
     # 29.5 / 28.8, B=4 L=8k 29.4 / 28.7, B=8 L=32k 141.2 / 142.2, B=32 L=8k 146.9 / 146.6): only an int8
     # V beside e4m3 K
     int8_bias = few_rows and c.k_code != torch.int8
+    q_rot, o_rot = _rotations(c, splits)
+    # The step's token (a ring's decode): stored by the attention kernel itself when one program per
+    # split and kv head reads its slot (one query block) and the store kernel's in-register rotation
+    # applies to each rotated side (the shared Sylvester matrix, token scales); else by a store launch.
+    store = ("kernel" if _store_fits(c, tile) else "launch") if c.store else ""
+    return LaunchPlan(call=c, tile=tile, resident=max(1, resident), splits=splits, split_len=split_len,
+                      dot_dtype=dot_dtype, k_fp8_bits=k_fp8_bits, v_fp8_bits=v_fp8_bits, v_pin=v_pin,
+                      int8_ptx=int8_ptx, int8_bias=int8_bias, int8_mma=int8_mma, q_rotation=q_rot, o_rotation=o_rot,
+                      store=store, preload=preload)
+
+
+def _dot_dtype(c: Call) -> torch.dtype:
+    """The dtype of the kernel's dots."""
+    if c.interpret or c.q_dtype == torch.float32:  # the interpreter: numpy underneath, no bf16 dot (tests run
+        return torch.float32  # fp16 dots through override(dot_dtype=...))
+    # fp16 dots for 16-bit q: e4m3 -> fp16 is one convert per two values and int8 -> fp16 a
+    # magic-number add, and decode is bound by those instructions (bench_kv.py, H200, 9dfbe0c: dots
+    # in bf16 took fp8 B=8 L=32k 267.8 instead of 201.5 us, q8_0 1061.9 instead of 301.2). A q
+    # block beyond fp16's range is scaled by a power of two inside the kernel.
+    return torch.float16
+
+
+def _rotations(c: Call, splits: int) -> tuple[str, str]:
+    """Where q's and the output's rotations run (``LaunchPlan.q_rotation`` / ``o_rotation``)."""
     # Rotations (int8's default; see kvcompile.rotation). q: with the shared Sylvester matrix of a
     # power-of-two head_dim, in decode, rotated in the kernel's prologue from H's generated +-1
     # entries (no launch, no read of R; the key loops compile as unrotated); otherwise by one
@@ -378,14 +393,7 @@ def _plan(call: Call, tile: Optional[tiles.Tile]) -> LaunchPlan:
         q_rot = "kernel" if c.k_rot == ROT_SYLVESTER and c.decode else "launch"
     if c.v_rot != ROT_NONE:
         o_rot = "merge" if splits > 1 else "launch"
-    # The step's token (a ring's decode): stored by the attention kernel itself when one program per
-    # split and kv head reads its slot (one query block) and the store kernel's in-register rotation
-    # applies to each rotated side (the shared Sylvester matrix, token scales); else by a store launch.
-    store = ("kernel" if _store_fits(c, tile) else "launch") if c.store else ""
-    return LaunchPlan(call=c, tile=tile, resident=max(1, resident), splits=splits, split_len=split_len,
-                      dot_dtype=dot_dtype, k_fp8_bits=k_fp8_bits, v_fp8_bits=v_fp8_bits, v_pin=v_pin,
-                      int8_ptx=int8_ptx, int8_bias=int8_bias, int8_mma=int8_mma, q_rotation=q_rot, o_rotation=o_rot,
-                      store=store, preload=preload)
+    return q_rot, o_rot
 
 
 def _store_fits(c: Call, tile: tiles.Tile) -> bool:
