@@ -60,13 +60,13 @@ DECODE_SHAPES = "1x4096,8x4096,4x8192,1x32768,8x32768,32x8192,4x131072"
 # The run each table quotes. The commits were recorded by hand when the runs were made.
 RUNS = {
     "decode": Run(
-        "h100_s29_run3_decode.csv", "e072935", H100, "2026-12-06",
+        "h100_decode_e072935.csv", "e072935", H100, "2026-12-06",
         "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8+krot --decode-shapes " + DECODE_SHAPES),
     "prefill": Run(
         "h100_prefill_25a3a40.csv", "25a3a40", H100, "2026-12-07",
         "STEPS=ttft bash benchmarks/gpu_check.sh   # bench_kv.py --subjects prefill, 16k and 32k caches"),
     "e2e": Run(
-        "h100_s29_run3_e2e.csv", "e072935", H100, "2026-12-06",
+        "h100_e2e_e072935.csv", "e072935", H100, "2026-12-06",
         "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024,1x4096 --steps 10 "
         "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs"),
     "ttft": Run(

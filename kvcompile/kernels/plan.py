@@ -346,7 +346,7 @@ def _plan(call: Call, tile: Optional[tiles.Tile]) -> LaunchPlan:
     # exactly: B=1 L=4k 11.00 / 11.35, B=1 L=1k 7.58 / 8.03 (B=1 L=32k, eight tiles a split: 34.60 /
     # 34.45, not taken). The fused prefill too: its tile is compute-bound, and K's widening and its
     # staging through registers are the work int8 adds to fp8's; the q halves are made once per program.
-    # H100, the prefill A/B before 9e48688 (h100_s29_run2_prefill_ab.log; int8 K rotated, 16k cache, causal,
+    # H100, the prefill A/B before 9e48688 (h100_prefill_ab_9e48688.log; int8 K rotated, 16k cache, causal,
     # us, MMA / K widened exactly, fp8):
     # 512 new tokens 477.1 / 531.2, fp8 505.7; 1024 920.8 / 1037.3, 982.0; 2048 1759.4 / 2014.3, 1911.5.
     # Triton turns an int8 dot into MMAs from sm_80 on; below (Turing's T4, Volta) its fallback takes
