@@ -227,7 +227,7 @@ def make_cache(k_fmt, v_fmt=None, B: int = 2, H: int = 2, L: int = 16, D: int = 
     return tuple(out)
 
 
-def tensors_format(codes: torch.Tensor, scale: torch.Tensor):
+def fmt_of(codes: torch.Tensor, scale: torch.Tensor):
     """The :class:`KVFormat` of hand-built ``(codes, scale)`` (:func:`kvcompile.formats.of_tensors`, the
     public helper for inspecting tensors; kvcompile itself never asks)."""
     from kvcompile import formats
@@ -235,19 +235,15 @@ def tensors_format(codes: torch.Tensor, scale: torch.Tensor):
     return formats.of_tensors(codes, scale)
 
 
+def id_of(codes: torch.Tensor, scale: torch.Tensor) -> int:
+    return fmt_of(codes, scale).id
+
+
 def fmts_of(k_codes, k_scale, v_codes, v_scale) -> dict:
-    """:func:`fmts` of hand-built tensors (:func:`tensors_format`)."""
-    return fmts(tensors_format(k_codes, k_scale), tensors_format(v_codes, v_scale))
+    """:func:`fmts` of hand-built tensors (:func:`fmt_of`)."""
+    return fmts(fmt_of(k_codes, k_scale), fmt_of(v_codes, v_scale))
 
 
 def ids_of(k_codes, k_scale, v_codes, v_scale) -> dict:
-    """:func:`ids` of hand-built tensors (:func:`tensors_format`)."""
-    return ids(tensors_format(k_codes, k_scale), tensors_format(v_codes, v_scale))
-
-
-def fmt_of(codes, scale):
-    return tensors_format(codes, scale)
-
-
-def id_of(codes, scale) -> int:
-    return tensors_format(codes, scale).id
+    """:func:`ids` of hand-built tensors (:func:`fmt_of`)."""
+    return ids(fmt_of(k_codes, k_scale), fmt_of(v_codes, v_scale))

@@ -182,7 +182,7 @@ class KVFormat:
 
     def scale_bytes(self, head_dim: int) -> int:
         """Scale bytes per (token, kv head) the kernels load: 0 for static scales."""
-        return self.groups(head_dim) * torch.empty((), dtype=self.scale_dtype).element_size()
+        return self.groups(head_dim) * self.scale_dtype.itemsize
 
     def bytes_per_element(self, head_dim: int) -> float:
         """Bytes per cached K or V element, scales included (static scales: amortized to 0)."""

@@ -304,7 +304,7 @@ def _plan(call: Call, tile: Optional[tiles.Tile]) -> LaunchPlan:
     # int8 tiles widened by PTX four codes at a time (bench_kv.py, H200, 6e126b2: q8_0 decode 2.7-3% faster
     # than Triton's per-code arithmetic, which the interpreter keeps)
     int8_ptx = gpu16 and torch.int8 in (c.k_code, c.v_code)
-    qb = torch.empty((), dtype=dot_dtype).element_size()
+    qb = dot_dtype.itemsize
     kb = vb = 1
     rows = c.Tq * (c.Hq // c.Hkv)
     if tile is None:
