@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import torch
 from transformers.cache_utils import Cache
 
-from . import checks, formats, hf, rotation, tp
+from . import checks, formats, hf, tp
 # re-exported: kvcompile.cache names them too
 from .cache_layer import NoKVLayer, QuantizedLayer, v_codes_buffer
 from .state_layers import HybridLayer, StateLayer
@@ -47,54 +47,6 @@ def _layer_nbytes(layer: "QuantizedLayer", device=None) -> int:
     ghost = copy.copy(layer)
     ghost.allocate(torch.device("meta"), layout_device=device)
     return ghost.nbytes
-
-
-def _check_options(kwargs: dict, rotate, ring) -> None:
-    if kwargs:  # a misspelled option must not silently fall back to a default format
-        raise TypeError(
-            f"kvcompile.QuantizedCache got unexpected arguments {sorted(kwargs)}; it takes config, "
-            "max_batch_size, max_cache_len, kv_dtype, device, k_dtype, v_dtype, rotate, granularity, "
-            "calibration, v_layout, tp_size and ring"
-        )
-    if not any(rotate is r or (isinstance(r, str) and rotate == r) for r in (None, True, False, "k", "v")):
-        raise TypeError(f"kvcompile.QuantizedCache: rotate must be None, True, False, 'k' or 'v', got {rotate!r}")
-    if not isinstance(ring, bool):
-        raise TypeError(f"kvcompile.QuantizedCache: ring must be True or False, got {ring!r}")
-
-
-def _max_cache_len(text_config, max_cache_len) -> int:
-    """``max_cache_len``, or the config's ``max_position_embeddings`` when it is None."""
-    if max_cache_len is None:
-        max_cache_len = getattr(text_config, "max_position_embeddings", None)
-        if max_cache_len is None:
-            raise ValueError(
-                "kvcompile.QuantizedCache: pass max_cache_len (prompt + generated tokens per sequence); the "
-                "config has no max_position_embeddings to fall back on"
-            )
-    return checks.positive_int("max_cache_len", max_cache_len)
-
-
-def _check_head_dims(head_dims, k_fmt, v_fmt, rotated: bool, rotate) -> None:
-    """Every layer's head dim suits both formats and, where a side is rotated, the rotation."""
-    for head_dim in head_dims:
-        k_fmt.check_head_dim(head_dim)
-        v_fmt.check_head_dim(head_dim)
-    if rotated and k_fmt.is_static:
-        raise ValueError(
-            f"kvcompile.QuantizedCache: rotate={rotate!r} with granularity='static': static scales are calibrated on "
-            "unrotated K/V; use rotate=False (or a per-token format)"
-        )
-    if rotated:
-        try:
-            for head_dim in head_dims:
-                rotation.check_head_dim(head_dim)
-        except ValueError as e:
-            how = f"rotate={rotate!r}" if rotate else f"{k_fmt.kv_dtype} rotates K by default"
-            plain = next(s.name for s in formats.specs() if not s.rotate_k)
-            raise ValueError(
-                f"kvcompile.QuantizedCache: {how}, but {e}"
-                + ("" if rotate else f" (or a format that is not rotated by default, e.g. kv_dtype={plain!r})")
-            ) from None
 
 
 def _load_calibration(calibration, config, shapes, tp_size) -> dict:
@@ -206,14 +158,14 @@ class QuantizedCache(Cache):
         ring: bool = True,
         **kwargs: Any,
     ):
-        _check_options(kwargs, rotate, ring)
+        checks.cache_options(kwargs, rotate, ring)
         config = checks.checked_config(config)
         text_config = hf.text_config(config)
         k_fmt, v_fmt, k_rotate, v_rotate = formats.resolve(kv_dtype, k_dtype, v_dtype, granularity, rotate)
         fmt = k_fmt
         max_batch_size = checks.positive_int("max_batch_size", max_batch_size)
         size_from_config = max_cache_len is None
-        max_cache_len = _max_cache_len(text_config, max_cache_len)
+        max_cache_len = checks.max_cache_len(text_config, max_cache_len)
         device = checks.checked_device(device)
         # (kv heads, head_dim) per layer, None for a layer without K/V of its own; refuses what the cache cannot serve
         shapes = hf.per_layer_shapes(config)
@@ -221,7 +173,7 @@ class QuantizedCache(Cache):
         head_dims = sorted({s[1] for s in shapes if s is not None})
         windows = hf.layer_windows(config)
         hf.check_cache_length(config, max_cache_len)
-        _check_head_dims(head_dims, k_fmt, v_fmt, k_rotate or v_rotate, rotate)
+        checks.cache_head_dims(head_dims, k_fmt, v_fmt, k_rotate or v_rotate, rotate)
         calib = {} if calibration is None else _load_calibration(calibration, config, shapes, tp_size)
         if fmt.is_static and ("k_scale" not in calib or "v_scale" not in calib):
             raise ValueError(

@@ -20,8 +20,10 @@ from typing import Mapping
 
 import torch
 
-__all__ = ["checked_config", "checked_device", "check_rows", "file_to_read", "file_to_write", "gib",
-           "grad_refusal", "not_a_causal_decoder", "positive_int", "room_on"]
+from . import formats, rotation
+
+__all__ = ["cache_head_dims", "cache_options", "checked_config", "checked_device", "check_rows", "file_to_read",
+           "file_to_write", "gib", "grad_refusal", "max_cache_len", "not_a_causal_decoder", "positive_int", "room_on"]
 
 
 def positive_int(name: str, value, who: str = "kvcompile.QuantizedCache") -> int:
@@ -223,3 +225,52 @@ def file_to_write(path, who: str, example: str = "calibration.safetensors") -> s
         raise FileNotFoundError(f"{who}: cannot write {path!r}: its folder {folder!r} does not exist; create it "
                                 "first (os.makedirs) or pass a path in an existing folder")
     return path
+
+
+def cache_options(kwargs: dict, rotate, ring) -> None:
+    """QuantizedCache's keyword arguments: no unknown one, ``rotate`` and ``ring`` of their types."""
+    if kwargs:  # a misspelled option must not silently fall back to a default format
+        raise TypeError(
+            f"kvcompile.QuantizedCache got unexpected arguments {sorted(kwargs)}; it takes config, "
+            "max_batch_size, max_cache_len, kv_dtype, device, k_dtype, v_dtype, rotate, granularity, "
+            "calibration, v_layout, tp_size and ring"
+        )
+    if not any(rotate is r or (isinstance(r, str) and rotate == r) for r in (None, True, False, "k", "v")):
+        raise TypeError(f"kvcompile.QuantizedCache: rotate must be None, True, False, 'k' or 'v', got {rotate!r}")
+    if not isinstance(ring, bool):
+        raise TypeError(f"kvcompile.QuantizedCache: ring must be True or False, got {ring!r}")
+
+
+def max_cache_len(text_config, max_cache_len) -> int:
+    """``max_cache_len``, or the config's ``max_position_embeddings`` when it is None."""
+    if max_cache_len is None:
+        max_cache_len = getattr(text_config, "max_position_embeddings", None)
+        if max_cache_len is None:
+            raise ValueError(
+                "kvcompile.QuantizedCache: pass max_cache_len (prompt + generated tokens per sequence); the "
+                "config has no max_position_embeddings to fall back on"
+            )
+    return positive_int("max_cache_len", max_cache_len)
+
+
+def cache_head_dims(head_dims, k_fmt, v_fmt, rotated: bool, rotate) -> None:
+    """Every layer's head dim suits both formats and, where a side is rotated, the rotation."""
+    for head_dim in head_dims:
+        k_fmt.check_head_dim(head_dim)
+        v_fmt.check_head_dim(head_dim)
+    if rotated and k_fmt.is_static:
+        raise ValueError(
+            f"kvcompile.QuantizedCache: rotate={rotate!r} with granularity='static': static scales are calibrated on "
+            "unrotated K/V; use rotate=False (or a per-token format)"
+        )
+    if rotated:
+        try:
+            for head_dim in head_dims:
+                rotation.check_head_dim(head_dim)
+        except ValueError as e:
+            how = f"rotate={rotate!r}" if rotate else f"{k_fmt.kv_dtype} rotates K by default"
+            plain = next(s.name for s in formats.specs() if not s.rotate_k)
+            raise ValueError(
+                f"kvcompile.QuantizedCache: {how}, but {e}"
+                + ("" if rotate else f" (or a format that is not rotated by default, e.g. kv_dtype={plain!r})")
+            ) from None
