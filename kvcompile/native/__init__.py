@@ -210,7 +210,7 @@ def _side(codes: Tensor, scale: Tensor, D: int, fmt: formats.KVFormat) -> tuple[
     # static: one scale per kv head, read not written
     ss = (0, scale.stride(0), 0, 0) if fmt.is_static else scale.stride()
     side = _Side(codes.data_ptr(), *codes.stride(), scale.data_ptr(), *ss, fmt.spec.id, fmt.scale_mode,
-                 int(scale.dtype == torch.float16), fmt.group_size(D))
+                 int(fmt.scale_dtype == torch.float16), fmt.group_size(D))
     fits = codes.dtype == fmt.code_dtype and (scale.dtype == torch.float32 if fmt.is_static else
                                               scale.dtype == fmt.scale_dtype and scale.shape[3] == fmt.groups(D))
     readable = fits and (codes.stride(3) == 1 or codes.stride(2) == 1)
