@@ -127,8 +127,6 @@ def compile_attention(
     The constexprs are exactly those of :func:`kvcompile.kernels.plan.plan` for this call (no copy of
     its logic here).
     """
-    import torch
-
     from . import attention_launcher as launcher
     from . import plan as plan_mod
     from ._attention_kernel import _attention_kernel
@@ -142,45 +140,67 @@ def compile_attention(
 
     fmt = formats.get_format(kv_dtype, granularity)
     tiles.check_head_dim(head_dim)
-    decode = q_len <= plan_mod.DECODE_MAX_Q
-    code_types = {"e4m3": torch.float8_e4m3fn, "int8": torch.int8, None: fmt.code_dtype}
-    if k_codes not in code_types or v_codes not in code_types:
-        raise ValueError(f"kvcompile.kernels.aot: k_codes / v_codes must be 'e4m3' or 'int8', got {k_codes!r} / {v_codes!r}")
-    masks = {"none": (plan_mod.MASK_NONE, "*bf16"), "bool": (plan_mod.MASK_BOOL, "*u8"),
-             "add": (plan_mod.MASK_ADD, "*bf16")}
-    if mask not in masks:
-        raise ValueError(f"kvcompile.kernels.aot: mask must be one of {list(masks)}, got {mask!r}")
-    mask_kind, mask_ptr = masks[mask]
-    kind, group_size = plan_mod.scale_layout(fmt, fmt, head_dim)
-    k_rot = plan_mod.ROT_SYLVESTER if rotated in (True, "k") else plan_mod.ROT_NONE
-    v_rot = plan_mod.ROT_SYLVESTER if rotated in (True, "v") else plan_mod.ROT_NONE
-    # a Llama-3-8B-like call at batch 8 over a long cache (decode splits; enough programs for the
-    # throughput plan, e.g. the int8 bias), bf16 queries (the GPU default)
-    call = plan_mod.Call(
-        cc=tuple(cc), sms=132, interpret=False, B=8, Hq=8 * group, Hkv=8, Tq=q_len, L=32768, D=head_dim,
-        q_dtype=torch.bfloat16, k_code=code_types[k_codes], v_code=code_types[v_codes], scale_kind=kind,
-        group_size=group_size, scale_bytes=plan_mod.scale_bytes(fmt, head_dim), mask_kind=mask_kind,
-        is_causal=q_len > 1 if causal is None else causal, window=1024 if window else 0, softcap=softcap,
-        sinks=sinks, k_rot=k_rot, v_rot=v_rot, v_keys=v_keys, decode=decode)
+    call = _attention_call(cc, fmt, head_dim, group, q_len, mask, causal, v_keys, window, softcap, sinks,
+                           k_codes, v_codes, rotated)
     fields = dict(plan_fields or {})
     if v_pin is not None:
         fields["v_pin"] = v_pin and not v_keys
-    if decode:
+    if call.decode:
         fields["splits"] = 2  # the partial-output epilogue (a split launch), whatever the split planner says
     with plan_mod.override(**fields, **({"tile": tile} if tile is not None else {})):
         p = plan_mod.plan(call)
-    tile = p.tile
+    ptrs, ones, zeros = _attention_signature(p, fmt, mask, v_keys, sinks, q_len)
+    compiled = _compile(_attention_kernel, cc, p.constexprs(), ptrs, ones, zeros | {"Hkv", "Tq", "window"},
+                        "compile_attention", "attention_launcher._run", num_warps=p.tile.num_warps,
+                        num_stages=p.tile.num_stages, **launcher._FP_FUSION, **launcher._maxnreg(p.tile))
+    return _report(compiled, f"sm_{cc[0]}{cc[1]}", p.tile)
+
+
+_MASKS = {"none": ("MASK_NONE", "*bf16"), "bool": ("MASK_BOOL", "*u8"), "add": ("MASK_ADD", "*bf16")}
+
+
+def _attention_call(cc, fmt, head_dim, group, q_len, mask, causal, v_keys, window, softcap, sinks,
+                    k_codes, v_codes, rotated):
+    """The launch plan's view of a Llama-3-8B-like call at batch 8 over a long cache (decode splits;
+    enough programs for the throughput plan, e.g. the int8 bias), bf16 queries (the GPU default)."""
+    import torch
+
+    from . import plan as plan_mod
+
+    code_types = {"e4m3": torch.float8_e4m3fn, "int8": torch.int8, None: fmt.code_dtype}
+    if k_codes not in code_types or v_codes not in code_types:
+        raise ValueError(f"kvcompile.kernels.aot: k_codes / v_codes must be 'e4m3' or 'int8', got {k_codes!r} / {v_codes!r}")
+    if mask not in _MASKS:
+        raise ValueError(f"kvcompile.kernels.aot: mask must be one of {list(_MASKS)}, got {mask!r}")
+    kind, group_size = plan_mod.scale_layout(fmt, fmt, head_dim)
+    k_rot = plan_mod.ROT_SYLVESTER if rotated in (True, "k") else plan_mod.ROT_NONE
+    v_rot = plan_mod.ROT_SYLVESTER if rotated in (True, "v") else plan_mod.ROT_NONE
+    return plan_mod.Call(
+        cc=tuple(cc), sms=132, interpret=False, B=8, Hq=8 * group, Hkv=8, Tq=q_len, L=32768, D=head_dim,
+        q_dtype=torch.bfloat16, k_code=code_types[k_codes], v_code=code_types[v_codes], scale_kind=kind,
+        group_size=group_size, scale_bytes=plan_mod.scale_bytes(fmt, head_dim),
+        mask_kind=getattr(plan_mod, _MASKS[mask][0]), is_causal=q_len > 1 if causal is None else causal,
+        window=1024 if window else 0, softcap=softcap, sinks=sinks, k_rot=k_rot, v_rot=v_rot, v_keys=v_keys,
+        decode=q_len <= plan_mod.DECODE_MAX_Q)
+
+
+def _attention_signature(p, fmt, mask, v_keys, sinks, q_len):
+    """The pointer types of ``_attention_kernel``'s tensors as the launcher passes them for plan ``p``,
+    and the integer arguments it passes as 1 and as 0 (or that are not multiples of 16)."""
+    from . import plan as plan_mod
+
     k_bits, v_bits = p.codes_as_bits  # e4m3 codes as uint8 bits, as the launcher passes them
     k_code = "*i8" if not p.call.k_code.is_floating_point else ("*u8" if k_bits else "*fp8e4nv")
     v_code = "*i8" if not p.call.v_code.is_floating_point else ("*u8" if v_bits else "*fp8e4nv")
     scale = "*fp32" if fmt.scale_dtype.itemsize == 4 else "*fp16"
-    ptrs = {"Q": "*bf16", "K": k_code, "V": v_code, "KS": scale, "VS": scale, "KVLEN": "*i64", "MASK": mask_ptr,
+    ptrs = {"Q": "*bf16", "K": k_code, "V": v_code, "KS": scale, "VS": scale, "KVLEN": "*i64", "MASK": _MASKS[mask][1],
             "SINKS": "*fp32" if sinks else "*bf16", "O": "*bf16", "OP": "*fp32", "LSE": "*fp32",
             # no token stored (the plan's store is off here): the launcher passes q for these
             "KN": "*bf16", "VN": "*bf16", "KW": "*bf16", "VW": "*bf16", "OFF": "*bf16"}
     ones = {"stride_qd", "stride_kd", "stride_vn" if v_keys else "stride_vd", "stride_od", "stride_kvl", "stride_ls"}
     if sinks:
         ones.add("stride_sink")  # a contiguous [Hq] parameter (without sinks the launcher passes 0)
+    kind = p.call.scale_kind
     if kind == plan_mod.SCALE_TOKEN:
         ones |= {"stride_ksn", "stride_vsn", "stride_ksg", "stride_vsg"}
     elif kind == plan_mod.SCALE_BLOCK:
@@ -193,12 +213,7 @@ def compile_attention(
     zeros = {"stride_mb", "stride_mh", "stride_mm", "stride_mn"} if mask == "none" else {"stride_mh", "stride_mm"}
     if mask != "none":
         ones.add("stride_mn")
-    not16 = {"Hkv", "Tq", "window"}
-    consts = p.constexprs()
-    compiled = _compile(_attention_kernel, cc, consts, ptrs, ones, zeros | not16, "compile_attention",
-                        "attention_launcher._run", num_warps=tile.num_warps, num_stages=tile.num_stages,
-                        **launcher._FP_FUSION, **launcher._maxnreg(tile))
-    return _report(compiled, f"sm_{cc[0]}{cc[1]}", tile)
+    return ptrs, ones, zeros
 
 
 def compile_store(
