@@ -214,8 +214,29 @@ def attention(
     if k_rotation is not None:  # K's codes hold k @ R_k: (q R_k)(k R_k)^T = q k^T
         qc = torch.matmul(qc, k_rotation if k_rotation.dtype == compute_dtype else k_rotation.to(compute_dtype))
 
-    dev = q.device
-    valid = None  # [B, 1 or Hq, 1 or Tq, n'] where some key of [lo, n) is hidden from some row
+    valid, additive = _visibility(lens, lo, n, Tq, is_causal, sliding_window, attn_mask, q.device, compute_dtype)
+
+    if compute_dtype == torch.float32 and softcap == 0 and sinks is None and additive is None:
+        o, careful = _sdpa(qc, k, v, valid, sm_scale, group)
+    else:
+        o = _explicit_softmax(qc, k, v, valid, additive, sm_scale, softcap, sinks, group)
+        # P.V multiplies a hidden key's NaN value by its 0 weight: a masked call whose output holds a NaN
+        # or an Inf (one sum, a host read) is done again, those values kept to the rows that see them
+        careful = (valid is not None or additive is not None) and not math.isfinite(float(o.sum()))
+    if careful:  # the rare call with a non-finite value: written out, the policy exactly (README)
+        o = _explicit_softmax(qc, k, v, valid, additive, sm_scale, softcap, sinks, group, nonfinite=True)
+    if v_rotation is not None:  # V's codes hold v @ R_v: P (V R_v) R_v^T = P V
+        o = torch.matmul(o, v_rotation.to(compute_dtype).t())
+    return o if o.dtype == q.dtype else o.to(q.dtype)
+
+
+def _visibility(lens: list, lo: int, n: int, Tq: int, is_causal: bool, sliding_window: int,
+                attn_mask: Optional[Tensor], dev: torch.device, compute_dtype: torch.dtype
+                ) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """Which of keys ``[lo, n)`` each query row sees: ``valid`` [B, 1 or Hq, 1 or Tq, n'] (None where
+    every row sees every key) from the stored lengths, causality, the window and a bool mask, and an
+    additive mask's keys [lo, n) in ``compute_dtype`` (None without one)."""
+    valid = None
 
     def hide(keep: Tensor) -> None:
         nonlocal valid
@@ -226,7 +247,7 @@ def attention(
     hide_window = sliding_window > 0 and max(lens) - sliding_window > lo  # some row's window starts past lo
     if hide_len or hide_causal or hide_window:
         pos = torch.arange(lo, n, device=dev).view(1, 1, 1, -1)
-        kvl = torch.tensor(lens, device=dev).view(B, 1, 1, 1)
+        kvl = torch.tensor(lens, device=dev).view(len(lens), 1, 1, 1)
         q_pos = kvl - Tq + torch.arange(Tq, device=dev).view(1, 1, Tq, 1)  # absolute position of each query
         if hide_len:
             hide(pos < kvl)
@@ -242,19 +263,7 @@ def attention(
             hide(m)
         else:
             additive = m.to(compute_dtype)
-
-    if compute_dtype == torch.float32 and softcap == 0 and sinks is None and additive is None:
-        o, careful = _sdpa(qc, k, v, valid, sm_scale, group)
-    else:
-        o = _explicit_softmax(qc, k, v, valid, additive, sm_scale, softcap, sinks, group)
-        # P.V multiplies a hidden key's NaN value by its 0 weight: a masked call whose output holds a NaN
-        # or an Inf (one sum, a host read) is done again, those values kept to the rows that see them
-        careful = (valid is not None or additive is not None) and not math.isfinite(float(o.sum()))
-    if careful:  # the rare call with a non-finite value: written out, the policy exactly (README)
-        o = _explicit_softmax(qc, k, v, valid, additive, sm_scale, softcap, sinks, group, nonfinite=True)
-    if v_rotation is not None:  # V's codes hold v @ R_v: P (V R_v) R_v^T = P V
-        o = torch.matmul(o, v_rotation.to(compute_dtype).t())
-    return o if o.dtype == q.dtype else o.to(q.dtype)
+    return valid, additive
 
 
 def _sdpa(qc: Tensor, k: Tensor, v: Tensor, valid: Optional[Tensor], sm_scale: float, group: int
