@@ -73,7 +73,7 @@ RUNS = {
         "h100_ttft_25a3a40.csv", "25a3a40", H100, "2026-12-07",
         "python benchmarks/bench_ttft.py --layers 8 --prompts 8192,32768 --chunks 0,2048"),
     "cpu": Run(
-        "cpu_s21_bench_cpu_r5.csv", "8b183a7", CPU2, "2026-12-04",
+        "cpu_bench_cpu_8b183a7.csv", "8b183a7", CPU2, "2026-12-04",
         "python benchmarks/bench_cpu.py --repeats 5"),
 }
 
