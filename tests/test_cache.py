@@ -224,15 +224,33 @@ def test_greedy_generate(kv_dtype):
     assert torch.equal(outs["past_key_values"][:, ids.shape[1]], first)
 
 
-def test_beam_search_generate():
-    # beam search reorders the cache in place (reorder_cache) every step
+@pytest.mark.parametrize("broken", [False, True], ids=["reordered", "control-no-reorder"])
+def test_beam_search_scores_what_it_returns(broken, monkeypatch):
+    # beam search reorders the cache in place (reorder_cache) every step. Per-token scales make a
+    # sequence's codes the same whether stored a token at a time or in one prefill, so the score beam
+    # search reports for each returned sequence must equal that sequence scored afresh in one forward
+    # over a new cache (float32: equal to 1e-4, the order of the sums apart). The control leaves the
+    # cache unreordered: the beams then read other beams' keys and the scores part.
     model = tiny_model("llama")
     ids, am = left_padded_batch()
-    cache = QuantizedCache(model.config, max_batch_size=4, max_cache_len=MAX_LEN, kv_dtype="q8_0")
+    B, T, N = ids.shape[0], ids.shape[1], 6
+    if broken:
+        monkeypatch.setattr(QuantizedCache, "reorder_cache", lambda self, beam_idx: None)
+    cache = QuantizedCache(model.config, max_batch_size=2 * B, max_cache_len=MAX_LEN, kv_dtype="q8_0")
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=5, min_new_tokens=5, num_beams=2,
-                             do_sample=False, **{cache_kwarg(model): cache})
-    assert out.shape == (2, ids.shape[1] + 5) and torch.equal(out[:, : ids.shape[1]], ids)
+        g = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=N, min_new_tokens=N, num_beams=2,
+                           do_sample=False, output_scores=True, return_dict_in_generate=True, length_penalty=0.0,
+                           pad_token_id=0, **{cache_kwarg(model): cache})
+        seq = g.sequences
+        assert seq.shape == (B, T + N) and torch.equal(seq[:, :T], ids)
+        am_full = torch.cat([am, torch.ones(B, N, dtype=am.dtype)], 1)
+        fresh = QuantizedCache(model.config, max_batch_size=B, max_cache_len=MAX_LEN, kv_dtype="q8_0")
+        logits = model(seq, attention_mask=am_full, position_ids=(am_full.cumsum(-1) - 1).clamp(min=0),
+                       use_cache=True, **{cache_kwarg(model): fresh}).logits
+    logp = logits[:, :-1].float().log_softmax(-1).gather(-1, seq[:, 1:, None])[..., 0]
+    rescored = logp[:, T - 1:].sum(-1)
+    agree = torch.allclose(g.sequences_scores, rescored, atol=1e-4, rtol=0)
+    assert agree != broken, (g.sequences_scores, rescored)
 
 
 # ------------------------------------------------------------------------------------------------
