@@ -60,18 +60,22 @@ DECODE_SHAPES = "1x4096,8x4096,4x8192,1x32768,8x32768,32x8192,4x131072"
 # The run each table quotes. The commits were recorded by hand when the runs were made.
 RUNS = {
     "decode": Run(
-        "h100_decode_e072935.csv", "e072935", H100, "2026-12-06",
+        "h100_decode_f36fc4d.csv", "f36fc4d", H100, "2026-12-07",
         "python benchmarks/bench_kv.py --subjects decode --formats fp8,int8+krot --decode-shapes " + DECODE_SHAPES),
     "prefill": Run(
-        "h100_prefill_25a3a40.csv", "25a3a40", H100, "2026-12-07",
+        "h100_prefill_f36fc4d.csv", "f36fc4d", H100, "2026-12-07",
         "STEPS=ttft bash benchmarks/gpu_check.sh   # bench_kv.py --subjects prefill, 16k and 32k caches"),
     "e2e": Run(
-        "h100_e2e_e072935.csv", "e072935", H100, "2026-12-06",
+        "h100_e2e_f36fc4d.csv", "f36fc4d", H100, "2026-12-07",
         "python benchmarks/bench_decode_e2e.py --layers 4 --cases 8x32768,1x1024,1x4096 --steps 10 "
         "--providers hf-static-compiled,kvc-fp8_e4m3-graphs,kvc-int8-graphs"),
     "ttft": Run(
         "h100_ttft_25a3a40.csv", "25a3a40", H100, "2026-12-07",
         "python benchmarks/bench_ttft.py --layers 8 --prompts 8192,32768 --chunks 0,2048"),
+    "prefill-q": Run(
+        "h100_prefillq_f36fc4d.csv", "f36fc4d", H100, "2026-12-07",
+        "python benchmarks/bench_kv.py --subjects prefill --prefill-q 2048 --prefill-L 16384 "
+        "--prefill-formats int8+krot,fp8 --prefill-variants exact,q8,q8+p8   # and --prefill-L 32768"),
     "cpu": Run(
         "cpu_bench_cpu_8b183a7.csv", "8b183a7", CPU2, "2026-12-04",
         "python benchmarks/bench_cpu.py --repeats 5"),
@@ -226,6 +230,38 @@ def ttft(results: str = RESULTS) -> str:
     return "\n".join(lines)
 
 
+# bench_kv --prefill-variants labels -> KVCOMPILE_PREFILL_Q values
+PREFILL_Q_VARIANTS = (("exact", "exact"), ("q8", "int8"), ("q8+p8", "fp8"))
+
+
+def prefill_q(results: str = RESULTS) -> str:
+    """BENCHMARKS: the fused prefill under each ``KVCOMPILE_PREFILL_Q`` value, at the plan's tile and at 128 x 64
+    / 8 warps / 3 stages, beside the dense path and the fastest bf16 SDPA path of the same run."""
+    run = RUNS["prefill-q"]
+    rows = read(run, results)
+    by = _by(rows, "provider", "shape")
+    lines = ["As the prefill table, 2048 new tokens: the fused kernel under each `KVCOMPILE_PREFILL_Q` (`int8`: q "
+             "rounded per row against 8-bit K; `fp8`: also P in e4m3 against e4m3 V) at the plan's tile (64 x 128, "
+             f"4 warps, 2 stages) and at 128 x 64 / 8 / 3. {run.caption()}", "",
+             "| cache length | format | SDPA bf16 | dense | "
+             + " | ".join(f"fused `{env}`" for _, env in PREFILL_Q_VARIANTS) + " | "
+             + " | ".join(f"`{env}` at 128 x 64" for _, env in PREFILL_Q_VARIANTS) + " |",
+             "|---:|---|---:|---:|" + "---:|" * (2 * len(PREFILL_Q_VARIANTS))]
+
+    def cell(provider: str, shape: str) -> str:
+        r = by.get((provider, shape))
+        return "—" if r is None else f"{float(r['us']):.0f} ({_x(float(r['vs_sdpa']))})"
+
+    for shape in _shapes(rows, "prefill"):
+        for fmt, _ in reversed(FORMATS):
+            base = f"kvcompile-{fmt}-fused"
+            plan = [cell(f"{base} {lb}", shape) for lb, _ in PREFILL_Q_VARIANTS]
+            wide = [cell(f"{base} {lb} t128x64w8s3", shape) for lb, _ in PREFILL_Q_VARIANTS]
+            lines.append(f"| {_k(_shape(shape)['L'])} | {SHORT[fmt]} | {_us(by, 'sdpa-bf16', shape):.0f} | "
+                         f"{cell(f'kvcompile-{fmt}-dense', shape)} | " + " | ".join(plan + wide) + " |")
+    return "\n".join(lines)
+
+
 def cpu_summary(rows: list[dict]) -> list[dict]:
     """bench_cpu's rows (as it returns them, or read back from its CSV) summarized per (provider,
     length, phase: the rounds of one length; hf-dynamic, whose length is "-", once per phase).
@@ -303,6 +339,8 @@ TABLES: dict[str, Callable[[str], str]] = {
     "e2e-command": command("e2e"),
     "ttft": ttft,
     "ttft-command": command("ttft"),
+    "prefill-q": prefill_q,
+    "prefill-q-command": command("prefill-q"),
     "cpu": cpu,
     "cpu-command": command("cpu"),
 }
