@@ -707,6 +707,34 @@ def test_prefill_path_option(monkeypatch):
         attn_mod.prefill_path(q)
 
 
+def test_auto_prefill_path_with_quantized_scores():
+    # auto on a GPU: dense from DENSE_MIN_Q new tokens, except where the fused kernel's plan quantizes
+    # the scores (KVCOMPILE_PREFILL_Q), which keeps the fused kernel up to QUANT_FUSED_MAX_Q
+    path, lo, hi = plan_mod.prefill_path, plan_mod.DENSE_MIN_Q, plan_mod.QUANT_FUSED_MAX_Q
+    assert lo <= hi
+    assert path(lo - 1, True, False) == "fused" and path(lo, True, False) == path(hi, True, False) == "dense"
+    assert path(lo, True, False, quantized_scores=True) == path(hi, True, False, quantized_scores=True) == "fused"
+    assert path(hi + 1, True, False, quantized_scores=True) == "dense"
+    assert path(hi, True, True, quantized_scores=False) == "fused"  # capturing a CUDA graph: never dense
+
+
+def test_quantized_scores_reach_the_path_choice(monkeypatch):
+    # the launcher asks the fused kernel's plan: under KVCOMPILE_PREFILL_Q=int8 with 16-bit dots the plan
+    # quantizes q against int8 K (q_int8), and prefill_path receives that; exact, it does not
+    gen = torch.Generator().manual_seed(3)
+    kc, ks, vc, vs = random_cache("int8", "token", 1, 2, 64, 64, gen)
+    q = torch.randn(1, 4, plan_mod.DENSE_MIN_Q, 64, device=DEV, dtype=torch.bfloat16)
+    seen = []
+    real = plan_mod.prefill_path
+    monkeypatch.setattr(plan_mod, "prefill_path", lambda *a, **kw: seen.append(kw["quantized_scores"]) or real(*a, **kw))
+    call = attn_mod.call_of(q, kc, ks, vc, vs, None, True, False, **fmts_of(kc, ks, vc, vs))
+    for choice, want in (("int8", True), ("exact", False)):
+        monkeypatch.setenv("KVCOMPILE_PREFILL_Q", choice)
+        with plan_mod.override(dot_dtype=torch.float16):
+            attn_mod.prefill_path(q, call=call)
+        assert seen[-1] is want, choice
+
+
 # ---------------------------------------------------------------------------------------------
 # through the ops, KVCOMPILE_KERNELS=triton
 # ---------------------------------------------------------------------------------------------

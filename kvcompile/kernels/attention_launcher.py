@@ -35,10 +35,12 @@ __all__ = ["attention", "call_of", "plan_of", "v_keys_contiguous", "scale_bytes"
 _FP_FUSION = {} if interpreting() else {"enable_fp_fusion": True}
 
 
-def prefill_path(q: Tensor, window_hides: bool = False, dense_ok: bool = True) -> str:
-    """:func:`plan.prefill_path` for the query ``q`` [B, Hq, Tq, D] on its device."""
+def prefill_path(q: Tensor, window_hides: bool = False, dense_ok: bool = True, call=None) -> str:
+    """:func:`plan.prefill_path` for the query ``q`` [B, Hq, Tq, D] on its device; ``call`` (a
+    :class:`plan.Call` of the fused kernel), where given, says whether its plan quantizes the scores."""
+    p = plan_of(call) if call is not None else None
     return plan_mod.prefill_path(q.shape[2], q.is_cuda, q.is_cuda and torch.cuda.is_current_stream_capturing(),
-                                 window_hides, dense_ok)
+                                 window_hides, dense_ok, quantized_scores=p is not None and (p.q_int8 or p.q_fp8))
 
 
 def v_keys_contiguous(v: Tensor) -> bool:
@@ -222,7 +224,11 @@ def attention(
     sm_scale = D**-0.5 if scale is None else float(scale)
     L = k_q.shape[2]
     dense_ok = plan_mod.dense_ok(softcap > 0, sinks is not None, k_fmt.code_dtype, v_fmt.code_dtype, device_cc(q.device))
-    path = prefill_path(q, window_hides=0 < sliding_window < L, dense_ok=dense_ok)
+    call = None  # the fused kernel's call, where its plan may quantize the scores (KVCOMPILE_PREFILL_Q)
+    if plan_mod.DENSE_MIN_Q <= Tq <= plan_mod.QUANT_FUSED_MAX_Q and plan_mod.prefill_q(False):
+        call = call_of(q, k_q, k_scale, v_q, v_scale, attn_mask, is_causal, False, sliding_window, softcap, sinks,
+                       k_rotation, v_rotation, new_token, k_fmt=k_fmt, v_fmt=v_fmt)
+    path = prefill_path(q, window_hides=0 < sliding_window < L, dense_ok=dense_ok, call=call)
     if path == "dense":
         return dense.attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale,
                                sliding_window, k_rotation, v_rotation, k_fmt=k_fmt, v_fmt=v_fmt)

@@ -28,7 +28,8 @@ from typing import Optional
 import torch
 
 from .. import tiles
-from .prefill import DECODE_MAX_Q, DENSE_MIN_Q, PREFILL_Q, dense_ok, prefill_path, prefill_q  # noqa: F401
+from .prefill import (DECODE_MAX_Q, DENSE_MIN_Q, PREFILL_Q, QUANT_FUSED_MAX_Q, dense_ok, prefill_path,  # noqa: F401
+                      prefill_q)
 from .scales import SCALE_BLOCK, SCALE_STATIC, SCALE_TOKEN, scale_bytes, scale_layout
 from .splits import (DECODE_MIN_SPLIT_TILES, DECODE_PROGRAMS_PER_SM_SMALL, DECODE_SMALL_PROGRAMS, DECODE_WAVES,
                      decode_splits)

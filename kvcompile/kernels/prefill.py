@@ -11,7 +11,7 @@ import torch
 
 from .. import tiles
 
-__all__ = ["DECODE_MAX_Q", "DENSE_MIN_Q", "PREFILL_Q", "prefill_path", "prefill_q", "dense_ok"]
+__all__ = ["DECODE_MAX_Q", "DENSE_MIN_Q", "PREFILL_Q", "QUANT_FUSED_MAX_Q", "prefill_path", "prefill_q", "dense_ok"]
 
 # Query blocks up to this length go to the split-K decode kernel (decode, speculative verification).
 DECODE_MAX_Q = 16
@@ -22,6 +22,11 @@ DECODE_MAX_Q = 16
 # fused kernel also reads the padding's key mask per score (bench_ttft, 32k prompt in chunks of 2048,
 # int8: 557 ms in the fused kernel against 213 in SDPA's): dense from 1024.
 DENSE_MIN_Q = 1024
+# auto, where a KVCOMPILE_PREFILL_Q mode quantizes the fused kernel's scores: the fused kernel up to this
+# many new tokens. H100, bench_kv --prefill-variants at f36fc4d, 2048 new tokens (us, fused / dense): over
+# 16k int8 q 1610 / 1969, fp8 q 1433 / 1730, fp8 q and P 1126 / 1730; over 32k 3194 / 3401, 2924 / 3350,
+# 2224 / 3350. Longer blocks were not timed with the modes: dense from there, as without them.
+QUANT_FUSED_MAX_Q = 2048
 _PATHS = ("auto", "fused", "dense")
 
 
@@ -29,7 +34,9 @@ _PATHS = ("auto", "fused", "dense")
 # in two exact int8 halves against int8 K (K_MMA); "int8": q rounded per row to int8 against int8 K
 # (Q_INT8: one int8 dot), and to e4m3 against e4m3 K (Q_FP8); "fp8": that, and P in e4m3 against e4m3
 # V (P_FP8). Opt-in: they move the next-token distribution (QUALITY.md: SmolLM2 KL 0.249e-3 -> 0.336e-3
-# for int8; fp8 9.58e-3 -> 13.6e-3, 15.6e-3 with P).
+# for int8; fp8 9.58e-3 -> 13.6e-3, 15.6e-3 with P; on sm_90 the e4m3 dots also accumulate in the MMAs'
+# reduced precision). H100, 2048 new tokens over 16k (bench_kv --prefill-variants, f36fc4d): int8 1.09x
+# its exact mode, fp8 1.34x with q, 1.70x with q and P (1.39x bf16 SDPA's fastest path).
 PREFILL_Q = {"exact": {}, "int8": dict(q_quant=True), "fp8": dict(q_quant=True, p_fp8=True)}
 
 
@@ -43,7 +50,8 @@ def prefill_q(decode: bool) -> dict:
     return PREFILL_Q[choice]
 
 
-def prefill_path(Tq: int, is_cuda: bool, capturing: bool, window_hides: bool = False, dense_ok: bool = True) -> str:
+def prefill_path(Tq: int, is_cuda: bool, capturing: bool, window_hides: bool = False, dense_ok: bool = True,
+                 quantized_scores: bool = False) -> str:
     """"decode", "fused" or "dense" for a query block of ``Tq`` tokens.
 
     ``KVCOMPILE_PREFILL=auto|fused|dense`` forces the prefill path (read per call). The dense path
@@ -51,6 +59,8 @@ def prefill_path(Tq: int, is_cuda: bool, capturing: bool, window_hides: bool = F
     sliding window shorter than the cache; auto then takes the fused kernel, which skips the key
     tiles below the window (SDPA would read them all under a mask). ``dense_ok`` False (softcap,
     sinks: SDPA has neither) takes the fused kernel even when ``KVCOMPILE_PREFILL=dense``.
+    ``quantized_scores``: the fused kernel's plan would quantize q (``KVCOMPILE_PREFILL_Q``); auto
+    then takes it up to :data:`QUANT_FUSED_MAX_Q` new tokens.
     """
     if Tq <= DECODE_MAX_Q:
         return "decode"
@@ -67,6 +77,8 @@ def prefill_path(Tq: int, is_cuda: bool, capturing: bool, window_hides: bool = F
             )
         return "dense"
     if choice == "fused" or capturing or not is_cuda or window_hides:
+        return "fused"
+    if quantized_scores and Tq <= QUANT_FUSED_MAX_Q:
         return "fused"
     return "dense" if Tq >= DENSE_MIN_Q else "fused"
 
