@@ -36,7 +36,7 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 DOCS = ("README.md", "BENCHMARKS.md")
 
 H100 = "H100 (SXM 80 GB HBM3, sm_90, 132 SMs), torch 2.11, Triton 3.6, transformers 5.17"
-CPU2 = "CPU, 2 shared cores, torch 2.13.0+cpu, transformers 5.24"
+CPU2 = "CPU, 2 shared cores, torch 2.13.0+cpu, transformers 5.25"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +77,7 @@ RUNS = {
         "python benchmarks/bench_kv.py --subjects prefill --prefill-q 2048 --prefill-L 16384 "
         "--prefill-formats int8+krot,fp8 --prefill-variants exact,q8,q8+p8   # and --prefill-L 32768"),
     "cpu": Run(
-        "cpu_bench_cpu_8b183a7.csv", "8b183a7", CPU2, "2026-12-04",
+        "cpu_bench_cpu_ccdbab7.csv", "ccdbab7", CPU2, "2026-12-08",
         "python benchmarks/bench_cpu.py --repeats 5"),
 }
 
