@@ -156,7 +156,7 @@ def compile_attention(
     return _report(compiled, f"sm_{cc[0]}{cc[1]}", p.tile)
 
 
-_MASKS = {"none": ("MASK_NONE", "*bf16"), "bool": ("MASK_BOOL", "*u8"), "add": ("MASK_ADD", "*bf16")}
+_MASK_PTRS = {"none": "*bf16", "bool": "*u8", "add": "*bf16"}  # the MASK pointer's type per mask kind
 
 
 def _attention_call(cc, fmt, head_dim, group, q_len, mask, causal, v_keys, window, softcap, sinks,
@@ -170,8 +170,9 @@ def _attention_call(cc, fmt, head_dim, group, q_len, mask, causal, v_keys, windo
     code_types = {"e4m3": torch.float8_e4m3fn, "int8": torch.int8, None: fmt.code_dtype}
     if k_codes not in code_types or v_codes not in code_types:
         raise ValueError(f"kvcompile.kernels.aot: k_codes / v_codes must be 'e4m3' or 'int8', got {k_codes!r} / {v_codes!r}")
-    if mask not in _MASKS:
-        raise ValueError(f"kvcompile.kernels.aot: mask must be one of {list(_MASKS)}, got {mask!r}")
+    masks = {"none": plan_mod.MASK_NONE, "bool": plan_mod.MASK_BOOL, "add": plan_mod.MASK_ADD}
+    if mask not in masks:
+        raise ValueError(f"kvcompile.kernels.aot: mask must be one of {list(masks)}, got {mask!r}")
     kind, group_size = plan_mod.scale_layout(fmt, fmt, head_dim)
     k_rot = plan_mod.ROT_SYLVESTER if rotated in (True, "k") else plan_mod.ROT_NONE
     v_rot = plan_mod.ROT_SYLVESTER if rotated in (True, "v") else plan_mod.ROT_NONE
@@ -179,7 +180,7 @@ def _attention_call(cc, fmt, head_dim, group, q_len, mask, causal, v_keys, windo
         cc=tuple(cc), sms=132, interpret=False, B=8, Hq=8 * group, Hkv=8, Tq=q_len, L=32768, D=head_dim,
         q_dtype=torch.bfloat16, k_code=code_types[k_codes], v_code=code_types[v_codes], scale_kind=kind,
         group_size=group_size, scale_bytes=plan_mod.scale_bytes(fmt, head_dim),
-        mask_kind=getattr(plan_mod, _MASKS[mask][0]), is_causal=q_len > 1 if causal is None else causal,
+        mask_kind=masks[mask], is_causal=q_len > 1 if causal is None else causal,
         window=1024 if window else 0, softcap=softcap, sinks=sinks, k_rot=k_rot, v_rot=v_rot, v_keys=v_keys,
         decode=q_len <= plan_mod.DECODE_MAX_Q)
 
@@ -193,7 +194,7 @@ def _attention_signature(p, fmt, mask, v_keys, sinks, q_len):
     k_code = "*i8" if not p.call.k_code.is_floating_point else ("*u8" if k_bits else "*fp8e4nv")
     v_code = "*i8" if not p.call.v_code.is_floating_point else ("*u8" if v_bits else "*fp8e4nv")
     scale = "*fp32" if fmt.scale_dtype.itemsize == 4 else "*fp16"
-    ptrs = {"Q": "*bf16", "K": k_code, "V": v_code, "KS": scale, "VS": scale, "KVLEN": "*i64", "MASK": _MASKS[mask][1],
+    ptrs = {"Q": "*bf16", "K": k_code, "V": v_code, "KS": scale, "VS": scale, "KVLEN": "*i64", "MASK": _MASK_PTRS[mask],
             "SINKS": "*fp32" if sinks else "*bf16", "O": "*bf16", "OP": "*fp32", "LSE": "*fp32",
             # no token stored (the plan's store is off here): the launcher passes q for these
             "KN": "*bf16", "VN": "*bf16", "KW": "*bf16", "VW": "*bf16", "OFF": "*bf16"}

@@ -104,12 +104,15 @@ plan_of = plan_mod.plan_of
 
 
 def _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, decode: bool, window=0,
-           softcap=0.0, sinks=None, k_rotation=None, v_rotation=None, new_token=None, *, k_fmt, v_fmt) -> Tensor:
-    """The fused kernels: plan, then run (with a smaller tile when Triton refuses the planned one)."""
+           softcap=0.0, sinks=None, k_rotation=None, v_rotation=None, new_token=None, *, k_fmt, v_fmt,
+           call=None) -> Tensor:
+    """The fused kernels: plan, then run (with a smaller tile when Triton refuses the planned one).
+    ``call``: the call's :class:`plan.Call`, where the path choice already built it."""
     from triton.runtime.errors import OutOfResources
 
-    call = call_of(q, k_q, k_scale, v_q, v_scale, attn_mask, is_causal, decode, window, softcap, sinks,
-                   k_rotation, v_rotation, new_token, k_fmt=k_fmt, v_fmt=v_fmt)
+    if call is None:
+        call = call_of(q, k_q, k_scale, v_q, v_scale, attn_mask, is_causal, decode, window, softcap, sinks,
+                       k_rotation, v_rotation, new_token, k_fmt=k_fmt, v_fmt=v_fmt)
     while True:
         p = plan_of(call)
         try:
@@ -233,4 +236,5 @@ def attention(
         return dense.attention(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale,
                                sliding_window, k_rotation, v_rotation, k_fmt=k_fmt, v_fmt=v_fmt)
     return _fused(q, k_q, k_scale, v_q, v_scale, kv_len, attn_mask, is_causal, sm_scale, path == "decode",
-                  sliding_window, softcap, sinks, k_rotation, v_rotation, new_token, k_fmt=k_fmt, v_fmt=v_fmt)
+                  sliding_window, softcap, sinks, k_rotation, v_rotation, new_token, k_fmt=k_fmt, v_fmt=v_fmt,
+                  call=call)
