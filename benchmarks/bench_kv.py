@@ -479,19 +479,23 @@ def prefill(args):
         torch.cuda.empty_cache()
 
 
-# --prefill-variants: the fused prefill's plan variants (plan.override), each with the plan's tile and
-# the Hopper tile below (128 x 64 / 8 warps / 3 stages: no spills under Triton 3.9, tests/test_sass.py)
+# --prefill-variants: the fused prefill's plan variants (plan.override), each with the tiles of --prefill-tiles
+# (default: the plan's, and 128 x 64 / 8 warps / 3 stages: no spills under Triton 3.9, tests/test_sass.py)
 PREFILL_VARIANTS = {"exact": {}, "q8": dict(q_quant=True, p_fp8=False), "q8+p8": dict(q_quant=True, p_fp8=True)}
-PREFILL_TILES = {"": None, " t128x64w8s3": (128, 64, 8, 3)}
 
 
 def prefill_variants(args, shape, fname, fn, flops, base):
-    """Time each --prefill-variants entry (q quantized per row, e4m3 P: plan.LaunchPlan.q_quant / p_fp8)."""
+    """Time each --prefill-variants entry (q quantized per row, e4m3 P: plan.LaunchPlan.q_quant / p_fp8;
+    a suffix ``/accN``: the fp8 dots promote to fp32 every N products, plan.LaunchPlan.fp8_acc)."""
     for name in args.prefill_variants.split(","):
-        if name == "q8+p8" and not fname.startswith("fp8"):
+        base_name, _, acc = name.partition("/acc")
+        if base_name == "q8+p8" and not fname.startswith("fp8"):
             continue  # e4m3 P needs e4m3 V
-        for tname, t in PREFILL_TILES.items():
-            fields = dict(PREFILL_VARIANTS[name], **({"tile": tiles.Tile(*t)} if t else {}))
+        for tile_name in args.prefill_tiles.split(","):
+            t = None if tile_name == "plan" else tuple(int(x) for x in tile_name.split("x"))
+            tname = "" if t is None else " t{}x{}w{}s{}".format(*t)
+            fields = dict(PREFILL_VARIANTS[base_name], **({"tile": tiles.Tile(*t)} if t else {}),
+                          **({"fp8_acc": int(acc)} if acc else {}))
             launcher._SHRUNK.clear()
             try:
                 with plan_mod.override(**fields):
@@ -656,7 +660,9 @@ def main():
     p.add_argument("--prefill-q", default="16384,4096,1024")
     p.add_argument("--prefill-L", type=int, default=16384, help="subject prefill: the cache's keys (new ones last)")
     p.add_argument("--prefill-formats", default="fp8", help="formats timed by subject prefill (fused and dense)")
-    p.add_argument("--prefill-variants", default="", help=f"fused prefill plan variants, of {list(PREFILL_VARIANTS)}")
+    p.add_argument("--prefill-variants", default="", help=f"fused prefill plan variants, of {list(PREFILL_VARIANTS)}, each optionally /accN (fp8_acc)")
+    p.add_argument("--prefill-tiles", default="plan,128x64x8x3",
+                   help="tiles of each --prefill-variants entry: plan (the plan's), or MxNxWARPSxSTAGES")
     p.add_argument("--window", type=int, default=4096, help="subject window: the sliding layer's window")
     p.add_argument("--window-context", type=int, default=32768, help="subject window: the sliding layer's context")
     p.add_argument("--window-batches", default="1,8,32", help="subject window: batch sizes")

@@ -182,8 +182,10 @@ def test_plan_applies_the_modes_only_where_valid():
     # (max_num_imprecise_acc=32) is the known remedy, not yet timed; until then this is a known deviation
     pytest.param(("fp8", "fp8"), dict(q_quant=True), marks=pytest.mark.xfail(
         reason="sm_90 fp8 MMAs accumulate in reduced precision (Triton's max_num_imprecise_acc default)")),
-    (("fp8", "fp8"), dict(q_quant=True, p_fp8=True))],
-    ids=["q-int8", "q-e4m3", "q-and-P-e4m3"])
+    (("fp8", "fp8"), dict(q_quant=True, p_fp8=True)),
+    (("fp8", "fp8"), dict(q_quant=True, fp8_acc=32)),
+    (("fp8", "fp8"), dict(q_quant=True, p_fp8=True, fp8_acc=32))],
+    ids=["q-int8", "q-e4m3", "q-and-P-e4m3", "q-e4m3-acc32", "q-and-P-e4m3-acc32"])
 def test_gpu_quantized_prefill(kinds, fields, monkeypatch):
     """The GPU kernel (int8 / fp8 MMAs, the prefill tile) against the same rounded q in float64."""
     monkeypatch.setenv("KVCOMPILE_PREFILL", "fused")
@@ -197,6 +199,26 @@ def test_gpu_quantized_prefill(kinds, fields, monkeypatch):
                                compute_dtype=torch.float64, **fmts_of(*cache))
     tol = P_FP8_TOL if fields.get("p_fp8") else FP16_TOL
     assert rel_err(out, same) < tol
+
+
+def test_fp8_acc_reaches_the_fp8_dots_only():
+    """plan.LaunchPlan.fp8_acc becomes each fp8 dot's promotion interval, cut to that dot's reduction
+    (QK: the head dim; PV: the key tile), and 0 (Triton's default) for a dot that is not fp8 x fp8."""
+    q, cache, _ = _case(("fp8", "fp8"), 3, Tq=20)
+    call = attn_mod.call_of(q, *cache, decode=False, **fmts_of(*cache))
+    with plan_mod.override(q_quant=True, p_fp8=True, dot_dtype=torch.float16, fp8_acc=1 << 20):
+        p = plan_mod.plan(call)
+        c = p.constexprs()
+        assert p.q_fp8 and p.pv_fp8
+        assert (c["QK_FP8_ACC"], c["PV_FP8_ACC"]) == (c["BLOCK_D"], c["BLOCK_N"])
+    with plan_mod.override(q_quant=True, dot_dtype=torch.float16, fp8_acc=32):
+        c = plan_mod.plan(call).constexprs()
+        assert (c["QK_FP8_ACC"], c["PV_FP8_ACC"]) == (32, 0)  # P stays fp16: no fp8 dot there
+    q, cache, _ = _case(("int8", "int8"), 3, Tq=20)
+    call = attn_mod.call_of(q, *cache, decode=False, **fmts_of(*cache))
+    with plan_mod.override(q_quant=True, p_fp8=True, dot_dtype=torch.float16, fp8_acc=32):
+        c = plan_mod.plan(call).constexprs()
+        assert c["Q_INT8"] and (c["QK_FP8_ACC"], c["PV_FP8_ACC"]) == (0, 0)  # int8 dots sum exactly
 
 
 def test_prefill_q_knob(monkeypatch):

@@ -49,7 +49,7 @@ from ._rotation import hadamard_rows
 from ._store_kernel import store_token
 from ._tile_parts import (LOG2E, MASK_ADD, MASK_BOOL, MASK_NONE, P_FP8_HEADROOM, PV_HEADROOM, SCALE_BLOCK,  # noqa: F401
                           SCALE_STATIC, SCALE_TOKEN, _held, _keys_end, _kv_bases, _load_k, _load_scales, _load_v,
-                          _e4m3, _finite_v, _q_in_fp16_range, _q_int8_halves, _q_rows, _scale_groups, _tanh)
+                          _e4m3, _finite_v, _fp8_dot, _q_in_fp16_range, _q_int8_halves, _q_rows, _scale_groups, _tanh)
 
 
 @triton.jit
@@ -66,7 +66,7 @@ def _attend_tile(
     MASKED: tl.constexpr,  # False: every key of the tile is visible to every row (see the caller)
     PRELOADED: tl.constexpr,  # ``pre`` holds the tile's reads, (K codes, K scales, V codes, V scales)
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, Q_INT8: tl.constexpr, Q_FP8: tl.constexpr, P_FP8: tl.constexpr,
-    E4M3_RNE: tl.constexpr,
+    E4M3_RNE: tl.constexpr, QK_FP8_ACC: tl.constexpr, PV_FP8_ACC: tl.constexpr,
 ):
     """One BLOCK_N-key tile of the online softmax: returns the updated (acc, l_i, m_i, v_prev). Its reads
     are :func:`_load_k` and :func:`_load_v` (``MASKED`` alike), made here or, ``PRELOADED``, given.
@@ -96,8 +96,10 @@ def _attend_tile(
     if K_MMA:  # q = t (254 q_hi + q_lo) (the prologue; t is in qk_scale): exact int32 sums, |s| < 2^30
         s = tl.dot(q, tl.trans(k), out_dtype=tl.int32)
         s = tl.dot(q_lo, tl.trans(k), s * 254, out_dtype=tl.int32).to(tl.float32)
-    elif Q_INT8 or Q_FP8:  # q's codes at one scale per row (q_lo): one 8-bit dot, int32 exact / fp32
-        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32 if Q_INT8 else tl.float32).to(tl.float32) * q_lo[:, None]
+    elif Q_INT8:  # q's codes at one scale per row (q_lo): one 8-bit dot, int32 exact
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * q_lo[:, None]
+    elif Q_FP8:  # ... or on the fp8 MMAs, fp32
+        s = _fp8_dot(q, tl.trans(k), None, QK_FP8_ACC) * q_lo[:, None]
     elif DOT_DTYPE == tl.float32:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -185,7 +187,9 @@ def _attend_tile(
             v_prev = v_max
         if V_BIAS:  # V arrived as 1152 + code: P (1152 + v) - 1152 rowsum(P) = P v, summing the fp16 P the dot sees
             acc = acc - 1152.0 * tl.sum(pv.to(tl.float32), axis=1)[:, None]
-        if FOLD_V_MAX or V_BIAS:
+        if P_FP8:
+            acc = _fp8_dot(pv, v, acc, PV_FP8_ACC)
+        elif FOLD_V_MAX or V_BIAS:
             acc = tl.dot(pv, v, acc)
         else:
             acc += tl.dot(pv, v)
@@ -237,6 +241,8 @@ def _attention_kernel(
     Q_FP8: tl.constexpr,         # e4m3 K unwidened into fp8 MMAs with q's e4m3 codes at a scale per row
     P_FP8: tl.constexpr,         # e4m3 P (s_v folded in, token scales) against e4m3 V codes: fp8 MMAs
     E4M3_RNE: tl.constexpr,      # ... those e4m3 roundings made exact in fp32 first (the interpreter's cast)
+    QK_FP8_ACC: tl.constexpr,    # Q_FP8's dot promotes its sum to fp32 every QK_FP8_ACC products (0: Triton's default)
+    PV_FP8_ACC: tl.constexpr,    # P_FP8's dot likewise (_fp8_dot)
     Q_HADAMARD: tl.constexpr,    # q times H_D / sqrt(D) in the prologue (K stored rotated by it)
     ROT_CHUNK: tl.constexpr,     # columns per dot of that product
     ROT_EXACT: tl.constexpr,     # that product as fp32 FMA dots (interpreter, fp32 q) instead of 16-bit MMAs
@@ -371,7 +377,7 @@ def _attention_kernel(
             vs_base, stride_vsn, stride_vsg, m_base, stride_mn, first,
             GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
             DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, K_MMA, True, True, BLOCK_N,
-            BLOCK_D, Q_INT8, Q_FP8, P_FP8, E4M3_RNE)
+            BLOCK_D, Q_INT8, Q_FP8, P_FP8, E4M3_RNE, QK_FP8_ACC, PV_FP8_ACC)
     else:
         # Key tiles in up to three loops (module docstring), each from a multiple of BLOCK_N: the window's
         # edge (from the first row's first visible key to the LAST row's, masked), the tiles every row
@@ -398,7 +404,7 @@ def _attention_kernel(
                         vs_base, stride_vsn, stride_vsg, m_base, stride_mn, 0,
                         GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
                         DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, K_MMA, True, False, BLOCK_N,
-                        BLOCK_D, Q_INT8, Q_FP8, P_FP8, E4M3_RNE)
+                        BLOCK_D, Q_INT8, Q_FP8, P_FP8, E4M3_RNE, QK_FP8_ACC, PV_FP8_ACC)
             n_vis = n_hi
             if IS_CAUSAL:
                 n_vis = tl.minimum(n_vis, kv_len - Tq + (pid_m * BLOCK_M) // GROUP + 1)
@@ -411,7 +417,7 @@ def _attention_kernel(
                     vs_base, stride_vsn, stride_vsg, m_base, stride_mn, 0,
                     GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
                     DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, K_MMA, False, False, BLOCK_N,
-                    BLOCK_D, Q_INT8, Q_FP8, P_FP8, E4M3_RNE)
+                    BLOCK_D, Q_INT8, Q_FP8, P_FP8, E4M3_RNE, QK_FP8_ACC, PV_FP8_ACC)
         for start_n in tl.range(n_full, n_hi, BLOCK_N, num_stages=1):  # at most 2 tiles without a mask: not pipelined
             acc, l_i, m_i, v_prev = _attend_tile(
                 acc, l_i, m_i, v_prev, start_n, n_hi, q, q_lo, q_bias, qk_scale, row_ok, q_pos, win_lo, softcap,
@@ -420,7 +426,7 @@ def _attention_kernel(
                 vs_base, stride_vsn, stride_vsg, m_base, stride_mn, 0,
                 GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
                 DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, K_MMA, True, False, BLOCK_N,
-                BLOCK_D, Q_INT8, Q_FP8, P_FP8, E4M3_RNE)
+                BLOCK_D, Q_INT8, Q_FP8, P_FP8, E4M3_RNE, QK_FP8_ACC, PV_FP8_ACC)
 
     # ---- epilogue: rows with no visible key give zeros ----
     has_key = l_i > 0

@@ -78,6 +78,17 @@ def _e4m3(x, E4M3_RNE: tl.constexpr):
 
 
 @triton.jit
+def _fp8_dot(a, b, acc, FP8_ACC: tl.constexpr):
+    """``tl.dot`` of two e4m3 tiles into fp32 (``acc`` added, or None). sm_90's fp8 MMAs sum in reduced
+    precision; ``FP8_ACC`` > 0 adds each FP8_ACC products to the fp32 result apart (Triton's
+    max_num_imprecise_acc), 0 leaves Triton's default (sm_90: the whole sum, ``acc`` included, stays there)."""
+    if FP8_ACC > 0:
+        return tl.dot(a, b, acc, max_num_imprecise_acc=FP8_ACC)
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _q_rows(q, FP8: tl.constexpr, E4M3_RNE: tl.constexpr):
     """q [BLOCK_M, BLOCK_D] -> (codes, row_scale, nan_rows): each row's codes at its own scale, q ~
     row_scale * codes, for one 8-bit dot against K's codes (``Q_INT8`` / ``Q_FP8``). int8: scale amax / 127

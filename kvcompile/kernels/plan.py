@@ -124,6 +124,10 @@ class LaunchPlan:
     # and P in e4m3 against e4m3 V codes (pv_fp8). The fused prefill's choice (_plan, PREFILL_Q8)
     q_quant: bool = False
     p_fp8: bool = False
+    # products an fp8 x fp8 dot sums in the MMAs' reduced-precision accumulator before adding them to its
+    # fp32 result (Triton's max_num_imprecise_acc, cut to the dot's reduction length); 0 leaves Triton's
+    # default, which on sm_90 never promotes: P V's sum then runs the whole key loop at that precision
+    fp8_acc: int = 0
 
     def _int8_fp16(self, code: torch.dtype) -> bool:
         # where the int8 bias and int8 MMAs apply (either may be forced by override): int8 codes whose
@@ -210,6 +214,8 @@ class LaunchPlan:
             V_PIN=self.v_pin, V_KEYS_CONTIG=c.v_keys, INT8_PTX=self.int8_ptx,
             K_BIAS=self.k_bias, V_BIAS=self.v_bias, K_MMA=self.k_mma, Q_INT8=self.q_int8, Q_FP8=self.q_fp8,
             P_FP8=self.pv_fp8, E4M3_RNE=c.interpret and (self.q_fp8 or self.pv_fp8),
+            QK_FP8_ACC=min(self.fp8_acc, _pow2(c.D)) if self.q_fp8 else 0,
+            PV_FP8_ACC=min(self.fp8_acc, self.tile.block_n) if self.pv_fp8 else 0,
             Q_HADAMARD=self.q_rotation == "kernel", ROT_CHUNK=ROT_CHUNK,
             ROT_EXACT=c.interpret or self.dot_dtype == torch.float32,
             STORE_NEW=fused, STORE_OFFSET=fused and c.store_offset,
