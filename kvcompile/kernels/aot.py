@@ -336,20 +336,41 @@ def _loops(ins: list) -> list:
     return loops
 
 
+# compile processes at once: about 0.5 GB each (torch, Triton); a container may show the host's cores
+_MAX_COMPILE_PROCESSES = 4
+
+
 def compile_attention_isolated(cases: list[dict], timeout: float = 600.0) -> list[SassReport]:
     """:func:`compile_attention` (or, with ``kernel="store"`` in a case, :func:`compile_store`) for
-    each dict of keyword arguments, in a fresh Python process
-    with the Triton interpreter off (a process that imported Triton with ``TRITON_INTERPRET=1``,
-    as the CPU tests do, cannot compile kernels)."""
+    each dict of keyword arguments, in fresh Python processes with the Triton interpreter off (a
+    process that imported Triton with ``TRITON_INTERPRET=1``, as the CPU tests do, cannot compile
+    kernels): one per CPU core (at most four), the cases dealt out in turn, the reports in the cases' order."""
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
-    payload = json.dumps([{k: (dataclasses.asdict(v) if isinstance(v, tiles.Tile) else v) for k, v in c.items()}
-                          for c in cases])
-    proc = subprocess.run([sys.executable, "-m", "kvcompile.kernels.aot"], input=payload, capture_output=True,
-                          text=True, env=env, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"kvcompile.kernels.aot: the compile process failed:\n{proc.stderr[-4000:]}")
-    return [SassReport.from_json(d) for d in json.loads(proc.stdout.strip().splitlines()[-1])]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = max(1, min(len(cases), cores, _MAX_COMPILE_PROCESSES))
+    shares = [list(range(w, len(cases), workers)) for w in range(workers)]
+    procs = []
+    try:
+        for share in shares:
+            with tempfile.TemporaryFile("w+") as payload:  # the child reads its cases from stdin
+                json.dump([{k: (dataclasses.asdict(v) if isinstance(v, tiles.Tile) else v) for k, v in cases[i].items()}
+                           for i in share], payload)
+                payload.seek(0)
+                procs.append(subprocess.Popen([sys.executable, "-m", "kvcompile.kernels.aot"], stdin=payload,
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        reports: list = [None] * len(cases)
+        for share, proc in zip(shares, procs):
+            out, err = proc.communicate(timeout=timeout)
+            if proc.returncode != 0:
+                raise RuntimeError(f"kvcompile.kernels.aot: the compile process failed:\n{err[-4000:]}")
+            for i, d in zip(share, json.loads(out.strip().splitlines()[-1])):
+                reports[i] = SassReport.from_json(d)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return reports
 
 
 def _main() -> None:  # the isolated process: JSON cases on stdin, JSON reports on the last stdout line
