@@ -486,7 +486,8 @@ PREFILL_VARIANTS = {"exact": {}, "q8": dict(q_quant=True, p_fp8=False), "q8+p8":
 
 def prefill_variants(args, shape, fname, fn, flops, base):
     """Time each --prefill-variants entry (q quantized per row, e4m3 P: plan.LaunchPlan.q_quant / p_fp8;
-    a suffix ``/accN``: the fp8 dots promote to fp32 every N products, plan.LaunchPlan.fp8_acc)."""
+    a suffix ``/accN``: the fp8 dots promote to fp32 every N products, plan.LaunchPlan.fp8_acc; ``/acctile``:
+    once per dot, so P V once per key tile)."""
     for name in args.prefill_variants.split(","):
         base_name, _, acc = name.partition("/acc")
         if base_name == "q8+p8" and not fname.startswith("fp8"):
@@ -495,7 +496,7 @@ def prefill_variants(args, shape, fname, fn, flops, base):
             t = None if tile_name == "plan" else tuple(int(x) for x in tile_name.split("x"))
             tname = "" if t is None else " t{}x{}w{}s{}".format(*t)
             fields = dict(PREFILL_VARIANTS[base_name], **({"tile": tiles.Tile(*t)} if t else {}),
-                          **({"fp8_acc": int(acc)} if acc else {}))
+                          **({"fp8_acc": 1 << 20 if acc == "tile" else int(acc)} if acc else {}))
             launcher._SHRUNK.clear()
             try:
                 with plan_mod.override(**fields):

@@ -9,7 +9,7 @@
 #                                                     # standing, sanitize, generate) when a call must stay short
 #   STEPS=standing bash benchmarks/gpu_check.sh       # the default format against fp8: decode, prefill, model step
 #   STEPS=ttft bash benchmarks/gpu_check.sh           # long prompts: time to first token, attention over a prefix
-#   STEPS=prefillq bash benchmarks/gpu_check.sh       # the prefill's opt-in quantized q / e4m3 P: GPU tests, timings
+#   STEPS=prefillq bash benchmarks/gpu_check.sh       # the prefill's opt-in quantized q / e4m3 P: GPU tests, timings, errors
 #
 # tests/test_formats.py needs the gguf package: `pip install gguf`, or a copy of it in .whl/gguf
 # on a machine without a package index (see below).
@@ -97,16 +97,20 @@ if want ttft; then
 fi
 
 # 4d. optional: the fused prefill's opt-in quantized q / e4m3 P (KVCOMPILE_PREFILL_Q) and the non-finite policy on
-#     the GPU: their GPU tests, then each prefill variant at the plan's tile and at 128 x 64 / 8 warps / 3 stages,
-#     16k cached positions, against the fastest bf16 SDPA path
+#     the GPU: their GPU tests, each prefill variant at the plan's tile (the fp8 dots as Triton sums them, the
+#     scores' sums promoted every 32 products, P V's once per key tile: plan.LaunchPlan.fp8_acc), 16k cached
+#     positions, against the fastest bf16 SDPA path; then each variant's error against float64 by cached length
 if want prefillq; then
     timeout 240 python -m pytest -q -n 8 -m gpu tests/test_kernels_prefill_q.py tests/test_nonfinite.py \
         tests/test_kernels.py tests/test_kernels_features.py > "$OUT/prefillq_tests.log" 2>&1
     echo "prefill-q and non-finite GPU tests: $(tail -1 "$OUT/prefillq_tests.log")"
     timeout 200 python benchmarks/bench_kv.py --subjects prefill --prefill-q 16384,2048 --prefill-L 16384 \
-        --prefill-formats int8+krot,fp8 --prefill-variants exact,q8,q8+p8 \
+        --prefill-formats int8+krot,fp8 --prefill-variants exact,q8,q8+p8,q8/acc32,q8+p8/acctile --prefill-tiles plan \
         --out "$OUT/prefillq_${commit}.csv" > "$OUT/prefillq.log" 2>&1
+    timeout 150 python benchmarks/err_prefill_q.py --L 4096,16384,65536 --tq 1024 --acc 0,32,tile \
+        --out "$OUT/err_prefillq_${commit}.csv" > "$OUT/err_prefillq.log" 2>&1
     grep -hE "^(prefill|sweep) " "$OUT/prefillq.log" | grep -v eager
+    grep -E "^\| (fp8|int8)" "$OUT/err_prefillq.log"
 fi
 
 # 4b. optional: memcheck of every kernel on odd shapes (both V layouts), every format and rotation

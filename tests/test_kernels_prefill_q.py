@@ -183,9 +183,10 @@ def test_plan_applies_the_modes_only_where_valid():
     pytest.param(("fp8", "fp8"), dict(q_quant=True), marks=pytest.mark.xfail(
         reason="sm_90 fp8 MMAs accumulate in reduced precision (Triton's max_num_imprecise_acc default)")),
     (("fp8", "fp8"), dict(q_quant=True, p_fp8=True)),
+    # the scores' sums promoted to fp32 every 32 products; P V's once per key tile (plan.LaunchPlan.fp8_acc)
     (("fp8", "fp8"), dict(q_quant=True, fp8_acc=32)),
-    (("fp8", "fp8"), dict(q_quant=True, p_fp8=True, fp8_acc=32))],
-    ids=["q-int8", "q-e4m3", "q-and-P-e4m3", "q-e4m3-acc32", "q-and-P-e4m3-acc32"])
+    (("fp8", "fp8"), dict(q_quant=True, p_fp8=True, fp8_acc=1 << 20))],
+    ids=["q-int8", "q-e4m3", "q-and-P-e4m3", "q-e4m3-acc32", "q-and-P-e4m3-acc-tile"])
 def test_gpu_quantized_prefill(kinds, fields, monkeypatch):
     """The GPU kernel (int8 / fp8 MMAs, the prefill tile) against the same rounded q in float64."""
     monkeypatch.setenv("KVCOMPILE_PREFILL", "fused")
