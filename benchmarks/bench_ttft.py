@@ -12,6 +12,8 @@ Providers:
   hf-dynamic-eager      transformers' DynamicCache, eager SDPA (what a user has by default)
   hf-static-compiled    transformers' StaticCache, torch.compile (Inductor)
   kvc-<fmt>             kvcompile.QuantizedCache(kv_dtype=<fmt>) + kvcompile.backend
+  kvc-<fmt>@<mode>      the same with KVCOMPILE_PREFILL_Q=<mode> (int8 / fp8: the fused prefill's quantized
+                        scores, opt-in) while it runs
 
 ``attn TFLOP`` counts the visible query-key pairs of causal attention (4 * D * Hq flops a pair, all
 layers); bench_kv.py --subjects prefill times the attention alone.
@@ -39,6 +41,12 @@ from kvcompile.hf import cache_kwarg  # noqa: E402
 PROVIDERS = "hf-dynamic-eager,hf-static-compiled,kvc-int8,kvc-fp8_e4m3"
 
 
+def kvc_provider(name: str) -> tuple[str, str | None]:
+    """(kv_dtype, KVCOMPILE_PREFILL_Q mode or None) of a ``kvc-<fmt>[@<mode>]`` provider."""
+    fmt, _, mode = name.split("-", 1)[1].partition("@")
+    return fmt, mode or None
+
+
 def make_cache(name: str, cfg, max_len: int, device):
     from transformers import DynamicCache, StaticCache
 
@@ -46,7 +54,7 @@ def make_cache(name: str, cfg, max_len: int, device):
         return DynamicCache(config=cfg)
     if name == "hf-static-compiled":
         return StaticCache(config=cfg, max_cache_len=max_len)
-    return kvcompile.QuantizedCache(cfg, max_batch_size=1, max_cache_len=max_len, kv_dtype=name.split("-", 1)[1],
+    return kvcompile.QuantizedCache(cfg, max_batch_size=1, max_cache_len=max_len, kv_dtype=kvc_provider(name)[0],
                                     device=device)
 
 
@@ -55,7 +63,7 @@ def make_forward(name: str, model):
         return model.forward
     if name == "hf-static-compiled":
         return torch.compile(model.forward)
-    return torch.compile(model.forward, backend=kvcompile.backend(kv_dtype=name.split("-", 1)[1]))
+    return torch.compile(model.forward, backend=kvcompile.backend(kv_dtype=kvc_provider(name)[0]))
 
 
 VIA_GENERATE = False  # --via-generate
@@ -157,12 +165,20 @@ def main(argv=None):
         for chunk in map(int, args.chunks.split(",")):
             for name in args.providers.split(","):
                 torch._dynamo.reset()
+                mode = kvc_provider(name)[1] if name.startswith("kvc-") else None
+                outer = os.environ.get("KVCOMPILE_PREFILL_Q")
+                if mode:
+                    os.environ["KVCOMPILE_PREFILL_Q"] = mode
                 try:
                     rows.append(run(name, model, P, chunk, args.repeat, device))
                 except Exception as e:  # a provider that fails is reported, not hidden
                     print(f"[{name} P={P} chunk={chunk}] failed: {type(e).__name__}: {e}", flush=True)
                     continue
                 finally:
+                    if mode:  # the caller's setting back
+                        os.environ.pop("KVCOMPILE_PREFILL_Q", None)
+                        if outer is not None:
+                            os.environ["KVCOMPILE_PREFILL_Q"] = outer
                     torch.cuda.empty_cache()
                 print(rows[-1], flush=True)
     if not rows:

@@ -9,6 +9,7 @@
 #                                                     # standing, sanitize, generate) when a call must stay short
 #   STEPS=standing bash benchmarks/gpu_check.sh       # the default format against fp8: decode, prefill, model step
 #   STEPS=ttft bash benchmarks/gpu_check.sh           # long prompts: time to first token, attention over a prefix
+#                                                     # (TTFT_PROVIDERS=...,kvc-fp8_e4m3@fp8: also under KVCOMPILE_PREFILL_Q=fp8)
 #   STEPS=prefillq bash benchmarks/gpu_check.sh       # the prefill's opt-in quantized q / e4m3 P: GPU tests, timings, errors
 #
 # tests/test_formats.py needs the gguf package: `pip install gguf`, or a copy of it in .whl/gguf
@@ -91,6 +92,7 @@ if want ttft; then
     timeout 100 python benchmarks/bench_kv.py --subjects prefill --prefill-q 2048 --prefill-L 32768 \
         --prefill-formats fp8,int8+krot --out "$OUT/prefill32k_${commit}.csv" > "$OUT/ttft_prefill32k.log" 2>&1
     timeout 330 python benchmarks/bench_ttft.py --layers 8 --prompts "${TTFT_PROMPTS:-32768}" --chunks 0,2048 \
+        --providers "${TTFT_PROVIDERS:-hf-dynamic-eager,hf-static-compiled,kvc-int8,kvc-fp8_e4m3}" \
         --out "$OUT/ttft_${commit}.csv" > "$OUT/ttft.log" 2>&1
     grep -hE "^prefill " "$OUT/ttft_prefill16k.log" "$OUT/ttft_prefill32k.log" | grep -v eager
     grep -E "^\| |failed" "$OUT/ttft.log"
