@@ -238,6 +238,8 @@ class LaunchPlan:
                 + (", int8 K by int8 MMA" if self.k_mma else "")
                 + (", q as int8 per row" if self.q_int8 else "") + (", q as e4m3 per row" if self.q_fp8 else "")
                 + (", P as e4m3" if self.pv_fp8 else "")
+                + "".join(f", {dot} fp8 sum to fp32 every {n}" for dot, n in (("QK", self.constexprs()["QK_FP8_ACC"]),
+                                                                            ("PV", self.constexprs()["PV_FP8_ACC"])) if n)
                 + (", V key-contiguous" if c.v_keys else "") + "".join(", " + r for r in rot)
                 + (f", token stored by {self.store}" if self.store else "")
                 + (", the tile read before q" if self.one_tile else ""))
