@@ -228,7 +228,7 @@ class LaunchPlan:
         )
 
     def describe(self) -> str:
-        t, c = self.tile, self.call
+        t, c, k = self.tile, self.call, self.constexprs()
         split = f", {self.resident}/SM, {self.splits} splits of {self.split_len}" if c.decode else ""
         rot = [f"{side} rotated by {where}" for side, where in (("q", self.q_rotation), ("out", self.o_rotation)) if where]
         return (f"{'decode' if c.decode else 'fused'}: tile {t.block_m}x{t.block_n} {t.num_warps}w {t.num_stages}s"
@@ -238,8 +238,8 @@ class LaunchPlan:
                 + (", int8 K by int8 MMA" if self.k_mma else "")
                 + (", q as int8 per row" if self.q_int8 else "") + (", q as e4m3 per row" if self.q_fp8 else "")
                 + (", P as e4m3" if self.pv_fp8 else "")
-                + "".join(f", {dot} fp8 sum to fp32 every {n}" for dot, n in (("QK", self.constexprs()["QK_FP8_ACC"]),
-                                                                            ("PV", self.constexprs()["PV_FP8_ACC"])) if n)
+                + "".join(f", {dot} fp8 sum to fp32 every {k[dot + '_FP8_ACC']}" for dot in ("QK", "PV")
+                          if k[dot + "_FP8_ACC"])
                 + (", V key-contiguous" if c.v_keys else "") + "".join(", " + r for r in rot)
                 + (f", token stored by {self.store}" if self.store else "")
                 + (", the tile read before q" if self.one_tile else ""))
