@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from kvcompile import formats, reference, ring, rotation, tiles  # noqa: E402
+from kvcompile import formats, ring, rotation, tiles  # noqa: E402
 from kvcompile.cache import v_codes_buffer  # noqa: E402
 from kvcompile import kernels  # noqa: E402
 from kvcompile.kernels import attention_launcher as launcher  # noqa: E402

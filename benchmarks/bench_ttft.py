@@ -188,7 +188,7 @@ def main(argv=None):
         w.writeheader()
         w.writerows(rows)
     base = {(r["prompt"], r["chunk"]): r["ms"] for r in rows if r["provider"] == "hf-dynamic-eager"}
-    print(f"\n| prompt | chunk | provider | TTFT ms | vs DynamicCache | peak GiB | attn TFLOP |")
+    print("\n| prompt | chunk | provider | TTFT ms | vs DynamicCache | peak GiB | attn TFLOP |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         key = (r["prompt"], r["chunk"])

@@ -84,8 +84,6 @@ def main():
             for name, err in found.items():
                 rows.append(dict(format=fname, L=L, tq=args.tq, variant=name, rel_err=err,
                                  vs_dense=err / found["dense"]))
-            del c, k, v, ref
-            torch.cuda.empty_cache()
     with open(args.out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

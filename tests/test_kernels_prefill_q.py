@@ -9,7 +9,6 @@ tests tell the mode on from off.
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest

@@ -12,7 +12,7 @@ import torch
 
 import kvcompile  # noqa: F401  (registers the ops)
 from kvcompile import formats
-from utils import FORMATS, FORMAT_IDS, as_format, assert_close, bits_equal, decode_codes_f64, id_of, ids, ids_of, make_cache
+from utils import FORMATS, FORMAT_IDS, as_format, assert_close, bits_equal, decode_codes_f64, ids, make_cache
 
 OPS = torch.ops.kvcompile
 

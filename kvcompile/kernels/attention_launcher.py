@@ -12,13 +12,12 @@ shared memory are the plan's); what stays here is reading the call off its tenso
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .. import formats, rotation, tiles
+from .. import rotation, tiles
 from . import dense, plan as plan_mod
 from ._attention_kernel import _attention_kernel
 from ._merge_kernel import _merge_kernel

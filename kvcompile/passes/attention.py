@@ -59,14 +59,13 @@ import hashlib
 import inspect
 from typing import Optional
 
-import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .. import formats
 from . import forms, graph as graph_utils, rewrite, spellings
 from .forms import ATTENTION_FORMS, SITE_FORMS
-from .graph import Skip, describe, erase_dead, site_name, val
+from .graph import Skip, describe, erase_dead, site_name
 from .spellings import DEQUANTIZE_TARGETS, KV_SPELLINGS, KVChain
 
 __all__ = ["KVAttentionPass", "PassReport", "KVDtypeMismatch", "KV_SPELLINGS", "ATTENTION_FORMS"]
