@@ -481,17 +481,16 @@ def prefill(args):
 
 # --prefill-variants: the fused prefill's plan variants (plan.override), each with the tiles of --prefill-tiles
 # (default: the plan's, and 128 x 64 / 8 warps / 3 stages: no spills under Triton 3.9, tests/test_sass.py)
-PREFILL_VARIANTS = {"exact": {}, "q8": dict(q_quant=True, p_fp8=False), "q8+p8": dict(q_quant=True, p_fp8=True)}
+PREFILL_VARIANTS = {"exact": {}, "q8": dict(q_quant=True, p_fp8=False),
+                    "q8+p8": dict(q_quant=True, p_fp8=True, p_int8=True)}  # P as V's code type: e4m3 or int8
 
 
 def prefill_variants(args, shape, fname, fn, flops, base):
-    """Time each --prefill-variants entry (q quantized per row, e4m3 P: plan.LaunchPlan.q_quant / p_fp8;
+    """Time each --prefill-variants entry (q quantized per row, 8-bit P: plan.LaunchPlan.q_quant / p_fp8 / p_int8;
     a suffix ``/accN``: the fp8 dots promote to fp32 every N products, plan.LaunchPlan.fp8_acc; ``/acctile``:
     once per dot, so P V once per key tile)."""
     for name in args.prefill_variants.split(","):
         base_name, _, acc = name.partition("/acc")
-        if base_name == "q8+p8" and not fname.startswith("fp8"):
-            continue  # e4m3 P needs e4m3 V
         for tile_name in args.prefill_tiles.split(","):
             t = None if tile_name == "plan" else tuple(int(x) for x in tile_name.split("x"))
             tname = "" if t is None else " t{}x{}w{}s{}".format(*t)

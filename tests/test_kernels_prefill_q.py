@@ -33,6 +33,11 @@ SAME_Q_TOL = FP16_TOL / 5 if DEV == "cpu" else FP16_TOL
 # e4m3 P: each p * s_v / max s_v rounded to nearest, relative error <= 2^-4 in e4m3's normal range, so
 # the output moves by at most 2^-4 of max |v| per row; in norm, random signs, measured 2.3e-2
 P_FP8_TOL = 2.0**-4
+# int8 P: each p * s_v / max s_v rounded within 1/254 (2^-8) of its tile row's largest, so the row's
+# largest terms move by at most 2^-8 relative and every smaller one by that absolute step: the output by
+# about 2^-8 of max |v| per tile row; summed in norm over a row's tiles, 2^-6 bounds it (random signs:
+# measured 5.3e-3 to 5.7e-3 here, e4m3 P 2.3e-2)
+P_INT8_TOL = 2.0**-6
 
 
 def _round_q(q, fp8):
@@ -131,6 +136,39 @@ def test_q_and_p_e4m3(p_fp8):
         assert rel_err(out, exact) > 5 * err_same
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("q_quant", [False, True], ids=["P-int8", "q-and-P-int8"])
+def test_p_int8_rows(causal, q_quant):
+    """P in int8 per row of each key tile against int8 V (P_INT8), with q exact or rounded to int8: against
+    float64 over the same q, within int8 P's bound and far above the exact path's error (on from off)."""
+    q, cache, kv_len = _case(("int8", "int8"), 4)
+    out, p = _run(q, cache, kv_len, causal, q_quant=q_quant, p_int8=True)
+    assert p.pv_int8 and p.q_int8 == q_quant and p.constexprs()["P_INT8"] and not p.v_bias, p.describe()
+    same = reference.attention(_round_q(q, False).to(q.dtype) if q_quant else q, *cache, kv_len, None, causal, None,
+                               compute_dtype=torch.float64, **fmts_of(*cache))
+    off, _ = _run(q, cache, kv_len, causal, q_quant=q_quant)
+    err, err_off = rel_err(out, same), rel_err(off, same)
+    assert err < P_INT8_TOL and err > 5 * err_off, (err, err_off)
+    other = reference.attention(q, *cache, kv_len, None, not causal, None, compute_dtype=torch.float64,
+                                **fmts_of(*cache))
+    assert rel_err(out, other) > 10 * err  # causal on / off told apart
+
+
+def test_p_int8_nan_in_v_reaches_the_rows_that_see_it():
+    """A NaN V scale (the int8 format's mark of a NaN or Inf stored) makes every row that sees the key
+    NaN under int8 P too (its tile row's scale), and no other row."""
+    q, cache, kv_len = _case(("int8", "int8"), 6, Tq=20)
+    kc, ks, vc, vs = cache
+    vs[1, 0, 40] = float("nan")  # batch row 1, kv head 0, key 40: below every query's position there
+    out, p = _run(q, cache, kv_len, True, q_quant=True, p_int8=True)
+    assert p.pv_int8
+    g = q.shape[1] // kc.shape[1]
+    assert out[1, :g].isnan().all()
+    bad = torch.zeros(out.shape[:2], dtype=torch.bool, device=out.device)
+    bad[1, :g] = True
+    assert not out[~bad].isnan().any()
+
+
 def test_e4m3_p_ignores_nan_codes_past_the_length():
     """Key-contiguous V is read in 16-key chunks: e4m3 NaN codes past kv_len must not reach the fp8 PV dot."""
     q, cache, kv_len = _case(("fp8", "fp8"), 7, Tq=20, L=70)
@@ -165,7 +203,11 @@ def test_plan_applies_the_modes_only_where_valid():
     q, cache, _ = _case(("int8", "int8"), 3, Tq=20)
     with plan_mod.override(q_quant=True, p_fp8=True, dot_dtype=torch.float16):
         p = attn_mod.plan_of(call(q, *cache, decode=False, **fmts_of(*cache)))
-        assert p.q_int8 and not p.q_fp8 and not p.pv_fp8  # int8 V: P stays fp16 (widened V, exact)
+        assert p.q_int8 and not p.q_fp8 and not p.pv_fp8 and not p.pv_int8  # int8 V: P stays fp16 (exact)
+    with plan_mod.override(p_int8=True, dot_dtype=torch.float16):
+        assert attn_mod.plan_of(call(q, *cache, decode=False, **fmts_of(*cache))).pv_int8
+        fq, fcache, _ = _case(("fp8", "fp8"), 3, Tq=20)
+        assert not attn_mod.plan_of(call(fq, *fcache, decode=False, **fmts_of(*fcache))).pv_int8  # e4m3 V
     with plan_mod.override(q_quant=True, p_fp8=True, dot_dtype=torch.float32):
         p = attn_mod.plan_of(call(q, *cache, decode=False, **fmts_of(*cache)))
         assert not (p.q_int8 or p.q_fp8 or p.pv_fp8)  # fp32 dots (fp32 q): exact, never quantized
@@ -184,8 +226,9 @@ def test_plan_applies_the_modes_only_where_valid():
     (("fp8", "fp8"), dict(q_quant=True, p_fp8=True)),
     # the scores' sums promoted to fp32 every 32 products; P V's once per key tile (plan.LaunchPlan.fp8_acc)
     (("fp8", "fp8"), dict(q_quant=True, fp8_acc=32)),
-    (("fp8", "fp8"), dict(q_quant=True, p_fp8=True, fp8_acc=1 << 20))],
-    ids=["q-int8", "q-e4m3", "q-and-P-e4m3", "q-e4m3-acc32", "q-and-P-e4m3-acc-tile"])
+    (("fp8", "fp8"), dict(q_quant=True, p_fp8=True, fp8_acc=1 << 20)),
+    (("int8", "int8"), dict(q_quant=True, p_int8=True))],
+    ids=["q-int8", "q-e4m3", "q-and-P-e4m3", "q-e4m3-acc32", "q-and-P-e4m3-acc-tile", "q-and-P-int8"])
 def test_gpu_quantized_prefill(kinds, fields, monkeypatch):
     """The GPU kernel (int8 / fp8 MMAs, the prefill tile) against the same rounded q in float64."""
     monkeypatch.setenv("KVCOMPILE_PREFILL", "fused")
@@ -195,9 +238,10 @@ def test_gpu_quantized_prefill(kinds, fields, monkeypatch):
     kv_len = torch.tensor([L - 7], device=DEV)
     out, p = _run(q, cache, kv_len, True, **fields)
     assert (p.q_int8 or p.q_fp8) and p.pv_fp8 == bool(fields.get("p_fp8")) and not p.call.decode, p.describe()
+    assert p.pv_int8 == bool(fields.get("p_int8")), p.describe()
     same = reference.attention(_round_q(q, kinds[0] == "fp8").to(torch.float32), *cache, kv_len, None, True, None,
                                compute_dtype=torch.float64, **fmts_of(*cache))
-    tol = P_FP8_TOL if fields.get("p_fp8") else FP16_TOL
+    tol = P_FP8_TOL if fields.get("p_fp8") else P_INT8_TOL if fields.get("p_int8") else FP16_TOL
     assert rel_err(out, same) < tol
 
 

@@ -123,8 +123,8 @@ COMPILE_MATRIX = [
     dict(kv_dtype="fp8_e4m3", granularity="token", q_len=1, v_keys=True, window=True, softcap=True, sinks=True,
          v_codes="int8"),
     dict(kv_dtype="fp8_e4m3", granularity="block32", q_len=1024, window=True, k_codes="int8"),
-    # the prefill's quantized q and e4m3 P (plan.LaunchPlan.q_quant / p_fp8; 16-bit where the arch lacks them)
-    dict(kv_dtype="int8", rotated="k", v_keys=True, q_len=1024, plan_fields={"q_quant": True}),
+    # the prefill's quantized q and 8-bit P (plan.LaunchPlan.q_quant / p_fp8 / p_int8; 16-bit where the arch lacks them)
+    dict(kv_dtype="int8", rotated="k", v_keys=True, q_len=1024, plan_fields={"q_quant": True, "p_int8": True}),
     dict(kv_dtype="fp8_e4m3", granularity="token", v_keys=True, q_len=1024, plan_fields={"q_quant": True, "p_fp8": True}),
 ]
 MMAS = ("HMMA", "HGMMA", "IMMA", "IGMMA", "QMMA", "QGMMA")
@@ -144,21 +144,25 @@ def prefill_reports():
     int8 = dict(cc=H200, kv_dtype="int8", rotated="k", v_keys=True, q_len=1024)
     fp8 = dict(cc=H200, kv_dtype="fp8_e4m3", granularity="token", v_keys=True, q_len=1024)
     q8p8 = {"q_quant": True, "p_fp8": True}
-    names = ["int8", "int8 q8", "fp8", "fp8 q8p8", "fp8 q8p8 acc-tile", "fp8 q8p8 acc32"]
+    names = ["int8", "int8 q8", "fp8", "fp8 q8p8", "fp8 q8p8 acc-tile", "fp8 q8p8 acc32", "int8 q8p8"]
     got = aot.compile_attention_isolated(
         [int8, dict(int8, plan_fields={"q_quant": True}), fp8, dict(fp8, plan_fields=q8p8),
-         dict(fp8, plan_fields=dict(q8p8, fp8_acc=1 << 20)), dict(fp8, plan_fields=dict(q8p8, fp8_acc=32))])
+         dict(fp8, plan_fields=dict(q8p8, fp8_acc=1 << 20)), dict(fp8, plan_fields=dict(q8p8, fp8_acc=32)),
+         dict(int8, plan_fields={"q_quant": True, "p_int8": True})])
     return dict(zip(names, got))
 
 
 def test_quantized_prefill_takes_8bit_wgmma(prefill_reports):
     """q as int8 per row meets int8 K in one int8 wgmma per step where K_MMA's exact halves take two
     (IGMMA halved, the PV product's HGMMA unchanged); q and P in e4m3 put both products on fp8 wgmma
-    (QGMMA, no HGMMA left)."""
+    (QGMMA, no HGMMA left), q and P in int8 both on int8 wgmma (IGMMA, no HGMMA left)."""
     exact, q8, f_exact, f_q8p8 = (prefill_reports[n] for n in ("int8", "int8 q8", "fp8", "fp8 q8p8"))
     assert q8.count("IGMMA") * 2 == exact.count("IGMMA") > 0, (exact.summary(), q8.summary())
     assert q8.count("HGMMA") == exact.count("HGMMA") > 0
     assert f_exact.count("QGMMA") == 0 and f_q8p8.count("QGMMA") > 0 and f_q8p8.count("HGMMA") == 0, f_q8p8.summary()
+    # int8 P against int8 V: the PV product's HGMMA becomes int8 wgmma too, and V is no longer widened
+    q8p8 = prefill_reports["int8 q8p8"]
+    assert q8p8.count("HGMMA") == 0 and q8p8.count("IGMMA") > q8.count("IGMMA"), q8p8.summary()
 
 
 def test_fp8_sums_promoted_once_per_tile_cost_no_code(prefill_reports):

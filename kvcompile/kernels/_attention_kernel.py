@@ -49,7 +49,8 @@ from ._rotation import hadamard_rows
 from ._store_kernel import store_token
 from ._tile_parts import (LOG2E, MASK_ADD, MASK_BOOL, MASK_NONE, P_FP8_HEADROOM, PV_HEADROOM, SCALE_BLOCK,  # noqa: F401
                           SCALE_STATIC, SCALE_TOKEN, _held, _keys_end, _kv_bases, _load_k, _load_scales, _load_v,
-                          _e4m3, _finite_v, _fp8_dot, _q_in_fp16_range, _q_int8_halves, _q_rows, _scale_groups, _tanh)
+                          _e4m3, _finite_v, _fp8_dot, _p_rows_int8, _q_in_fp16_range, _q_int8_halves, _q_rows,
+                          _scale_groups, _tanh)
 
 
 @triton.jit
@@ -66,7 +67,7 @@ def _attend_tile(
     MASKED: tl.constexpr,  # False: every key of the tile is visible to every row (see the caller)
     PRELOADED: tl.constexpr,  # ``pre`` holds the tile's reads, (K codes, K scales, V codes, V scales)
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, Q_INT8: tl.constexpr, Q_FP8: tl.constexpr, P_FP8: tl.constexpr,
-    E4M3_RNE: tl.constexpr, QK_FP8_ACC: tl.constexpr, PV_FP8_ACC: tl.constexpr,
+    P_INT8: tl.constexpr, E4M3_RNE: tl.constexpr, QK_FP8_ACC: tl.constexpr, PV_FP8_ACC: tl.constexpr,
 ):
     """One BLOCK_N-key tile of the online softmax: returns the updated (acc, l_i, m_i, v_prev). Its reads
     are :func:`_load_k` and :func:`_load_v` (``MASKED`` alike), made here or, ``PRELOADED``, given.
@@ -155,7 +156,7 @@ def _attend_tile(
     else:
         if V_PIN:
             v = codes_to_f16_pinned(vc)
-        elif P_FP8:
+        elif P_FP8 or P_INT8:
             v = vc
         else:
             v = codes_to(vc, DOT_DTYPE, V_FP8_BITS, INT8_PTX, V_BIAS)
@@ -171,6 +172,11 @@ def _attend_tile(
                 v_max = tl.where(v_max > 0, v_max, 1.0)
                 if P_FP8:  # e4m3 P (times P_FP8_HEADROOM <= 448) against V's e4m3 codes: fp8 MMAs
                     pv = _e4m3(p * (vs * (P_FP8_HEADROOM / v_max))[None, :], E4M3_RNE)
+                elif P_INT8:  # int8 P at a scale per row against V's int8 codes: one int32 dot
+                    pv, p_scale = _p_rows_int8(p * (vs / v_max)[None, :])
+                    # no int8 holds a NaN: a NaN V scale (an Inf or NaN stored) reaches every row through
+                    # l_i, as 0 x NaN reaches them in the 16-bit P V; a NaN p already sums into l_i
+                    l_i += 0.0 * tl.sum(vs, axis=0)
                 else:
                     pv = (p * (vs * (PV_HEADROOM / v_max))[None, :]).to(DOT_DTYPE)
             else:
@@ -189,6 +195,8 @@ def _attend_tile(
             acc = acc - 1152.0 * tl.sum(pv.to(tl.float32), axis=1)[:, None]
         if P_FP8:
             acc = _fp8_dot(pv, v, acc, PV_FP8_ACC)
+        elif P_INT8:  # the exact int32 sum at the row's scale (times PV_HEADROOM, as the fp16 P carries it)
+            acc += tl.dot(pv, v, out_dtype=tl.int32).to(tl.float32) * (p_scale * PV_HEADROOM)[:, None]
         elif FOLD_V_MAX or V_BIAS:
             acc = tl.dot(pv, v, acc)
         else:
@@ -240,6 +248,7 @@ def _attention_kernel(
     Q_INT8: tl.constexpr,        # ... or with q's int8 codes at a scale per row (_q_rows): one dot, not exact
     Q_FP8: tl.constexpr,         # e4m3 K unwidened into fp8 MMAs with q's e4m3 codes at a scale per row
     P_FP8: tl.constexpr,         # e4m3 P (s_v folded in, token scales) against e4m3 V codes: fp8 MMAs
+    P_INT8: tl.constexpr,        # int8 P at a scale per row (s_v folded in, token scales) against int8 V codes
     E4M3_RNE: tl.constexpr,      # ... those e4m3 roundings made exact in fp32 first (the interpreter's cast)
     QK_FP8_ACC: tl.constexpr,    # Q_FP8's dot promotes its sum to fp32 every QK_FP8_ACC products (0: Triton's default)
     PV_FP8_ACC: tl.constexpr,    # P_FP8's dot likewise (_fp8_dot)
@@ -377,7 +386,7 @@ def _attention_kernel(
             vs_base, stride_vsn, stride_vsg, m_base, stride_mn, first,
             GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
             DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, K_MMA, True, True, BLOCK_N,
-            BLOCK_D, Q_INT8, Q_FP8, P_FP8, E4M3_RNE, QK_FP8_ACC, PV_FP8_ACC)
+            BLOCK_D, Q_INT8, Q_FP8, P_FP8, P_INT8, E4M3_RNE, QK_FP8_ACC, PV_FP8_ACC)
     else:
         # Key tiles in up to three loops (module docstring), each from a multiple of BLOCK_N: the window's
         # edge (from the first row's first visible key to the LAST row's, masked), the tiles every row
@@ -404,7 +413,7 @@ def _attention_kernel(
                         vs_base, stride_vsn, stride_vsg, m_base, stride_mn, 0,
                         GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
                         DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, K_MMA, True, False, BLOCK_N,
-                        BLOCK_D, Q_INT8, Q_FP8, P_FP8, E4M3_RNE, QK_FP8_ACC, PV_FP8_ACC)
+                        BLOCK_D, Q_INT8, Q_FP8, P_FP8, P_INT8, E4M3_RNE, QK_FP8_ACC, PV_FP8_ACC)
             n_vis = n_hi
             if IS_CAUSAL:
                 n_vis = tl.minimum(n_vis, kv_len - Tq + (pid_m * BLOCK_M) // GROUP + 1)
@@ -417,7 +426,7 @@ def _attention_kernel(
                     vs_base, stride_vsn, stride_vsg, m_base, stride_mn, 0,
                     GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
                     DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, K_MMA, False, False, BLOCK_N,
-                    BLOCK_D, Q_INT8, Q_FP8, P_FP8, E4M3_RNE, QK_FP8_ACC, PV_FP8_ACC)
+                    BLOCK_D, Q_INT8, Q_FP8, P_FP8, P_INT8, E4M3_RNE, QK_FP8_ACC, PV_FP8_ACC)
         for start_n in tl.range(n_full, n_hi, BLOCK_N, num_stages=1):  # at most 2 tiles without a mask: not pipelined
             acc, l_i, m_i, v_prev = _attend_tile(
                 acc, l_i, m_i, v_prev, start_n, n_hi, q, q_lo, q_bias, qk_scale, row_ok, q_pos, win_lo, softcap,
@@ -426,7 +435,7 @@ def _attention_kernel(
                 vs_base, stride_vsn, stride_vsg, m_base, stride_mn, 0,
                 GROUP_SIZE, SCALE_KIND, MASK_KIND, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, K_FP8_BITS, V_FP8_BITS,
                 DOT_DTYPE, V_PIN, V_KEYS_CONTIG, INT8_PTX, K_BIAS, V_BIAS, K_MMA, True, False, BLOCK_N,
-                BLOCK_D, Q_INT8, Q_FP8, P_FP8, E4M3_RNE, QK_FP8_ACC, PV_FP8_ACC)
+                BLOCK_D, Q_INT8, Q_FP8, P_FP8, P_INT8, E4M3_RNE, QK_FP8_ACC, PV_FP8_ACC)
 
     # ---- epilogue: rows with no visible key give zeros ----
     has_key = l_i > 0
@@ -437,6 +446,8 @@ def _attention_kernel(
     out = acc / tl.where(has_key, den, 1.0)[:, None]
     if FOLD_V_MAX:
         out = out * (v_prev / (P_FP8_HEADROOM if P_FP8 else PV_HEADROOM))
+    if P_INT8:  # a NaN p or V scale seen, which int8 P cannot carry: l_i is NaN there
+        out = out + 0.0 * l_i[:, None]
     if Q_CODES:
         out = out + q_nan[:, None]
     out_ok = row_ok[:, None] & d_ok[None, :]

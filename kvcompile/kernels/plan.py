@@ -124,6 +124,9 @@ class LaunchPlan:
     # and P in e4m3 against e4m3 V codes (pv_fp8). The fused prefill's choice (_plan, PREFILL_Q8)
     q_quant: bool = False
     p_fp8: bool = False
+    # P in int8 at a scale per row of each key tile (s_v / max s_v folded in) against key-contiguous
+    # int8 V codes: one int32 dot for P V (pv_int8); the int8 cache's counterpart of p_fp8
+    p_int8: bool = False
     # products an fp8 x fp8 dot sums in the MMAs' reduced-precision accumulator before adding them to its
     # fp32 result (Triton's max_num_imprecise_acc, cut to the dot's reduction length); 0 leaves Triton's
     # default, which on sm_90 never promotes: P V's sum then runs the whole key loop at that precision
@@ -171,6 +174,14 @@ class LaunchPlan:
                 and self.dot_dtype == torch.float16 and not self.v_fp8_bits and not self.v_pin and _pow2(c.D) >= 32)
 
     @property
+    def pv_int8(self) -> bool:
+        """P in int8 codes at amax / 127 per row of the tile (s_v / max s_v folded in) against
+        key-contiguous int8 V codes (``P_INT8``): token scales, fp16 dots, int8 MMAs (sm_80+)."""
+        c = self.call
+        return (self.p_int8 and c.v_code == torch.int8 and c.scale_kind == SCALE_TOKEN and c.v_keys
+                and self.dot_dtype == torch.float16 and not self.v_pin and _pow2(c.D) >= 32 and tuple(c.cc) >= (8, 0))
+
+    @property
     def k_bias(self) -> bool:
         """The int8 K bias runs (not when K is scored unwidened: k_mma, q_int8)."""
         return self._biased(self.call.k_code) and not (self.k_mma or self.q_int8)
@@ -178,7 +189,7 @@ class LaunchPlan:
     @property
     def v_bias(self) -> bool:
         """The int8 V bias runs (not with the pinned widening of a transposed V, which stays exact)."""
-        return self._biased(self.call.v_code) and not self.v_pin
+        return self._biased(self.call.v_code) and not (self.v_pin or self.pv_int8)
 
     @property
     def one_tile(self) -> bool:
@@ -213,7 +224,7 @@ class LaunchPlan:
             SPLIT_OUTPUT=self.splits > 1, K_FP8_BITS=self.k_fp8_bits, V_FP8_BITS=self.v_fp8_bits, DOT_DTYPE=dt,
             V_PIN=self.v_pin, V_KEYS_CONTIG=c.v_keys, INT8_PTX=self.int8_ptx,
             K_BIAS=self.k_bias, V_BIAS=self.v_bias, K_MMA=self.k_mma, Q_INT8=self.q_int8, Q_FP8=self.q_fp8,
-            P_FP8=self.pv_fp8, E4M3_RNE=c.interpret and (self.q_fp8 or self.pv_fp8),
+            P_FP8=self.pv_fp8, P_INT8=self.pv_int8, E4M3_RNE=c.interpret and (self.q_fp8 or self.pv_fp8),
             QK_FP8_ACC=min(self.fp8_acc, _pow2(c.D)) if self.q_fp8 else 0,
             PV_FP8_ACC=min(self.fp8_acc, self.tile.block_n) if self.pv_fp8 else 0,
             Q_HADAMARD=self.q_rotation == "kernel", ROT_CHUNK=ROT_CHUNK,
@@ -237,7 +248,7 @@ class LaunchPlan:
                 + "".join(f", int8 {side} biased" for side, on in (("K", self.k_bias), ("V", self.v_bias)) if on)
                 + (", int8 K by int8 MMA" if self.k_mma else "")
                 + (", q as int8 per row" if self.q_int8 else "") + (", q as e4m3 per row" if self.q_fp8 else "")
-                + (", P as e4m3" if self.pv_fp8 else "")
+                + (", P as e4m3" if self.pv_fp8 else "") + (", P as int8 per tile row" if self.pv_int8 else "")
                 + "".join(f", {dot} fp8 sum to fp32 every {k[dot + '_FP8_ACC']}" for dot in ("QK", "PV")
                           if k[dot + "_FP8_ACC"])
                 + (", V key-contiguous" if c.v_keys else "") + "".join(", " + r for r in rot)
