@@ -142,7 +142,7 @@ def info(out=print) -> None:
     out(f"  prefill path (KVCOMPILE_PREFILL=auto, on a GPU): split-K decode up to {DECODE_MAX_Q} new tokens, the fused")
     out(f"  kernel up to {DENSE_MIN_Q - 1}, from {DENSE_MIN_Q} the dense path (the live prefix dequantized once, then SDPA's")
     out("  causal kernels); the fused kernel under CUDA graph capture, with softcap or sinks, or a window that hides keys,")
-    out(f"  and up to {QUANT_FUSED_MAX_Q} where KVCOMPILE_PREFILL_Q=int8|fp8 quantizes its scores.")
+    out(f"  and up to {QUANT_FUSED_MAX_Q} where KVCOMPILE_PREFILL_Q=int8|fp8|p8 quantizes its scores.")
 
 
 def _load_config(src: str):

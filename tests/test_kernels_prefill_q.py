@@ -276,6 +276,11 @@ def test_prefill_q_knob(monkeypatch):
         monkeypatch.setenv("KVCOMPILE_PREFILL_Q", "fp8")
         assert plan_mod.plan(call).q_fp8 and plan_mod.plan(call).pv_fp8
         assert not plan_mod.plan(attn_mod.call_of(q[:, :, :1], *cache, **fmts_of(*cache))).q_fp8  # decode: exact
+        monkeypatch.setenv("KVCOMPILE_PREFILL_Q", "p8")  # P as V's code type: e4m3 here, int8 for int8 V
+        assert plan_mod.plan(call).pv_fp8 and not plan_mod.plan(call).pv_int8
+        iq, icache, _ = _case(("int8", "int8"), 3, Tq=20)
+        ip = plan_mod.plan(attn_mod.call_of(iq, *icache, decode=False, **fmts_of(*icache)))
+        assert ip.q_int8 and ip.pv_int8 and not ip.pv_fp8
         monkeypatch.setenv("KVCOMPILE_PREFILL_Q", "bogus")
         with pytest.raises(ValueError):
             plan_mod.plan(call)

@@ -34,8 +34,9 @@ _PATHS = ("auto", "fused", "dense")
 # in two exact int8 halves against int8 K (K_MMA); "int8": q rounded per row to int8 against int8 K
 # (Q_INT8: one int8 dot), and to e4m3 against e4m3 K (Q_FP8); "fp8": that, and P in e4m3 against e4m3
 # V (P_FP8); "p8": that, and P in int8 against int8 V (P_INT8: not yet timed on a GPU). Opt-in: they
-# move the next-token distribution (QUALITY.md: SmolLM2 KL 0.249e-3 -> 0.336e-3 for int8; fp8 9.58e-3 ->
-# 13.6e-3, 15.6e-3 with P; on sm_90 the e4m3 dots also accumulate in the MMAs' reduced precision).
+# move the next-token distribution (QUALITY.md: SmolLM2 KL 0.228e-3 -> 0.346e-3 for int8, 0.852e-3 with
+# int8 P; fp8 9.10e-3 -> 14.3e-3, 16.2e-3 with P; on sm_90 the e4m3 dots also accumulate in the MMAs'
+# reduced precision).
 # H100, 2048 new tokens over 16k (bench_kv --prefill-variants, f36fc4d): int8 1.09x its exact mode, fp8
 # 1.34x with q, 1.70x with q and P (1.39x bf16 SDPA's fastest path).
 PREFILL_Q = {"exact": {}, "int8": dict(q_quant=True), "fp8": dict(q_quant=True, p_fp8=True),
