@@ -135,6 +135,12 @@ ROWS: list[Row] = [
         since=("5.21", ("sdpa",), "an unpadded SDPA prefill skips the causal mask, which Doge's dynamic mask then "
                                   "replaces: every key is visible, with or without a cache"),
         note="a dynamic mask from the cached V: the dequantized V is kept for it beside the op"),
+    Row("gpt_neox", "gpt_neox", "GPT-NeoX (Pythia)", "pythia-1.4b", {},
+        real=dict(num_hidden_layers=24, hidden_size=2048, num_attention_heads=16), note="rotary on a quarter of each head"),
+    Row("phi", "phi", "Phi (1, 1.5, 2)", "phi-2", {}, real=dict(num_hidden_layers=32, hidden_size=2560,
+                                                                  num_attention_heads=32), note="partial rotary"),
+    Row("smollm3", "smollm3", "SmolLM3", "SmolLM3-3B", {}, real=dict(num_hidden_layers=36),
+        note="every 4th layer without rotary (NoPE)"),
 ]
 
 

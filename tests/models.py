@@ -136,6 +136,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # falcon-7b: hidden 4544, 32 layers, 71 q heads over one kv head (multi_query, broadcast without
     # enable_gqa); its config names kv heads num_kv_heads; eager divides the scores in place
     "falcon": ("FalconConfig", dict(num_key_value_heads=None)),
+    # Pythia-1.4b (GPT-NeoX): hidden 2048, 24 layers, 16 heads (MHA), fused qkv, rotary on a quarter of
+    # each head, attention and MLP in parallel
+    "gpt_neox": ("GPTNeoXConfig", dict(num_key_value_heads=None)),
+    # Phi-2: hidden 2560, 32 layers, 32 heads (MHA), rotary on 40% of each head, attention and MLP in parallel
+    "phi": ("PhiConfig", dict(num_key_value_heads=None)),
+    # SmolLM3-3B: hidden 2048, 36 layers, 16 q / 4 kv heads, every 4th layer without rotary (NoPE). Tiny:
+    # one rotary layer, one NoPE
+    "smollm3": ("SmolLM3Config", dict(num_hidden_layers=2, no_rope_layers=[1, 0])),
 }
 
 

@@ -176,9 +176,10 @@ class LaunchPlan:
     @property
     def pv_int8(self) -> bool:
         """P in int8 codes at amax / 127 per row of the tile (s_v / max s_v folded in) against
-        key-contiguous int8 V codes (``P_INT8``): token scales, fp16 dots, int8 MMAs (sm_80+)."""
+        key-contiguous int8 V codes (``P_INT8``): the fused prefill (unsplit: its NaN rides on l_i), token
+        scales, fp16 dots, int8 MMAs (sm_80+)."""
         c = self.call
-        return (self.p_int8 and c.v_code == torch.int8 and c.scale_kind == SCALE_TOKEN and c.v_keys
+        return (self.p_int8 and not c.decode and c.v_code == torch.int8 and c.scale_kind == SCALE_TOKEN and c.v_keys
                 and self.dot_dtype == torch.float16 and not self.v_pin and _pow2(c.D) >= 32 and tuple(c.cc) >= (8, 0))
 
     @property
