@@ -495,7 +495,7 @@ def prefill_variants(args, shape, fname, fn, flops, base):
             t = None if tile_name == "plan" else tuple(int(x) for x in tile_name.split("x"))
             tname = "" if t is None else " t{}x{}w{}s{}".format(*t)
             fields = dict(PREFILL_VARIANTS[base_name], **({"tile": tiles.Tile(*t)} if t else {}),
-                          **({"fp8_acc": 1 << 20 if acc == "tile" else int(acc)} if acc else {}))
+                          **({"fp8_acc": plan_mod.FP8_ACC_PER_DOT if acc == "tile" else int(acc)} if acc else {}))
             launcher._SHRUNK.clear()
             try:
                 with plan_mod.override(**fields):

@@ -12,8 +12,8 @@ Providers:
   hf-dynamic-eager      transformers' DynamicCache, eager SDPA (what a user has by default)
   hf-static-compiled    transformers' StaticCache, torch.compile (Inductor)
   kvc-<fmt>             kvcompile.QuantizedCache(kv_dtype=<fmt>) + kvcompile.backend
-  kvc-<fmt>@<mode>      the same with KVCOMPILE_PREFILL_Q=<mode> (int8 / fp8: the fused prefill's quantized
-                        scores, opt-in) while it runs
+  kvc-<fmt>@<mode>      the same with KVCOMPILE_PREFILL_Q=<mode> (int8 / fp8 / p8: the fused prefill's
+                        quantized scores, opt-in) while it runs
 
 ``attn TFLOP`` counts the visible query-key pairs of causal attention (4 * D * Hq flops a pair, all
 layers); bench_kv.py --subjects prefill times the attention alone.

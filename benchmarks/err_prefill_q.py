@@ -28,7 +28,6 @@ import bench_kv as bk  # noqa: E402  (the benchmark caches: formats, rotations, 
 from kvcompile import kernels  # noqa: E402
 from kvcompile.kernels import plan as plan_mod  # noqa: E402
 
-ACC_TILE = 1 << 20  # fp8_acc past every reduction: the plan cuts it to each dot's (one promotion per dot)
 MODES = {"q8": dict(q_quant=True), "q8+p8": dict(q_quant=True, p_fp8=True, p_int8=True)}  # P: V's code type
 
 
@@ -77,7 +76,7 @@ def main():
                 found[path] = rel_err(run(), ref)
             for mode, fields in MODES.items():
                 for acc in args.acc.split(","):
-                    with plan_mod.override(**fields, fp8_acc=ACC_TILE if acc == "tile" else int(acc)):
+                    with plan_mod.override(**fields, fp8_acc=plan_mod.FP8_ACC_PER_DOT if acc == "tile" else int(acc)):
                         found[f"{mode} acc{acc}"] = rel_err(run(), ref)
             os.environ.pop("KVCOMPILE_PREFILL")
             for name, err in found.items():

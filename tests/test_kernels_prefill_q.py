@@ -226,7 +226,7 @@ def test_plan_applies_the_modes_only_where_valid():
     (("fp8", "fp8"), dict(q_quant=True, p_fp8=True)),
     # the scores' sums promoted to fp32 every 32 products; P V's once per key tile (plan.LaunchPlan.fp8_acc)
     (("fp8", "fp8"), dict(q_quant=True, fp8_acc=32)),
-    (("fp8", "fp8"), dict(q_quant=True, p_fp8=True, fp8_acc=1 << 20)),
+    (("fp8", "fp8"), dict(q_quant=True, p_fp8=True, fp8_acc=plan_mod.FP8_ACC_PER_DOT)),
     (("int8", "int8"), dict(q_quant=True, p_int8=True))],
     ids=["q-int8", "q-e4m3", "q-and-P-e4m3", "q-e4m3-acc32", "q-and-P-e4m3-acc-tile", "q-and-P-int8"])
 def test_gpu_quantized_prefill(kinds, fields, monkeypatch):
@@ -250,7 +250,7 @@ def test_fp8_acc_reaches_the_fp8_dots_only():
     (QK: the head dim; PV: the key tile), and 0 (Triton's default) for a dot that is not fp8 x fp8."""
     q, cache, _ = _case(("fp8", "fp8"), 3, Tq=20)
     call = attn_mod.call_of(q, *cache, decode=False, **fmts_of(*cache))
-    with plan_mod.override(q_quant=True, p_fp8=True, dot_dtype=torch.float16, fp8_acc=1 << 20):
+    with plan_mod.override(q_quant=True, p_fp8=True, dot_dtype=torch.float16, fp8_acc=plan_mod.FP8_ACC_PER_DOT):
         p = plan_mod.plan(call)
         c = p.constexprs()
         assert p.q_fp8 and p.pv_fp8

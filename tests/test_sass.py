@@ -17,6 +17,7 @@ triton = pytest.importorskip("triton")
 
 from kvcompile import tiles  # noqa: E402
 from kvcompile.kernels import aot  # noqa: E402
+from kvcompile.kernels.plan import FP8_ACC_PER_DOT  # noqa: E402
 from utils import FORMATS  # noqa: E402
 
 H200 = (9, 0)
@@ -147,7 +148,7 @@ def prefill_reports():
     names = ["int8", "int8 q8", "fp8", "fp8 q8p8", "fp8 q8p8 acc-tile", "fp8 q8p8 acc32", "int8 q8p8"]
     got = aot.compile_attention_isolated(
         [int8, dict(int8, plan_fields={"q_quant": True}), fp8, dict(fp8, plan_fields=q8p8),
-         dict(fp8, plan_fields=dict(q8p8, fp8_acc=1 << 20)), dict(fp8, plan_fields=dict(q8p8, fp8_acc=32)),
+         dict(fp8, plan_fields=dict(q8p8, fp8_acc=FP8_ACC_PER_DOT)), dict(fp8, plan_fields=dict(q8p8, fp8_acc=32)),
          dict(int8, plan_fields={"q_quant": True, "p_int8": True})])
     return dict(zip(names, got))
 

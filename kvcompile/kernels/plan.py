@@ -49,6 +49,8 @@ ROT_NONE, ROT_MATRIX, ROT_SYLVESTER = 0, 1, 2
 INTERPRET_TILE = (32, 16)  # (largest block_m, block_n)
 # Columns per product of a rotation (the q prologue's and the merge's); tl.dot needs >= 16.
 ROT_CHUNK = 32
+# LaunchPlan.fp8_acc past every reduction length: each fp8 dot promotes once (P V once per key tile)
+FP8_ACC_PER_DOT = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
